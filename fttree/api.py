@@ -1,0 +1,225 @@
+"""FTTreeAllreduce: the user-facing handle. Runs one rank's Node on a background asyncio loop
+(uvloop when available) and turns tensors into steps and steps back into tensors.
+
+    with FTTreeAllreduce(rank=r, peers=[...], timeout=0.5) as ar:
+        out = ar.allreduce(tensor)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, FTTreeError, PeerError, StepAborted
+from .faults import FaultSchedule
+from .node import Node, NodeConfig, StepResult
+from .topology import check_rank
+from .transport import Address, parse_address, parse_peers
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency, but keep numpy-only use working
+    uvloop = None
+
+_WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
+
+
+def _as_flat_array(tensor: Any) -> tuple[np.ndarray, str, Any]:
+    """A private flat copy in a wire dtype, the signature workers compare, and how to convert
+    the result back. torch is imported only when a torch tensor is passed."""
+    if isinstance(tensor, np.ndarray):
+        if tensor.dtype not in _WIRE_DTYPES:
+            raise TypeError(f"allreduce supports float16/32/64 and int32/64 arrays, not {tensor.dtype}")
+        flat = np.array(tensor, dtype=tensor.dtype.newbyteorder("<"), copy=True, order="C").reshape(-1)
+        return flat, f"{tensor.dtype.name}{list(tensor.shape)}", ("numpy", tensor.shape, tensor.dtype)
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allreduce takes a torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
+    src = tensor.detach()
+    host = src.to("cpu", torch.float32 if src.dtype == torch.bfloat16 else src.dtype).contiguous()
+    flat = host.numpy().reshape(-1).copy() if host.data_ptr() == src.data_ptr() else host.numpy().reshape(-1)
+    if flat.dtype not in _WIRE_DTYPES:
+        raise TypeError(f"allreduce supports float16/bfloat16/32/64 and int32/64 tensors, not {src.dtype}")
+    sig = f"{str(src.dtype).removeprefix('torch.')}{list(src.shape)}"
+    return flat, sig, ("torch", src.shape, src.dtype, src.device)
+
+
+def _restore(data: np.ndarray, how: Any) -> Any:
+    if how[0] == "numpy":
+        return data.reshape(how[1]).astype(how[2], copy=False)
+    import torch
+
+    _, shape, dtype, device = how
+    return torch.from_numpy(data).reshape(shape).to(device=device, dtype=dtype)
+
+
+class FTTreeAllreduce:
+    """Fault-tolerant tree allreduce for one rank.
+
+    `peers` lists every rank's "host:port" (index = rank). `timeout` is the backup-link watch
+    in seconds; `step_timeout` bounds a whole step, after which it raises StepAborted naming
+    what it waited for. `faults` is an in-process fault schedule (see fttree.faults).
+    """
+
+    def __init__(self, rank: int, peers: Sequence[str | Address], *, timeout: float = 0.5,
+                 step_timeout: float = 30.0, root_timeout: float | None = None,
+                 startup_timeout: float = 60.0, faults: str | FaultSchedule | None = None,
+                 fault_tolerant: bool = True, chunk_bytes: int = 4 * 1024 * 1024,
+                 stall_timeout: float = 5.0) -> None:
+        addresses = [p if isinstance(p, Address) else parse_address(p) for p in peers]
+        if not addresses:
+            raise ConfigError("peers is empty: list one host:port per rank")
+        parse_peers([str(a) for a in addresses])  # duplicate check
+        try:
+            check_rank(rank, len(addresses))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name, value in (("timeout", timeout), ("step_timeout", step_timeout), ("startup_timeout", startup_timeout)):
+            if not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if not isinstance(faults, FaultSchedule):
+            faults = FaultSchedule(faults, world=len(addresses), seed=rank)
+        self.rank, self.world = rank, len(addresses)
+        self.config = NodeConfig(rank=rank, peers=addresses, timeout_s=timeout, step_timeout_s=step_timeout,
+                                 root_timeout_s=root_timeout, startup_timeout_s=startup_timeout,
+                                 fault_tolerant=fault_tolerant, chunk_bytes=chunk_bytes,
+                                 stall_timeout_s=stall_timeout, faults=faults)
+        self.node: Node | None = None
+        self.last: StepResult | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._next_step = 0
+        self._lock = threading.Lock()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> FTTreeAllreduce:
+        """Build from FTTREE_RANK/FTTREE_PEERS, or torchrun's RANK/WORLD_SIZE.
+
+        FTTREE_PEERS is a comma-separated host:port list or a file with one per line. Without
+        it, WORLD_SIZE workers on this machine use 127.0.0.1 and ports FTTREE_BASE_PORT + rank.
+        """
+        env = os.environ
+        rank_text = env.get("FTTREE_RANK", env.get("RANK"))
+        if rank_text is None or not rank_text.strip().lstrip("-").isdigit():
+            raise ConfigError(f"set FTTREE_RANK (or torchrun's RANK) to this worker's rank, got {rank_text!r}")
+        peers_text = env.get("FTTREE_PEERS", "")
+        if peers_text:
+            path = Path(peers_text)
+            lines = path.read_text().splitlines() if "," not in peers_text and path.is_file() else peers_text.split(",")
+            peers = parse_peers(lines)
+        elif env.get("WORLD_SIZE", "").isdigit():
+            base = int(env.get("FTTREE_BASE_PORT", "29600"))
+            peers = [Address("127.0.0.1", base + r) for r in range(int(env["WORLD_SIZE"]))]
+        else:
+            raise ConfigError("set FTTREE_PEERS (host:port list or file) or WORLD_SIZE")
+        return cls(int(rank_text), peers, **kwargs)
+
+    def start(self) -> FTTreeAllreduce:
+        if self._thread is not None:
+            return self
+        ready: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run_loop, args=(ready,), name=f"fttree-rank{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            ready.result(timeout=self.config.startup_timeout_s + 10)
+        except BaseException:
+            self._join()
+            raise
+        return self
+
+    def _run_loop(self, ready: Future[None]) -> None:
+        loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self.node = Node(self.config)
+        try:
+            loop.run_until_complete(self.node.start())
+        except BaseException as exc:
+            loop.run_until_complete(self.node.close())
+            loop.close()
+            ready.set_exception(exc if isinstance(exc, FTTreeError) else PeerError(f"rank {self.rank}: {exc}"))
+            return
+        ready.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self.node.close())
+            loop.close()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
+        self._join()
+        self._loop = None
+
+    def __enter__(self) -> FTTreeAllreduce:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- allreduce ---------------------------------------------------------------------
+
+    def submit_array(self, flat: np.ndarray, signature: str) -> Future[StepResult]:
+        """Low-level: start a step on a flat array the caller hands over (not copied)."""
+        if self._loop is None or self.node is None:
+            raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
+        future: Future[StepResult] = Future()
+        with self._lock:
+            step = self._next_step
+            self._next_step += 1
+        self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
+        return future
+
+    def allreduce_async(self, tensor: Any, *, average: bool = False) -> Future[Any]:
+        """Start an allreduce; the Future gives the summed (or averaged) tensor."""
+        flat, signature, how = _as_flat_array(tensor)
+        if average and flat.dtype.kind != "f":
+            raise TypeError("average=True needs a floating-point tensor")
+        inner = self.submit_array(flat, signature)
+        outer: Future[Any] = Future()
+
+        def finish(done: Future[StepResult]) -> None:
+            try:
+                res = done.result()
+            except BaseException as exc:
+                outer.set_exception(exc)
+                return
+            self.last = res
+            data = res.data / len(res.contributors) if average else res.data
+            try:
+                outer.set_result(_restore(np.asarray(data, dtype=res.data.dtype), how))
+            except BaseException as exc:  # conversion back failed: report it, never hang
+                outer.set_exception(exc)
+
+        inner.add_done_callback(finish)
+        return outer
+
+    def allreduce(self, tensor: Any, *, average: bool = False) -> Any:
+        """Blocking allreduce. Raises StepAborted (naming peers) if the step cannot finish."""
+        future = self.allreduce_async(tensor, average=average)
+        limit = self.config.step_timeout_s + 10
+        try:
+            return future.result(timeout=limit)
+        except FutureTimeout:
+            raise StepAborted(self._next_step - 1, f"no outcome within {limit:g} s (event loop stuck?)") from None

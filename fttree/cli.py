@@ -1,0 +1,117 @@
+"""The `fttree` command: worker, launch, topology."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from . import topology as topo
+from .demo import THESIS_MLP_PARAMS, run_steps
+from .errors import FTTreeError
+from .faults import FaultSchedule
+from .launch import launch as run_launch
+from .transport import parse_peers
+
+
+def _faults_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--faults", default="", metavar="SCHEDULE",
+                        help='In-process faults, e.g. "cut 1-0 @5..10; loss 3 20% @12..15".')(f)
+
+
+def _job_options(f):  # type: ignore[no-untyped-def]
+    f = click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+                     help="Allreduce steps to run.")(f)
+    f = click.option("--size", type=click.IntRange(min=1), default=THESIS_MLP_PARAMS, show_default=True,
+                     help="float32 elements per allreduce (default: the thesis MLP).")(f)
+    f = click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
+                     help="Backup-link watch timeout in seconds.")(f)
+    f = click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+                     show_default=True, help="Give up on a step after this many seconds.")(f)
+    f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+                     show_default=True, help="Wait this long for peers to come up.")(f)
+    f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
+    return _faults_option(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """fttree: fault-tolerant tree allreduce over unreliable links."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("-n", "world", type=click.IntRange(min=1), required=True, help="Number of workers.")
+def topology(world: int) -> None:
+    """Print the tree of N workers with each rank's brother and uncle."""
+    click.echo(topo.render(world))
+
+
+@main.command()
+@click.option("--rank", type=int, required=True, help="This worker's rank (line number in --peers).")
+@click.option("--peers", "peers_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="File with one host:port per line; line i is rank i.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per step (for launch).")
+@_job_options
+def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
+           startup_timeout: float, no_ft: bool, faults: str) -> None:
+    """Run one worker of a multi-machine job: checked allreduce steps of a known sum."""
+    from .api import FTTreeAllreduce
+
+    try:
+        peers = parse_peers(peers_file.read_text().splitlines())
+        ar = FTTreeAllreduce(rank, peers, timeout=timeout, step_timeout=step_timeout,
+                             startup_timeout=startup_timeout, faults=faults, fault_tolerant=not no_ft)
+        ar.start()
+    except FTTreeError as exc:
+        raise click.ClickException(str(exc)) from None
+    failed = False
+    try:
+        for rec in run_steps(ar, steps, size):
+            failed |= not rec.exact
+            if as_json:
+                click.echo(rec.to_json())
+            else:
+                status = "exact" if rec.exact else f"FAILED: {rec.error or 'wrong sum'}"
+                click.echo(f"rank {rank} step {rec.step:3d} {rec.duration_s * 1000:8.1f} ms {status}")
+    finally:
+        ar.close()
+    if failed:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("-n", "world", type=click.IntRange(min=1, max=254), default=7, show_default=True,
+              help="Number of local workers.")
+@click.option("--host-base", default="127.0.0.1", show_default=True,
+              help="Rank r listens on this address + r.")
+@click.option("--port", type=click.IntRange(1, 65535), default=29500, show_default=True,
+              help="Port every worker listens on (each on its own address).")
+@click.option("--launch-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write peers.txt (default: a new temp dir).")
+@_job_options
+def launch(world: int, host_base: str, port: int, launch_dir: Path | None, steps: int, size: int, timeout: float,
+           step_timeout: float, startup_timeout: float, no_ft: bool, faults: str) -> None:
+    """Start N local workers on 127.0.0.x and print per-step times and exactness."""
+    try:
+        FaultSchedule(faults, world=world)  # fail fast on a bad schedule, before spawning
+    except FTTreeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--faults") from None
+    args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
+            str(step_timeout), "--startup-timeout", str(startup_timeout)]
+    if faults:
+        args += ["--faults", faults]
+    if no_ft:
+        args.append("--no-ft")
+    try:
+        result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
+                            deadline_s=startup_timeout + steps * (step_timeout + 5), echo=click.echo)
+    except FTTreeError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not result.ok:
+        sys.exit(1)

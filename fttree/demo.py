@@ -1,0 +1,68 @@
+"""The demo job that `fttree worker` and `fttree launch` run: allreduce steps of a tensor whose
+exact sum is known, so every step can be checked bit for bit on every worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .api import FTTreeAllreduce
+from .errors import FTTreeError
+from .protocol import Note, NoteKind
+
+THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
+
+
+def contribution(rank: int, step: int, size: int) -> np.ndarray:
+    """Integer-valued float32, so the float sum is exact whatever the order of addition."""
+    return (np.arange(size, dtype=np.float32) % 5) + np.float32((rank + 1) * (step + 1))
+
+
+def expected_sum(world: int, step: int, size: int) -> np.ndarray:
+    base = np.float32((step + 1) * world * (world + 1) // 2)
+    return (np.arange(size, dtype=np.float32) % 5) * np.float32(world) + base
+
+
+@dataclass
+class StepRecord:
+    rank: int
+    step: int
+    duration_s: float
+    exact: bool
+    contributors: int
+    error: str = ""
+    events: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def run_steps(ar: FTTreeAllreduce, steps: int, size: int) -> Iterator[StepRecord]:
+    """Run `steps` checked allreduce steps and yield one record per step."""
+    assert ar.node is not None
+    events: dict[int, list[str]] = defaultdict(list)
+
+    def on_note(note: Note) -> None:
+        if note.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT):
+            events[note.step].append(note.text)
+
+    ar.node.on_note = on_note
+    for step in range(steps):
+        data = contribution(ar.rank, step, size)
+        t0 = time.perf_counter()
+        try:
+            out = ar.allreduce(data)
+        except FTTreeError as exc:
+            yield StepRecord(rank=ar.rank, step=step, duration_s=time.perf_counter() - t0, exact=False,
+                             contributors=0, error=str(exc), events=events.pop(step, []))
+            continue
+        duration = time.perf_counter() - t0
+        exact = bool(np.array_equal(out, expected_sum(ar.world, step, size)))
+        contributors = len(ar.last.contributors) if ar.last is not None else 0
+        yield StepRecord(rank=ar.rank, step=step, duration_s=duration, exact=exact,
+                         contributors=contributors, events=events.pop(step, []))

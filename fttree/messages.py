@@ -1,0 +1,189 @@
+"""Message kinds and the one wire format.
+
+A frame is::
+
+    b"FT" | version:u8 | header_len:u32 | payload_len:u64 | msgpack header | raw payload
+
+The header is a msgpack map of small ints and strings; the payload is the tensor's raw bytes
+(never pickled). `encode` returns buffers to write without copying the payload; `decode_prefix`
+and `decode_header` validate everything a hostile or broken peer could get wrong and raise
+`FrameError` with a reason, so the transport can drop that connection and keep serving.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from .errors import FrameError
+
+MAGIC = b"FT"
+VERSION = 1
+PREFIX = struct.Struct(">2sBIQ")
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+#: dtypes allowed on the wire (numpy `dtype.str`); bfloat16 travels as float32, see api.py.
+WIRE_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8"})
+
+
+class Kind(IntEnum):
+    """The eight messages of the thesis (Algorithms 1 and 2), plus connection and abort."""
+
+    DATA_REDUCE = 1  # subtree sum of `origin`, to origin's parent (maybe via a relay)
+    META_REDUCE_SENT = 2  # `origin` sent its subtree sum to `target`
+    META_REDUCE_RECEIVED = 3  # `src` received the subtree sum of `origin`
+    META_REDUCE_REQUEST = 4  # please send me your subtree sum again (to relay it)
+    DATA_REDUCE_REQUEST = 5  # here is my subtree sum: relay it to `target`
+    DATA_BCAST = 6  # the final result of the step
+    META_BCAST_RECEIVED = 7  # `src` has the final result
+    META_BCAST_SENT = 8  # `src` sent the final result to `target`
+    ABORT = 9  # the step cannot finish: `reason`, `missing`
+    HELLO = 10  # first frame on a connection: who is speaking
+
+
+DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """One protocol message. `step` and `chunk` name the collective op it belongs to;
+    `origin` is the rank whose subtree sum (or confirmation) it is about; `target` the rank
+    it concerns or must be relayed to; `contributors` the ranks summed into `payload`."""
+
+    kind: Kind
+    src: int
+    step: int = -1
+    chunk: int = 0
+    origin: int = -1
+    target: int = -1
+    contributors: tuple[int, ...] = ()
+    dtype: str = ""
+    numel: int = 0
+    signature: str = ""  # full tensor's dtype and shape, to catch mismatched workers
+    reason: str = ""
+    missing: tuple[int, ...] = ()
+    world: int = 0  # HELLO only
+    payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
+
+    @property
+    def op(self) -> tuple[int, int]:
+        return (self.step, self.chunk)
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Buffers to write for one frame; the payload is passed through untouched."""
+    header: dict[str, Any] = {"k": int(msg.kind), "f": msg.src}
+    if msg.kind != Kind.HELLO:
+        header.update(s=msg.step, c=msg.chunk)
+    if msg.origin >= 0:
+        header["o"] = msg.origin
+    if msg.target >= 0:
+        header["t"] = msg.target
+    if msg.contributors:
+        header["n"] = list(msg.contributors)
+    if msg.payload is not None:
+        header.update(d=msg.dtype, e=msg.numel, g=msg.signature)
+    if msg.reason:
+        header["r"] = msg.reason
+    if msg.missing:
+        header["m"] = list(msg.missing)
+    if msg.world:
+        header["w"] = msg.world
+    head = msgpack.packb(header)
+    payload = b"" if msg.payload is None else memoryview(msg.payload).cast("B")
+    prefix = PREFIX.pack(MAGIC, VERSION, len(head), len(payload))
+    return [prefix + head, payload] if len(payload) else [prefix + head]
+
+
+def decode_prefix(raw: bytes, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[int, int]:
+    """Header and payload lengths from a frame prefix, or FrameError."""
+    magic, version, head_len, payload_len = PREFIX.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {magic!r} (not an fttree peer?)")
+    if version != VERSION:
+        raise FrameError(f"wire version {version} is not supported (this is version {VERSION})")
+    if not 0 < head_len <= MAX_HEADER_BYTES:
+        raise FrameError(f"frame header length {head_len} outside 1..{MAX_HEADER_BYTES}")
+    if payload_len > max_payload_bytes:
+        raise FrameError(f"frame payload of {payload_len} bytes exceeds the limit of {max_payload_bytes}")
+    return head_len, payload_len
+
+
+def _int(header: dict[Any, Any], key: str, default: int, name: str) -> int:
+    value = header.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FrameError(f"frame field {name} must be an integer, got {value!r}")
+    return value
+
+
+def _ints(header: dict[Any, Any], key: str, name: str) -> tuple[int, ...]:
+    value = header.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise FrameError(f"frame field {name} must be a list of integers")
+    return tuple(value)
+
+
+def _str(header: dict[Any, Any], key: str, name: str) -> str:
+    value = header.get(key, "")
+    if not isinstance(value, str):
+        raise FrameError(f"frame field {name} must be a string")
+    return value
+
+
+def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
+    """Build a Message from a header and payload, validating types, kind and sizes."""
+    try:
+        header = msgpack.unpackb(head, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"frame header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not a map")
+    raw_kind = _int(header, "k", -1, "kind")
+    try:
+        kind = Kind(raw_kind)
+    except ValueError:
+        raise FrameError(f"unknown message kind {raw_kind}") from None
+    payload_len = 0 if payload is None else len(payload)
+    dtype = _str(header, "d", "dtype")
+    numel = _int(header, "e", 0, "numel")
+    if kind in DATA_KINDS:
+        if dtype not in WIRE_DTYPES:
+            raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
+        if numel < 0 or numel * int(dtype[-1]) != payload_len:
+            raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
+    elif payload_len:
+        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes)")
+    return Message(
+        kind=kind,
+        src=_int(header, "f", -1, "src"),
+        step=_int(header, "s", -1, "step"),
+        chunk=_int(header, "c", 0, "chunk"),
+        origin=_int(header, "o", -1, "origin"),
+        target=_int(header, "t", -1, "target"),
+        contributors=_ints(header, "n", "contributors"),
+        dtype=dtype,
+        numel=numel,
+        signature=_str(header, "g", "signature"),
+        reason=_str(header, "r", "reason"),
+        missing=_ints(header, "m", "missing"),
+        world=_int(header, "w", 0, "world"),
+        payload=payload if payload_len else None,
+    )
+
+
+def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
+    """Decode one whole frame held in memory (tests and the simulator use this)."""
+    if len(frame) < PREFIX.size:
+        raise FrameError(f"frame of {len(frame)} bytes is shorter than its {PREFIX.size}-byte prefix")
+    head_len, payload_len = decode_prefix(bytes(frame[: PREFIX.size]), max_payload_bytes=max_payload_bytes)
+    end = PREFIX.size + head_len + payload_len
+    if len(frame) != end:
+        raise FrameError(f"frame is {len(frame)} bytes but its prefix announces {end}")
+    head = bytes(frame[PREFIX.size : PREFIX.size + head_len])
+    payload = memoryview(frame)[PREFIX.size + head_len :] if payload_len else None
+    return decode_header(head, payload)

@@ -1,0 +1,213 @@
+"""The asyncio driver of one rank: feeds events to the TreeMachine and carries out its actions.
+
+I/O only: frames from the transport and fired timers go into `TreeMachine.handle`; the actions
+that come back become frames, `loop.call_at` timers and completed steps. A step is split into
+chunks (each its own op in the machine) and reassembled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import StepAborted, TensorMismatch
+from .faults import FaultSchedule
+from .messages import DEFAULT_MAX_PAYLOAD_BYTES, Message
+from .protocol import (
+    AbortCode,
+    Action,
+    CancelTimer,
+    Complete,
+    Event,
+    Fail,
+    MachineConfig,
+    Note,
+    NoteKind,
+    Received,
+    Send,
+    SetTimer,
+    Submit,
+    TimerFired,
+    TimerKey,
+    TreeMachine,
+)
+from .topology import neighbours
+from .transport import Address, TcpTransport
+
+log = logging.getLogger("fttree.node")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    rank: int
+    peers: list[Address]
+    timeout_s: float = 0.5
+    step_timeout_s: float = 30.0
+    root_timeout_s: float | None = None
+    startup_timeout_s: float = 60.0
+    connect_timeout_s: float = 2.0
+    stall_timeout_s: float = 5.0
+    fault_tolerant: bool = True
+    chunk_bytes: int = 4 * 1024 * 1024
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    faults: FaultSchedule = field(default_factory=FaultSchedule)
+
+    @property
+    def world(self) -> int:
+        return len(self.peers)
+
+
+@dataclass(slots=True, kw_only=True)
+class StepResult:
+    """What one finished step gives back: the sum and who is in it."""
+
+    step: int
+    data: np.ndarray
+    contributors: tuple[int, ...]
+    duration_s: float
+
+
+@dataclass(slots=True)
+class _Step:
+    step: int
+    future: Future[StepResult]
+    out: np.ndarray
+    offsets: dict[int, int]
+    remaining: set[int]
+    started: float
+    contributors: tuple[int, ...] | None = None
+
+
+class Node:
+    """One rank's protocol driver on an asyncio loop. Methods run on that loop only."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.cfg = config
+        self.rank = config.rank
+        self.machine = TreeMachine(MachineConfig(
+            rank=config.rank, world=config.world, timeout_s=config.timeout_s,
+            step_timeout_s=config.step_timeout_s, root_timeout_s=config.root_timeout_s,
+            fault_tolerant=config.fault_tolerant))
+        self.transport = TcpTransport(
+            config.rank, config.peers, on_message=self._on_message, is_stale=self._is_stale,
+            faults=config.faults, connect_timeout_s=config.connect_timeout_s,
+            stall_timeout_s=config.stall_timeout_s, max_payload_bytes=config.max_payload_bytes)
+        self.neighbours = neighbours(config.rank, config.world)
+        self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
+        self._steps: dict[int, _Step] = {}
+        self.note_counts: Counter[NoteKind] = Counter()
+        self.recent_notes: deque[str] = deque(maxlen=50)
+        self.step_durations: deque[tuple[int, float]] = deque(maxlen=100)
+        self.on_note: Callable[[Note], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.transport.start()
+        peers = sorted(self.neighbours.all)
+        log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.cfg.peers[self.rank], peers)
+        await self.transport.wait_for_peers(peers, self.cfg.startup_timeout_s)
+
+    async def close(self) -> None:
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        for st in self._steps.values():
+            if not st.future.done():
+                st.future.set_exception(StepAborted(st.step, f"rank {self.rank} was closed"))
+        self._steps.clear()
+        await self.transport.close()
+
+    # ---- steps -------------------------------------------------------------------------
+
+    def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
+        """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error."""
+        assert self._loop is not None
+        if future.cancelled() or not future.set_running_or_notify_cancel():
+            return
+        per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
+        starts = list(range(0, max(1, data.size), per_chunk))
+        st = _Step(step=step, future=future, out=np.empty_like(data),
+                   offsets=dict(enumerate(starts)), remaining=set(range(len(starts))),
+                   started=self._loop.time())
+        self._steps[step] = st
+        for chunk, start in enumerate(starts):
+            piece = data[start:start + per_chunk]
+            self._handle(Submit(step=step, chunk=chunk, data=piece, signature=signature))
+
+    def _on_message(self, msg: Message) -> None:
+        self._handle(Received(msg=msg))
+
+    def _is_stale(self, msg: Message) -> bool:
+        return self.machine._is_retired(msg.op)
+
+    def _fire(self, key: TimerKey) -> None:
+        self._timers.pop(key, None)
+        self._handle(TimerFired(key=key))
+
+    def _handle(self, event: Event) -> None:
+        assert self._loop is not None
+        try:
+            actions = self.machine.handle(event, self._loop.time())
+        except Exception:
+            log.exception("rank %d: protocol bug while handling %s", self.rank, type(event).__name__)
+            raise
+        for action in actions:
+            self._do(action)
+
+    def _do(self, action: Action) -> None:
+        assert self._loop is not None
+        match action:
+            case Send(dst=dst, msg=msg):
+                self.transport.send(dst, msg)
+            case SetTimer(key=key, at=at):
+                old = self._timers.pop(key, None)
+                if old is not None:
+                    old.cancel()
+                self._timers[key] = self._loop.call_at(at, self._fire, key)
+            case CancelTimer(key=key):
+                handle = self._timers.pop(key, None)
+                if handle is not None:
+                    handle.cancel()
+            case Complete():
+                self._on_complete(action)
+            case Fail():
+                self._on_fail(action)
+            case Note():
+                self.note_counts[action.kind] += 1
+                if action.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL):
+                    self.recent_notes.append(action.text)
+                    log.info("rank %d: %s", self.rank, action.text)
+                if self.on_note is not None:
+                    self.on_note(action)
+
+    def _on_complete(self, done: Complete) -> None:
+        st = self._steps.get(done.step)
+        if st is None:
+            return
+        start = st.offsets[done.chunk]
+        st.out[start:start + done.result.size] = done.result
+        st.contributors = done.contributors if st.contributors is None else st.contributors
+        st.remaining.discard(done.chunk)
+        if not st.remaining:
+            del self._steps[done.step]
+            assert self._loop is not None
+            duration = self._loop.time() - st.started
+            self.step_durations.append((done.step, duration))
+            st.future.set_result(StepResult(step=done.step, data=st.out, contributors=st.contributors,
+                                            duration_s=duration))
+
+    def _on_fail(self, fail: Fail) -> None:
+        st = self._steps.pop(fail.step, None)
+        log.warning("rank %d: step %d chunk %d failed: %s", self.rank, fail.step, fail.chunk, fail.reason)
+        if st is None or st.future.done():
+            return
+        cls = TensorMismatch if fail.code == AbortCode.MISMATCH else StepAborted
+        st.future.set_exception(cls(fail.step, fail.reason, peers=fail.peers))
+

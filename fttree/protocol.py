@@ -1,0 +1,616 @@
+"""TreeMachine: the fault-tolerant tree allreduce as a pure state machine.
+
+``TreeMachine.handle(event, now) -> list[Action]``. No sockets, threads, clocks or sleeps in
+here: time comes in as `now`, timers go out as SetTimer/CancelTimer and come back as
+TimerFired. The asyncio node (node.py) and the simulator (testing.py) drive the same code.
+
+The algorithm (seed thesis, chapter 6, Algorithms 1 and 2)
+----------------------------------------------------------
+Ranks form a binary heap rooted at 0. Each collective op (a step, or one chunk of a step) is a
+reduce up the tree and a broadcast down it.
+
+Reduce. A node adds its children's subtree sums into its own contribution; once every child is
+in, it sends DATA_REDUCE to its parent and META_REDUCE_SENT(target=parent) to its *brother* and
+*uncle*. Those two are exactly the parent's other child and the parent's brother, so they also
+hear the parent's META_REDUCE_RECEIVED(origin) when the data lands. An observer that heard
+"sent" but not "received" within the timeout asks the origin (META_REDUCE_REQUEST), gets the
+data back (DATA_REDUCE_REQUEST) and relays it to the parent as DATA_REDUCE with the same origin.
+
+Broadcast. The root's sum is the result. A node holding the result sends DATA_BCAST to each
+child, META_BCAST_SENT(child) to that child's brother and uncle, and META_BCAST_RECEIVED to its
+own brother and uncle. An observer that heard "sent to k" but not "k received" within the
+timeout sends the result to k itself. Beyond the thesis: an observer that relayed k's reduce
+data already knows k's primary link is broken, so it pushes the result to k the moment it has
+it instead of waiting a second timeout (the thesis pays ~2.4-2.9 timeouts per fault; this pays
+about one).
+
+Exactly-once. A DATA_REDUCE is identified by (step, chunk, origin) and the receiving parent
+keeps the set of origins it has added; a second copy (a relay racing the original, a duplicate,
+a late delivery after a link heals) is dropped before it touches the sum. Each subtree sum
+carries the ranks it contains, checked to lie inside the origin's subtree and to be disjoint
+from what is already summed, so even a protocol bug cannot count a rank twice silently. The
+result is taken once (first DATA_BCAST wins). Messages of retired ops are dropped, never mixed
+into a new op; messages of ops not yet submitted locally are kept until the submit.
+
+Failures are data. A step that cannot finish ends by a deadline: the root gives up after
+`root_timeout_s` and floods ABORT naming the ranks whose contributions never arrived; every
+other node fails at `step_timeout_s` naming what it was waiting for. Tensors of different
+shape or dtype across workers abort the step everywhere with both signatures in the reason.
+
+Ordering of emitted actions: sends of data come before the metadata announcing them, so an
+observer never hears "sent" for data that is not yet on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+
+import numpy as np
+
+from .messages import Kind, Message
+from .topology import Neighbours, neighbours, subtree_of
+
+OpId = tuple[int, int]  # (step, chunk)
+
+
+class TimerKind(Enum):
+    REDUCE_WATCH = "reduce_watch"  # observer waits for META_REDUCE_RECEIVED(peer)
+    BCAST_WATCH = "bcast_watch"  # observer waits for META_BCAST_RECEIVED from peer
+    DEADLINE = "deadline"  # this node gives up on the op
+    ROOT_DEADLINE = "root_deadline"  # the root gives up waiting for contributions
+    LINGER = "linger"  # a finished op is kept this long to serve late observers
+
+
+@dataclass(frozen=True, slots=True)
+class TimerKey:
+    kind: TimerKind
+    step: int
+    chunk: int
+    peer: int = -1
+
+
+class AbortCode(IntEnum):
+    UNREACHABLE = 1  # contributions or the result could not reach some ranks
+    MISMATCH = 2  # workers submitted different tensors
+    TIMEOUT = 3  # this node's own deadline passed
+
+
+class NoteKind(Enum):
+    TIMEOUT = "timeout"  # a backup watch expired: a primary link looks broken
+    RECOVERY = "recovery"  # data went around a broken link
+    DUPLICATE = "duplicate"  # a copy was dropped (exactly-once at work)
+    STALE = "stale"  # a message of a retired op was dropped
+    PROTOCOL = "protocol"  # a message broke the protocol and was dropped
+
+
+# ---- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submit:
+    """The local contribution to one op. `data` is 1-D and now owned by the machine."""
+
+    step: int
+    chunk: int = 0
+    data: np.ndarray
+    signature: str  # dtype and shape of the whole tensor, compared across workers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Received:
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerFired:
+    key: TimerKey
+
+
+Event = Submit | Received | TimerFired
+
+
+# ---- actions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Send:
+    dst: int
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetTimer:
+    key: TimerKey
+    at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelTimer:
+    key: TimerKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Complete:
+    step: int
+    chunk: int
+    result: np.ndarray  # read-only view; copy before handing it to a user
+    contributors: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    step: int
+    chunk: int
+    code: AbortCode
+    reason: str
+    peers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Note:
+    """Something worth counting or showing (recoveries, timeouts, dropped copies)."""
+
+    step: int
+    kind: NoteKind
+    text: str
+    peer: int = -1
+
+
+Action = Send | SetTimer | CancelTimer | Complete | Fail | Note
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MachineConfig:
+    rank: int
+    world: int
+    timeout_s: float = 0.5  # backup watch: how long a confirmation may take
+    step_timeout_s: float = 30.0  # a node gives up on an op this long after submitting it
+    root_timeout_s: float | None = None  # root gives up on contributions (default: half)
+    fault_tolerant: bool = True  # False: plain tree, no metadata, no backup links
+    watch_retries: int = 2  # re-arm a backup watch this many times after acting on it
+    max_ops_ahead: int = 4096  # ops a peer may run ahead of our last submit
+    retired_memory: int = 8192  # retired op ids remembered to drop their late messages
+
+    @property
+    def root_give_up_s(self) -> float:
+        return self.root_timeout_s if self.root_timeout_s is not None else self.step_timeout_s / 2
+
+    @property
+    def linger_s(self) -> float:
+        return (self.watch_retries + 2) * self.timeout_s
+
+
+@dataclass(slots=True)
+class _Op:
+    """Everything one node knows about one op (step, chunk)."""
+
+    step: int
+    chunk: int
+    submitted: bool = False
+    signature: str = ""
+    dtype: str = ""
+    acc: np.ndarray | None = None  # own contribution plus children's subtree sums
+    contributors: set[int] = field(default_factory=set)
+    got_children: set[int] = field(default_factory=set)
+    early: list[Message] = field(default_factory=list)  # child data before our submit
+    reduce_sent: bool = False
+    result: np.ndarray | None = None
+    result_contributors: tuple[int, ...] = ()
+    done: bool = False  # Complete or Fail was emitted
+    failure: Fail | None = None
+    aborted: bool = False  # ABORT already flooded from here
+    # observer duties
+    reduce_confirmed: set[int] = field(default_factory=set)
+    reduce_tries: dict[int, int] = field(default_factory=dict)
+    relayed_for: set[int] = field(default_factory=set)
+    bcast_confirmed: set[int] = field(default_factory=set)
+    bcast_tries: dict[int, int] = field(default_factory=dict)
+    bcast_pending: set[int] = field(default_factory=set)
+
+
+class TreeMachine:
+    """One rank's protocol state for all ops in flight. Deterministic: the same events at the
+    same times give the same actions."""
+
+    def __init__(self, config: MachineConfig) -> None:
+        self.cfg = config
+        self.me: Neighbours = neighbours(config.rank, config.world)
+        self._subtrees = {c: subtree_of(c, config.world) for c in self.me.children}
+        self._ops: dict[OpId, _Op] = {}
+        self._retired: set[OpId] = set()
+        self._retired_floor = -1  # ops of steps below this are retired too
+        self._max_step_submitted = -1
+
+    # ---- public ------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        out: list[Action] = []
+        match event:
+            case Submit():
+                self._on_submit(event, now, out)
+            case Received(msg=msg):
+                self._on_message(msg, now, out)
+            case TimerFired(key=key):
+                self._on_timer(key, now, out)
+        return out
+
+    def active_ops(self) -> list[OpId]:
+        return sorted(k for k, op in self._ops.items() if not op.done)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    @property
+    def _ft(self) -> bool:
+        return self.cfg.fault_tolerant
+
+    def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
+        return Message(kind=kind, src=self.cfg.rank, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
+
+    def _data_msg(self, op: _Op, kind: Kind, array: np.ndarray, contributors: tuple[int, ...],
+                  **kw: object) -> Message:
+        return self._msg(op, kind, payload=memoryview(array).cast("B"), dtype=array.dtype.str,
+                         numel=int(array.size), signature=op.signature,
+                         contributors=contributors, **kw)
+
+    def _is_retired(self, op_id: OpId) -> bool:
+        return op_id[0] < self._retired_floor or op_id in self._retired
+
+    def _get_op(self, step: int, chunk: int, out: list[Action], src: int) -> _Op | None:
+        op_id = (step, chunk)
+        op = self._ops.get(op_id)
+        if op is not None:
+            return op
+        if self._is_retired(op_id):
+            out.append(Note(step=step, kind=NoteKind.STALE, peer=src,
+                            text=f"dropped a late message of retired step {step} chunk {chunk}"))
+            return None
+        if step < 0 or chunk < 0 or step > self._max_step_submitted + self.cfg.max_ops_ahead:
+            out.append(Note(step=step, kind=NoteKind.PROTOCOL, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
+            return None
+        op = self._ops[op_id] = _Op(step=step, chunk=chunk)
+        return op
+
+    def _retire(self, op: _Op) -> None:
+        op_id = (op.step, op.chunk)
+        self._ops.pop(op_id, None)
+        self._retired.add(op_id)
+        if len(self._retired) > self.cfg.retired_memory:
+            newest = max(s for s, _ in self._retired)
+            self._retired_floor = newest - self.cfg.retired_memory // 2
+            self._retired = {k for k in self._retired if k[0] >= self._retired_floor}
+
+    def _timer(self, kind: TimerKind, op: _Op, peer: int = -1) -> TimerKey:
+        return TimerKey(kind, op.step, op.chunk, peer)
+
+    # ---- submit ------------------------------------------------------------------------
+
+    def _on_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
+        op_id = (ev.step, ev.chunk)
+        if self._is_retired(op_id) or (op_id in self._ops and self._ops[op_id].submitted):
+            raise ValueError(f"step {ev.step} chunk {ev.chunk} was already submitted on rank {self.cfg.rank}")
+        if ev.data.ndim != 1:
+            raise ValueError("Submit.data must be a 1-D array")
+        self._max_step_submitted = max(self._max_step_submitted, ev.step)
+        op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk))
+        op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
+        op.acc = ev.data
+        op.contributors.add(self.cfg.rank)
+        if op.failure is not None:  # an ABORT arrived before our submit
+            self._emit_failure(op, op.failure, now, out)
+            return
+        out.append(SetTimer(key=self._timer(TimerKind.DEADLINE, op), at=now + self.cfg.step_timeout_s))
+        if self.me.parent is None and self.me.children:
+            out.append(SetTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op), at=now + self.cfg.root_give_up_s))
+        early, op.early = op.early, []
+        for msg in early:
+            if not self._matches(op, msg, now, out):
+                return
+            self._add(op, msg)
+        self._maybe_send_up(op, now, out)
+
+    def _matches(self, op: _Op, msg: Message, now: float, out: list[Action]) -> bool:
+        """True if msg's tensor matches ours; otherwise abort the op everywhere."""
+        if not op.submitted:
+            return True
+        if msg.signature == op.signature and msg.dtype == op.dtype and msg.numel == op.acc.size:  # type: ignore[union-attr]
+            return True
+        reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
+                  f"for chunk {op.chunk}, rank {self.cfg.rank} has {op.signature} "
+                  f"({op.acc.size} x {op.dtype})")  # type: ignore[union-attr]
+        self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out)
+        return False
+
+    def _add(self, op: _Op, msg: Message) -> None:
+        assert op.acc is not None
+        assert msg.payload is not None
+        incoming = np.frombuffer(msg.payload, dtype=op.acc.dtype)
+        np.add(op.acc, incoming, out=op.acc)
+        op.contributors.update(msg.contributors)
+
+    def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
+        if not op.submitted or op.reduce_sent or op.done or len(op.got_children) < len(self.me.children):
+            return
+        assert op.acc is not None
+        op.reduce_sent = True
+        contributors = tuple(sorted(op.contributors))
+        parent = self.me.parent
+        if parent is None:  # the root: its subtree sum is the result
+            op.result, op.result_contributors = op.acc, contributors
+            out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
+            self._finish(op, now, out)
+            return
+        out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
+                                                       origin=self.cfg.rank)))
+        if self._ft:
+            for observer in (self.me.brother, self.me.uncle):
+                if observer is not None:
+                    out.append(Send(dst=observer, msg=self._msg(op, Kind.META_REDUCE_SENT,
+                                                                origin=self.cfg.rank, target=parent)))
+
+    # ---- messages ----------------------------------------------------------------------
+
+    def _on_message(self, msg: Message, now: float, out: list[Action]) -> None:
+        if msg.src not in self.me.all:
+            out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+                            text=f"dropped {msg.kind.name} from rank {msg.src}, not a tree neighbour"))
+            return
+        op = self._get_op(msg.step, msg.chunk, out, msg.src)
+        if op is None:
+            return
+        match msg.kind:
+            case Kind.DATA_REDUCE:
+                self._on_data_reduce(op, msg, now, out)
+            case Kind.META_REDUCE_SENT:
+                self._on_meta_reduce_sent(op, msg, now, out)
+            case Kind.META_REDUCE_RECEIVED:
+                op.reduce_confirmed.add(msg.origin)
+                out.append(CancelTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, msg.origin)))
+            case Kind.META_REDUCE_REQUEST:
+                self._on_meta_reduce_request(op, msg, out)
+            case Kind.DATA_REDUCE_REQUEST:
+                self._on_data_reduce_request(op, msg, out)
+            case Kind.DATA_BCAST:
+                self._on_data_bcast(op, msg, now, out)
+            case Kind.META_BCAST_SENT:
+                self._on_meta_bcast_sent(op, msg, now, out)
+            case Kind.META_BCAST_RECEIVED:
+                op.bcast_confirmed.add(msg.src)
+                op.bcast_pending.discard(msg.src)
+                out.append(CancelTimer(key=self._timer(TimerKind.BCAST_WATCH, op, msg.src)))
+            case Kind.ABORT:
+                codes = {c.value for c in AbortCode}
+                code = AbortCode(msg.target) if msg.target in codes else AbortCode.UNREACHABLE
+                self._abort(op, code, msg.reason, msg.missing, now, out, remote=msg.src)
+            case _:
+                out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+                                text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
+
+    def _protocol(self, out: list[Action], msg: Message, why: str) -> None:
+        out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+                        text=f"dropped {msg.kind.name} from rank {msg.src}: {why}"))
+
+    def _on_data_reduce(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        origin = msg.origin
+        if origin not in self._subtrees:
+            return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.cfg.rank}")
+        if msg.src != origin and msg.src not in (self.me.brother, *self.me.children):
+            return self._protocol(out, msg, f"rank {msg.src} cannot relay for rank {origin}")
+        if op.done:
+            return
+        if origin in op.got_children:
+            out.append(Note(step=op.step, kind=NoteKind.DUPLICATE, peer=msg.src,
+                            text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
+            return
+        contributors = set(msg.contributors)
+        if not contributors or not contributors <= self._subtrees[origin] or contributors & op.contributors:
+            return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
+                                            f"of rank {origin}'s subtree")
+        if not self._matches(op, msg, now, out):
+            return
+        op.got_children.add(origin)
+        if op.submitted:
+            self._add(op, msg)
+        else:
+            op.early.append(msg)
+        if msg.src != origin:
+            out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
+                            text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
+        if self._ft:
+            confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
+            for observer in (self.me.brother, *self.me.children):
+                if observer is not None and observer != origin:
+                    out.append(Send(dst=observer, msg=confirm))
+        self._maybe_send_up(op, now, out)
+        return None
+
+    def _on_meta_reduce_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        origin = msg.src
+        watched = neighbours(origin, self.cfg.world)
+        if self.cfg.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
+            return self._protocol(out, msg, "not an observer of that link")
+        if origin in op.reduce_confirmed or not self._ft:
+            return None
+        op.reduce_tries.setdefault(origin, 0)
+        out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.cfg.timeout_s))
+        return None
+
+    def _on_meta_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
+        if not op.reduce_sent or op.acc is None or self.me.parent is None:
+            return self._protocol(out, msg, "nothing sent yet to relay")
+        out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
+                                                        tuple(sorted(op.contributors)),
+                                                        origin=self.cfg.rank, target=self.me.parent)))
+        return None
+
+    def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
+        origin = msg.src
+        watched = neighbours(origin, self.cfg.world)
+        if self.cfg.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
+            return self._protocol(out, msg, "not an observer of that link")
+        op.relayed_for.add(origin)
+        out.append(Send(dst=msg.target, msg=Message(
+            kind=Kind.DATA_REDUCE, src=self.cfg.rank, step=op.step, chunk=op.chunk, origin=origin,
+            contributors=msg.contributors, dtype=msg.dtype, numel=msg.numel,
+            signature=msg.signature, payload=msg.payload)))
+        out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
+                        text=f"step {op.step}: relayed rank {origin}'s data to rank {msg.target}"))
+        if op.result is not None and origin not in op.bcast_confirmed:
+            self._push_result(op, origin, out, "its reduce link failed")
+        return None
+
+    def _on_data_bcast(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        if msg.src not in (self.me.parent, self.me.brother, self.me.uncle):
+            return self._protocol(out, msg, "only parent, brother or uncle send results")
+        if op.result is not None or op.done:
+            out.append(Note(step=op.step, kind=NoteKind.DUPLICATE, peer=msg.src,
+                            text=f"step {op.step}: dropped a second copy of the result"))
+            return None
+        if not op.submitted:  # the result holds our contribution, so it cannot come first
+            return self._protocol(out, msg, "a result for a step this rank has not submitted")
+        if not self._matches(op, msg, now, out):
+            return None
+        assert msg.payload is not None
+        op.result = np.frombuffer(msg.payload, dtype=np.dtype(msg.dtype))
+        op.result_contributors = msg.contributors
+        if msg.src != self.me.parent:
+            out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=msg.src,
+                            text=f"step {op.step}: result reached rank {self.cfg.rank} through rank {msg.src}"))
+        self._finish(op, now, out)
+        return None
+
+    def _on_meta_bcast_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        target = msg.target
+        watched = neighbours(target, self.cfg.world) if 0 <= target < self.cfg.world else None
+        if watched is None or msg.src != watched.parent or self.cfg.rank not in (watched.brother, watched.uncle):
+            return self._protocol(out, msg, "not an observer of that link")
+        if target in op.bcast_confirmed or not self._ft:
+            return None
+        op.bcast_tries.setdefault(target, 0)
+        out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + self.cfg.timeout_s))
+        return None
+
+    # ---- finishing ---------------------------------------------------------------------
+
+    def _push_result(self, op: _Op, dst: int, out: list[Action], why: str) -> None:
+        assert op.result is not None
+        out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
+        out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=dst,
+                        text=f"step {op.step}: sent the result to rank {dst} directly ({why})"))
+
+    def _finish(self, op: _Op, now: float, out: list[Action]) -> None:
+        """We hold the result: hand it up to the user and pass it down the tree."""
+        assert op.result is not None
+        op.done = True
+        out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
+        for child in self.me.children:
+            out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
+        if self._ft:
+            for observer in (self.me.brother, self.me.uncle):
+                if observer is not None:
+                    out.append(Send(dst=observer, msg=self._msg(op, Kind.META_BCAST_RECEIVED)))
+            for child in self.me.children:
+                sent = self._msg(op, Kind.META_BCAST_SENT, target=child)
+                for observer in (self.me.brother, *self.me.children):
+                    if observer is not None and observer != child:
+                        out.append(Send(dst=observer, msg=sent))
+            for k in sorted(op.relayed_for | op.bcast_pending):
+                if k not in op.bcast_confirmed:
+                    self._push_result(op, k, out, "its primary link failed")
+            op.bcast_pending.clear()
+        view = op.result.view()
+        view.flags.writeable = False
+        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
+        out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+
+    def _emit_failure(self, op: _Op, failure: Fail, now: float, out: list[Action]) -> None:
+        op.done = True
+        out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
+        out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
+        out.append(failure)
+        out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+
+    def _abort(self, op: _Op, code: AbortCode, reason: str, peers: tuple[int, ...], now: float,
+               out: list[Action], *, remote: int = -1) -> None:
+        """Fail the op here and flood ABORT to every neighbour so no one waits for a deadline."""
+        if op.aborted:
+            return
+        op.aborted = True
+        failure = Fail(step=op.step, chunk=op.chunk, code=code, reason=reason, peers=peers)
+        if not op.done:
+            if op.submitted:
+                self._emit_failure(op, failure, now, out)
+            else:
+                op.failure = failure
+        abort = self._msg(op, Kind.ABORT, reason=reason, missing=peers, target=int(code))
+        for peer in self.me.all:
+            if peer != remote:
+                out.append(Send(dst=peer, msg=abort))
+
+    # ---- timers ------------------------------------------------------------------------
+
+    def _on_timer(self, key: TimerKey, now: float, out: list[Action]) -> None:
+        op = self._ops.get((key.step, key.chunk))
+        if op is None:
+            return
+        match key.kind:
+            case TimerKind.REDUCE_WATCH:
+                self._reduce_watch_fired(op, key.peer, now, out)
+            case TimerKind.BCAST_WATCH:
+                self._bcast_watch_fired(op, key.peer, now, out)
+            case TimerKind.DEADLINE:
+                if not op.done:
+                    self._deadline(op, now, out)
+            case TimerKind.ROOT_DEADLINE:
+                if not op.done and not op.reduce_sent:
+                    missing = tuple(sorted(set(range(self.cfg.world)) - op.contributors
+                                           - {r for m in op.early for r in m.contributors}))
+                    waiting = sorted(set(self.me.children) - op.got_children)
+                    reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
+                              f"(root still waiting for the subtree sums of children {waiting})")
+                    self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
+            case TimerKind.LINGER:
+                self._retire(op)
+
+    def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
+        if origin in op.reduce_confirmed or op.result is not None or op.done:
+            return  # holding the result proves every subtree sum reached the root
+        tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
+        parent = neighbours(origin, self.cfg.world).parent
+        out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=origin,
+                        text=f"step {op.step}: no sign that rank {parent} got rank {origin}'s data "
+                             f"after {self.cfg.timeout_s:g} s; asking rank {origin} for it (try {tries})"))
+        out.append(Send(dst=origin, msg=self._msg(op, Kind.META_REDUCE_REQUEST, target=parent)))
+        if tries <= self.cfg.watch_retries:
+            out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.cfg.timeout_s))
+
+    def _bcast_watch_fired(self, op: _Op, target: int, now: float, out: list[Action]) -> None:
+        if target in op.bcast_confirmed:
+            return
+        tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
+        parent = neighbours(target, self.cfg.world).parent
+        out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=target,
+                        text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
+                             f"after {self.cfg.timeout_s:g} s (try {tries})"))
+        if op.result is not None:
+            self._push_result(op, target, out, f"link {parent}->{target} looks broken")
+        else:
+            op.bcast_pending.add(target)
+        if tries <= self.cfg.watch_retries:
+            out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + self.cfg.timeout_s))
+
+    def _deadline(self, op: _Op, now: float, out: list[Action]) -> None:
+        me = self.me
+        if not op.reduce_sent:
+            waiting = tuple(sorted(set(me.children) - op.got_children))
+            reason = (f"rank {self.cfg.rank} got no subtree sum from children {list(waiting)} "
+                      f"within {self.cfg.step_timeout_s:g} s")
+            peers = waiting
+        else:
+            relays = [r for r in (me.brother, me.uncle) if r is not None]
+            reason = (f"rank {self.cfg.rank} got no result from parent {me.parent} or backups {relays} "
+                      f"within {self.cfg.step_timeout_s:g} s")
+            peers = tuple(r for r in (me.parent, *relays) if r is not None)
+        self._emit_failure(op, Fail(step=op.step, chunk=op.chunk, code=AbortCode.TIMEOUT,
+                                    reason=reason, peers=peers), now, out)
