@@ -115,3 +115,31 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, steps
         raise click.ClickException(str(exc)) from None
     if not result.ok:
         sys.exit(1)
+
+
+# Subcommands that live in their own modules (bench, status, ...) register here, so each
+# feature keeps its CLI next to its code. A module that is missing is simply not offered.
+_PLUGIN_COMMANDS = {
+    "bench": "fttree.bench_cli",
+    "analyze": "fttree.bench_cli",
+    "status": "fttree.status_cli",
+    "netem": "fttree.realfaults",
+}
+
+
+def _register_plugins() -> None:
+    import importlib
+
+    for name, module_name in _PLUGIN_COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        command = getattr(module, name, None)
+        if isinstance(command, click.Command):
+            main.add_command(command, name)
+
+
+_register_plugins()

@@ -51,7 +51,7 @@ def run_steps(ar: FTTreeAllreduce, steps: int, size: int) -> Iterator[StepRecord
         if note.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT):
             events[note.step].append(note.text)
 
-    ar.node.on_note = on_note
+    ar.node.note_listeners.append(on_note)
     for step in range(steps):
         data = contribution(ar.rank, step, size)
         t0 = time.perf_counter()

@@ -104,7 +104,7 @@ class Node:
         self.note_counts: Counter[NoteKind] = Counter()
         self.recent_notes: deque[str] = deque(maxlen=50)
         self.step_durations: deque[tuple[int, float]] = deque(maxlen=100)
-        self.on_note: Callable[[Note], None] | None = None
+        self.note_listeners: list[Callable[[Note], None]] = []  # called on the loop thread
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -184,8 +184,8 @@ class Node:
                 if action.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL):
                     self.recent_notes.append(action.text)
                     log.info("rank %d: %s", self.rank, action.text)
-                if self.on_note is not None:
-                    self.on_note(action)
+                for listener in self.note_listeners:
+                    listener(action)
 
     def _on_complete(self, done: Complete) -> None:
         st = self._steps.get(done.step)

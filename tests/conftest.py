@@ -1,0 +1,56 @@
+"""Shared test helpers: free ports and a local cluster of in-process workers."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from fttree import FTTreeAllreduce
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (workers bind 127.0.0.x with the same port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_peers(n: int, port: int | None = None) -> list[str]:
+    port = port or free_port()
+    return [f"127.0.0.{r + 1}:{port}" for r in range(n)]
+
+
+@contextlib.contextmanager
+def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
+    """n started FTTreeAllreduce handles in this process, closed on exit."""
+    peers = local_peers(n)
+    handles = [FTTreeAllreduce(r, peers, **kwargs) for r in range(n)]  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def start(h: FTTreeAllreduce) -> None:
+        try:
+            h.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield handles
+    finally:
+        for h in handles:
+            h.close()
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
