@@ -382,7 +382,14 @@ class TreeMachine:
             case Kind.ABORT:
                 codes = {c.value for c in AbortCode}
                 code = AbortCode(msg.target) if msg.target in codes else AbortCode.UNREACHABLE
-                self._abort(op, code, msg.reason, msg.missing, now, out, remote=msg.src)
+                reason, peers = msg.reason, msg.missing
+                waiting = sorted(set(self.me.children) - op.got_children)
+                if op.submitted and not op.reduce_sent and waiting:
+                    reason += f"; rank {self.cfg.rank} was still waiting for children {waiting}"
+                    peers = tuple(waiting)
+                elif op.reduce_sent and self.me.parent is not None and op.result is None:
+                    reason += f"; rank {self.cfg.rank} had sent its subtree sum to rank {self.me.parent}"
+                self._abort(op, code, reason, peers, now, out, remote=msg.src)
             case _:
                 out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))

@@ -1,0 +1,67 @@
+"""Wire codec: round trips, and every way a frame can be broken gives a FrameError."""
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from fttree.errors import FrameError
+from fttree.messages import PREFIX, Kind, Message, decode, encode
+
+
+def frame(msg: Message) -> bytes:
+    return b"".join(bytes(b) for b in encode(msg))
+
+
+def test_data_message_round_trip_keeps_payload_bytes() -> None:
+    data = np.arange(10, dtype=np.float32)
+    msg = Message(kind=Kind.DATA_REDUCE, src=3, step=7, chunk=2, origin=3, contributors=(3, 7, 8),
+                  dtype=data.dtype.str, numel=10, signature="float32[10]", payload=memoryview(data).cast("B"))
+    out = decode(frame(msg))
+    assert (out.kind, out.src, out.step, out.chunk, out.origin, out.contributors) == (
+        Kind.DATA_REDUCE, 3, 7, 2, 3, (3, 7, 8))
+    assert out.payload is not None
+    assert np.array_equal(np.frombuffer(out.payload, dtype=np.float32), data)
+
+
+def test_every_kind_round_trips() -> None:
+    for kind in Kind:
+        payload = np.zeros(2, np.float64) if kind.name.startswith("DATA") else None
+        msg = Message(kind=kind, src=1, step=4, origin=2, target=0, reason="r", missing=(5,), world=7,
+                      dtype="<f8" if payload is not None else "", numel=2 if payload is not None else 0,
+                      payload=None if payload is None else payload.tobytes())
+        out = decode(frame(msg))
+        assert out.kind == kind
+        assert out.src == 1
+
+
+def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = 1) -> bytes:
+    head = msgpack.packb(header)
+    return PREFIX.pack(magic, version, len(head), len(payload)) + head + payload
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    (_raw({"k": 1}, magic=b"XX"), "magic"),
+    (_raw({"k": 1}, version=9), "version 9"),
+    (_raw({"k": 99, "f": 0}), "unknown message kind 99"),
+    (_raw({"k": 1, "f": 0, "d": "<f4", "e": 3}, b"\0" * 8), "does not hold 3"),
+    (_raw({"k": 1, "f": 0, "d": "|O", "e": 1}, b"\0" * 8), "unsupported dtype"),
+    (_raw({"k": 2, "f": 0}, b"\0" * 4), "must not carry a payload"),
+    (_raw({"k": "one", "f": 0}), "kind must be an integer"),
+    (_raw({"k": 2, "f": 0, "n": ["a"]}), "contributors"),
+    (PREFIX.pack(b"FT", 1, 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
+    (PREFIX.pack(b"FT", 1, 1, 0) + b"\x05", "not a map"),
+    (PREFIX.pack(b"FT", 1, 10**6, 0), "header length"),
+    (b"FT", "shorter than"),
+])
+def test_broken_frames_raise_frame_error(raw: bytes, needle: str) -> None:
+    with pytest.raises(FrameError, match=needle):
+        decode(raw)
+
+
+def test_oversized_payload_is_refused_before_reading_it() -> None:
+    raw = PREFIX.pack(b"FT", 1, 5, 1 << 40)
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        decode(raw + b"x" * 5)
+    assert struct.calcsize(">2sBIQ") == PREFIX.size
