@@ -18,17 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvloop
 
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .faults import FaultSchedule
 from .node import Node, NodeConfig, StepResult
 from .topology import check_rank
 from .transport import Address, parse_address, parse_peers
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency, but keep numpy-only use working
-    uvloop = None
 
 _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
 
@@ -141,7 +137,7 @@ class FTTreeAllreduce:
         return self
 
     def _run_loop(self, ready: Future[None]) -> None:
-        loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        loop = uvloop.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
         self.node = Node(self.config)

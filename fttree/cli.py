@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -15,13 +17,15 @@ from .faults import FaultSchedule
 from .launch import launch as run_launch
 from .transport import parse_peers
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _faults_option(f):  # type: ignore[no-untyped-def]
+
+def _faults_option(f: F) -> F:
     return click.option("--faults", default="", metavar="SCHEDULE",
                         help='In-process faults, e.g. "cut 1-0 @5..10; loss 3 20% @12..15".')(f)
 
 
-def _job_options(f):  # type: ignore[no-untyped-def]
+def _job_options(f: F) -> F:
     f = click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
                      help="Allreduce steps to run.")(f)
     f = click.option("--size", type=click.IntRange(min=1), default=THESIS_MLP_PARAMS, show_default=True,

@@ -249,7 +249,7 @@ class TreeMachine:
 
     def _data_msg(self, op: _Op, kind: Kind, array: np.ndarray, contributors: tuple[int, ...],
                   **kw: object) -> Message:
-        return self._msg(op, kind, payload=memoryview(array).cast("B"), dtype=array.dtype.str,
+        return self._msg(op, kind, payload=array.data.cast("B"), dtype=array.dtype.str,
                          numel=int(array.size), signature=op.signature,
                          contributors=contributors, **kw)
 

@@ -8,6 +8,7 @@ seeded: a failing seed reproduces exactly.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -153,7 +154,7 @@ class SimNetwork:
                 case SetTimer(key=key, at=at):
                     token = next(self._seq)
                     self._timers[(rank, key)] = token
-                    self.at(at, lambda r=rank, k=key, t=token: self._fire(r, k, t))
+                    self.at(at, functools.partial(self._fire, rank, key, token))
                 case CancelTimer(key=key):
                     self._timers.pop((rank, key), None)
                 case Complete() | Fail():
@@ -187,7 +188,7 @@ class SimNetwork:
             delay = self.latency_s + self._delay.get(pair, 0.0) + verdict.delay_s
             if self.jitter_s:
                 delay += self._rng.uniform(0, self.jitter_s)
-            self.at(self.now + delay, lambda m=msg: self._deliver(dst, m))
+            self.at(self.now + delay, functools.partial(self._deliver, dst, msg))
 
     def _deliver(self, dst: int, msg: Message) -> None:
         self._apply(dst, self.machines[dst].handle(Received(msg=msg), self.now))
