@@ -32,7 +32,7 @@ WIRE_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8"})
 
 
 class Kind(IntEnum):
-    """The eight messages of the thesis (Algorithms 1 and 2), plus connection and abort."""
+    """The eight messages of the thesis (Algorithms 1 and 2), plus connection, abort and probes."""
 
     DATA_REDUCE = 1  # subtree sum of `origin`, to origin's parent (maybe via a relay)
     META_REDUCE_SENT = 2  # `origin` sent its subtree sum to `target`
@@ -44,6 +44,8 @@ class Kind(IntEnum):
     META_BCAST_SENT = 8  # `src` sent the final result to `target`
     ABORT = 9  # the step cannot finish: `reason`, `missing`
     HELLO = 10  # first frame on a connection: who is speaking
+    PROBE = 11  # is this primary link healthy again? (link memory)
+    PROBE_ACK = 12  # yes, it carried your probe
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST})
@@ -63,7 +65,7 @@ class Message:
     target: int = -1
     contributors: tuple[int, ...] = ()
     dtype: str = ""
-    numel: int = 0
+    numel: int = 0  # elements of the payload; on META_*_SENT the bytes queued ahead of it
     signature: str = ""  # full tensor's dtype and shape, to catch mismatched workers
     reason: str = ""
     missing: tuple[int, ...] = ()
@@ -88,6 +90,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header["n"] = list(msg.contributors)
     if msg.payload is not None:
         header.update(d=msg.dtype, e=msg.numel, g=msg.signature)
+    elif msg.numel:
+        header["e"] = msg.numel  # metadata: bytes the sender had queued (see timeouts.py)
     if msg.reason:
         header["r"] = msg.reason
     if msg.missing:

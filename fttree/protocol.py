@@ -49,6 +49,7 @@ from enum import Enum, IntEnum
 import numpy as np
 
 from .messages import Kind, Message
+from .timeouts import AdaptiveTimeouts, Phase, StaticTimeouts, TimeoutPolicy
 from .topology import Neighbours, neighbours, subtree_of
 
 OpId = tuple[int, int]  # (step, chunk)
@@ -60,6 +61,7 @@ class TimerKind(Enum):
     DEADLINE = "deadline"  # this node gives up on the op
     ROOT_DEADLINE = "root_deadline"  # the root gives up waiting for contributions
     LINGER = "linger"  # a finished op is kept this long to serve late observers
+    PROBE = "probe"  # time to probe a primary link marked failed (link memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,7 @@ class NoteKind(Enum):
     DUPLICATE = "duplicate"  # a copy was dropped (exactly-once at work)
     STALE = "stale"  # a message of a retired op was dropped
     PROTOCOL = "protocol"  # a message broke the protocol and was dropped
+    LINK = "link"  # a primary link was marked failed, or put back into use
 
 
 # ---- events -------------------------------------------------------------------------------
@@ -107,7 +110,15 @@ class TimerFired:
     key: TimerKey
 
 
-Event = Submit | Received | TimerFired
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkDown:
+    """The driver saw a hard failure on the link to `peer` (refused, reset, closed)."""
+
+    peer: int
+    reason: str
+
+
+Event = Submit | Received | TimerFired | LinkDown
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -171,6 +182,18 @@ class MachineConfig:
     watch_retries: int = 2  # re-arm a backup watch this many times after acting on it
     max_ops_ahead: int = 4096  # ops a peer may run ahead of our last submit
     retired_memory: int = 8192  # retired op ids remembered to drop their late messages
+    timeout_policy: str = "static"  # "static": always timeout_s; "adaptive": learnt per link (timeouts.py)
+    adaptive_floor_s: float = 0.03
+    adaptive_ceiling_s: float = 2.0
+    link_memory: bool = True  # route later steps around a primary link found failed
+    probe_interval_s: float = 0.1  # how often a failed primary link is probed
+    heal_after_s: float = 0.5  # healthy this long before reuse; doubled each time it fails again
+    max_heal_after_s: float = 30.0
+    bcast_memory_s: float = 5.0  # observers push results directly this long after a bcast timeout
+
+    def __post_init__(self) -> None:
+        if self.timeout_policy not in ("static", "adaptive"):
+            raise ValueError(f"timeout policy must be 'static' or 'adaptive', not {self.timeout_policy!r}")
 
     @property
     def root_give_up_s(self) -> float:
@@ -178,7 +201,25 @@ class MachineConfig:
 
     @property
     def linger_s(self) -> float:
-        return (self.watch_retries + 2) * self.timeout_s
+        longest = self.timeout_s if self.timeout_policy == "static" else max(self.timeout_s, self.adaptive_ceiling_s)
+        return (self.watch_retries + 2) * longest
+
+    def make_timeouts(self) -> TimeoutPolicy:
+        if self.timeout_policy == "adaptive":
+            return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
+                                    ceiling_s=self.adaptive_ceiling_s)
+        return StaticTimeouts(self.timeout_s)
+
+
+@dataclass(slots=True)
+class _UpLink:
+    """What this rank remembers about its primary link to its parent."""
+
+    failed: bool = False
+    via: int | None = None  # the backup node that relays for us while the link is failed
+    failures: int = 0  # times it was marked failed: damps a flapping link
+    probe_sent_at: float | None = None  # an unanswered probe
+    healthy_since: float | None = None  # first of an unbroken run of answered probes
 
 
 @dataclass(slots=True)
@@ -207,6 +248,10 @@ class _Op:
     bcast_confirmed: set[int] = field(default_factory=set)
     bcast_tries: dict[int, int] = field(default_factory=dict)
     bcast_pending: set[int] = field(default_factory=set)
+    watch_started: dict[tuple[Phase, int], tuple[float, int]] = field(default_factory=dict)  # (at, bytes)
+    watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
+    rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
+    requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
 
 
 class TreeMachine:
@@ -221,6 +266,10 @@ class TreeMachine:
         self._retired: set[OpId] = set()
         self._retired_floor = -1  # ops of steps below this are retired too
         self._max_step_submitted = -1
+        self.timeouts: TimeoutPolicy = config.make_timeouts()
+        self.up = _UpLink()
+        self.down_failed: set[int] = set()  # children whose link to us is known broken
+        self._bcast_push_until: dict[int, float] = {}  # observer: push results to these directly
 
     # ---- public ------------------------------------------------------------------------
 
@@ -233,6 +282,8 @@ class TreeMachine:
                 self._on_message(msg, now, out)
             case TimerFired(key=key):
                 self._on_timer(key, now, out)
+            case LinkDown(peer=peer, reason=reason):
+                self._on_link_down(peer, reason, now, out)
         return out
 
     def active_ops(self) -> list[OpId]:
@@ -341,8 +392,13 @@ class TreeMachine:
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             self._finish(op, now, out)
             return
-        out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
-                                                       origin=self.cfg.rank)))
+        if self._ft and self.up.failed and self.up.via is not None:
+            op.rerouted = True  # link memory: straight to the relay, no timeout to pay
+            out.append(Send(dst=self.up.via, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
+                                                                origin=self.cfg.rank, target=parent)))
+        else:
+            out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
+                                                           origin=self.cfg.rank)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
                 if observer is not None:
@@ -356,6 +412,14 @@ class TreeMachine:
             out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
                             text=f"dropped {msg.kind.name} from rank {msg.src}, not a tree neighbour"))
             return
+        if msg.kind is Kind.PROBE:
+            if msg.src in self.me.children:
+                out.append(Send(dst=msg.src, msg=Message(kind=Kind.PROBE_ACK, src=self.cfg.rank, step=msg.step)))
+            return
+        if msg.kind is Kind.PROBE_ACK:
+            if msg.src == self.me.parent:
+                self._on_probe_ack(now, out)
+            return
         op = self._get_op(msg.step, msg.chunk, out, msg.src)
         if op is None:
             return
@@ -367,8 +431,9 @@ class TreeMachine:
             case Kind.META_REDUCE_RECEIVED:
                 op.reduce_confirmed.add(msg.origin)
                 out.append(CancelTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, msg.origin)))
+                self._sample(op, Phase.REDUCE, msg.origin, now)
             case Kind.META_REDUCE_REQUEST:
-                self._on_meta_reduce_request(op, msg, out)
+                self._on_meta_reduce_request(op, msg, now, out)
             case Kind.DATA_REDUCE_REQUEST:
                 self._on_data_reduce_request(op, msg, out)
             case Kind.DATA_BCAST:
@@ -379,6 +444,7 @@ class TreeMachine:
                 op.bcast_confirmed.add(msg.src)
                 op.bcast_pending.discard(msg.src)
                 out.append(CancelTimer(key=self._timer(TimerKind.BCAST_WATCH, op, msg.src)))
+                self._sample(op, Phase.BCAST, msg.src, now)
             case Kind.ABORT:
                 codes = {c.value for c in AbortCode}
                 code = AbortCode(msg.target) if msg.target in codes else AbortCode.UNREACHABLE
@@ -424,6 +490,9 @@ class TreeMachine:
         if msg.src != origin:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
                             text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
+            self.down_failed.add(origin)
+        else:
+            self.down_failed.discard(origin)
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (self.me.brother, *self.me.children):
@@ -440,12 +509,16 @@ class TreeMachine:
         if origin in op.reduce_confirmed or not self._ft:
             return None
         op.reduce_tries.setdefault(origin, 0)
-        out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.cfg.timeout_s))
+        op.watch_started[(Phase.REDUCE, origin)] = (now, msg.numel)
+        wait = self.timeouts.deadline_s((origin, msg.target, Phase.REDUCE), msg.numel)
+        out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
         return None
 
-    def _on_meta_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
+    def _on_meta_reduce_request(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
         if not op.reduce_sent or op.acc is None or self.me.parent is None:
             return self._protocol(out, msg, "nothing sent yet to relay")
+        if msg.src not in op.requested_by:
+            op.requested_by.append(msg.src)
         out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
                                                         tuple(sorted(op.contributors)),
                                                         origin=self.cfg.rank, target=self.me.parent)))
@@ -481,6 +554,12 @@ class TreeMachine:
         assert msg.payload is not None
         op.result = np.frombuffer(msg.payload, dtype=np.dtype(msg.dtype))
         op.result_contributors = msg.contributors
+        if msg.src != self.me.parent and op.requested_by:
+            # Our sum needed a relay AND the result came around too: the link to the parent is
+            # down both ways. A request alone is no proof (an observer cut off from our parent
+            # asks in vain), so only both together make later steps route around it.
+            via = msg.src if msg.src in op.requested_by else op.requested_by[0]
+            self._mark_up_failed(via, f"step {op.step} needed relays both ways", now, out)
         if msg.src != self.me.parent:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=msg.src,
                             text=f"step {op.step}: result reached rank {self.cfg.rank} through rank {msg.src}"))
@@ -495,7 +574,9 @@ class TreeMachine:
         if target in op.bcast_confirmed or not self._ft:
             return None
         op.bcast_tries.setdefault(target, 0)
-        out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + self.cfg.timeout_s))
+        op.watch_started[(Phase.BCAST, target)] = (now, msg.numel)
+        wait = self.timeouts.deadline_s((msg.src, target, Phase.BCAST), msg.numel)
+        out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
         return None
 
     # ---- finishing ---------------------------------------------------------------------
@@ -512,6 +593,8 @@ class TreeMachine:
         op.done = True
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in self.me.children:
+            if self._ft and self.cfg.link_memory and child in self.down_failed:
+                continue  # its data came around a broken link: the relay pushes the result
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
@@ -522,7 +605,8 @@ class TreeMachine:
                 for observer in (self.me.brother, *self.me.children):
                     if observer is not None and observer != child:
                         out.append(Send(dst=observer, msg=sent))
-            for k in sorted(op.relayed_for | op.bcast_pending):
+            remembered = {k for k, until in self._bcast_push_until.items() if until > now}
+            for k in sorted(op.relayed_for | op.bcast_pending | remembered):
                 if k not in op.bcast_confirmed:
                     self._push_result(op, k, out, "its primary link failed")
             op.bcast_pending.clear()
@@ -558,6 +642,9 @@ class TreeMachine:
     # ---- timers ------------------------------------------------------------------------
 
     def _on_timer(self, key: TimerKey, now: float, out: list[Action]) -> None:
+        if key.kind is TimerKind.PROBE:
+            self._probe(now, out)
+            return
         op = self._ops.get((key.step, key.chunk))
         if op is None:
             return
@@ -585,27 +672,39 @@ class TreeMachine:
             return  # holding the result proves every subtree sum reached the root
         tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
         parent = neighbours(origin, self.cfg.world).parent
+        assert parent is not None
+        op.watch_fired.add((Phase.REDUCE, origin))
+        self.timeouts.timed_out((origin, parent, Phase.REDUCE))
+        wait = self.timeouts.deadline_s((origin, parent, Phase.REDUCE), op.watch_started.get((Phase.REDUCE, origin),
+                                                                                             (0.0, 0))[1])
         out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=origin,
                         text=f"step {op.step}: no sign that rank {parent} got rank {origin}'s data "
-                             f"after {self.cfg.timeout_s:g} s; asking rank {origin} for it (try {tries})"))
+                             f"in time; asking rank {origin} for it (try {tries})"))
         out.append(Send(dst=origin, msg=self._msg(op, Kind.META_REDUCE_REQUEST, target=parent)))
         if tries <= self.cfg.watch_retries:
-            out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.cfg.timeout_s))
+            out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
 
     def _bcast_watch_fired(self, op: _Op, target: int, now: float, out: list[Action]) -> None:
         if target in op.bcast_confirmed:
             return
         tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
         parent = neighbours(target, self.cfg.world).parent
+        assert parent is not None
+        op.watch_fired.add((Phase.BCAST, target))
+        self.timeouts.timed_out((parent, target, Phase.BCAST))
+        wait = self.timeouts.deadline_s((parent, target, Phase.BCAST), op.watch_started.get((Phase.BCAST, target),
+                                                                                            (0.0, 0))[1])
+        if self.cfg.link_memory:
+            self._bcast_push_until[target] = now + self.cfg.bcast_memory_s
         out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=target,
                         text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
-                             f"after {self.cfg.timeout_s:g} s (try {tries})"))
+                             f"in time (try {tries})"))
         if op.result is not None:
             self._push_result(op, target, out, f"link {parent}->{target} looks broken")
         else:
             op.bcast_pending.add(target)
         if tries <= self.cfg.watch_retries:
-            out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + self.cfg.timeout_s))
+            out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
 
     def _deadline(self, op: _Op, now: float, out: list[Action]) -> None:
         me = self.me
@@ -621,3 +720,75 @@ class TreeMachine:
             peers = tuple(r for r in (me.parent, *relays) if r is not None)
         self._emit_failure(op, Fail(step=op.step, chunk=op.chunk, code=AbortCode.TIMEOUT,
                                     reason=reason, peers=peers), now, out)
+
+    # ---- link memory, probes, hard failures ----------------------------------------------
+
+    def _sample(self, op: _Op, phase: Phase, peer: int, now: float) -> None:
+        """A confirmation arrived: feed the watch's duration to the timeout policy (Karn: not
+        if the watch already fired)."""
+        started = op.watch_started.pop((phase, peer), None)
+        if started is None or (phase, peer) in op.watch_fired:
+            return
+        parent = neighbours(peer, self.cfg.world).parent
+        if parent is not None:
+            self.timeouts.observe((peer, parent, phase), now - started[0], started[1])
+
+    def _heal_hold_s(self) -> float:
+        return min(self.cfg.heal_after_s * 2 ** max(0, self.up.failures - 1), self.cfg.max_heal_after_s)
+
+    def _mark_up_failed(self, via: int, why: str, now: float, out: list[Action]) -> None:
+        parent = self.me.parent
+        if not self._ft or not self.cfg.link_memory or parent is None:
+            return
+        if self.up.failed:
+            self.up.healthy_since = None  # still failing: the healthy run starts over
+            return
+        self.up = _UpLink(failed=True, via=via, failures=self.up.failures + 1)
+        out.append(Note(step=self._max_step_submitted, kind=NoteKind.LINK, peer=parent,
+                        text=f"link {self.cfg.rank}->{parent} marked failed ({why}); routing through rank {via} "
+                             f"until it answers probes for {self._heal_hold_s():g} s"))
+        out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
+
+    def _probe(self, now: float, out: list[Action]) -> None:
+        parent = self.me.parent
+        if not self.up.failed or parent is None:
+            return
+        if self.up.probe_sent_at is not None:  # the last probe got no answer
+            self.up.healthy_since = None
+        self.up.probe_sent_at = now
+        step = max(self._max_step_submitted, 0)  # so step-windowed faults apply to probes too
+        out.append(Send(dst=parent, msg=Message(kind=Kind.PROBE, src=self.cfg.rank, step=step)))
+        out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
+
+    def _on_probe_ack(self, now: float, out: list[Action]) -> None:
+        if not self.up.failed:
+            return
+        self.up.probe_sent_at = None
+        if self.up.healthy_since is None:
+            self.up.healthy_since = now
+        elif now - self.up.healthy_since >= self._heal_hold_s():
+            held = now - self.up.healthy_since
+            self.up = _UpLink(failures=self.up.failures)
+            out.append(Note(step=self._max_step_submitted, kind=NoteKind.LINK, peer=self.me.parent or 0,
+                            text=f"link {self.cfg.rank}->{self.me.parent} answered probes for {held:.2f} s: "
+                                 f"back in use"))
+
+    def _on_link_down(self, peer: int, reason: str, now: float, out: list[Action]) -> None:
+        """A refused or reset connection: act now instead of waiting for a watch to expire."""
+        if not self._ft:
+            return
+        if peer in self.me.children:
+            self.down_failed.add(peer)
+            return
+        if peer != self.me.parent:
+            return
+        via = self.me.brother if self.me.brother is not None else self.me.uncle
+        if via is None:
+            return
+        self._mark_up_failed(via, f"connection to rank {peer} failed: {reason}", now, out)
+        for op in self._ops.values():
+            if op.reduce_sent and op.result is None and not op.done and not op.rerouted and op.acc is not None:
+                op.rerouted = True
+                out.append(Send(dst=via, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
+                                                            tuple(sorted(op.contributors)),
+                                                            origin=self.cfg.rank, target=peer)))

@@ -32,6 +32,7 @@ from .protocol import (
     Submit,
     TimerFired,
     TimerKey,
+    TimerKind,
     TreeMachine,
 )
 
@@ -79,7 +80,8 @@ class SimNetwork:
             for r in range(self.world)
         ]
         self._rng = random.Random(self.seed)
-        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._queue: list[tuple[float, int, bool, Callable[[], None]]] = []
+        self._essential = 0  # queued events other than background probes
         self._seq = itertools.count()
         self._timers: dict[tuple[int, TimerKey], int] = {}
         self._cut: set[tuple[int, int]] = set()
@@ -114,9 +116,10 @@ class SimNetwork:
             if r != a:
                 self.cut(a, r)
 
-    def at(self, when: float, fn: Callable[[], None]) -> None:
+    def at(self, when: float, fn: Callable[[], None], *, essential: bool = True) -> None:
         """Run `fn` (a fault change, a submit) at simulated time `when`."""
-        heapq.heappush(self._queue, (when, next(self._seq), fn))
+        heapq.heappush(self._queue, (when, next(self._seq), essential, fn))
+        self._essential += essential
 
     # ---- driving -----------------------------------------------------------------------
 
@@ -131,15 +134,28 @@ class SimNetwork:
             self.submit(rank, step, data, chunk=chunk)
 
     def run(self, until: float | None = None) -> None:
-        """Process events until none are left (or simulated time passes `until`)."""
-        while self._queue:
-            when, _, fn = self._queue[0]
+        """Process events until only background probes are left (or time passes `until`).
+
+        Probes of failed links go on forever in a real node; here they run while anything
+        else is pending, so a run always ends."""
+        while self._queue and (self._essential or until is not None):
+            when, _, essential, fn = self._queue[0]
             if until is not None and when > until:
                 self.now = until
                 return
             heapq.heappop(self._queue)
+            self._essential -= essential
             self.now = max(self.now, when)
             fn()
+
+    def run_until_finished(self, step: int, *, chunk: int = 0, limit_s: float = 60.0) -> None:
+        """Process events until every rank has an outcome for (step, chunk)."""
+        end = self.now + limit_s
+        while any((r, step, chunk) not in self.results for r in range(self.world)):
+            if not self._queue or self.now >= end:
+                missing = [r for r in range(self.world) if (r, step, chunk) not in self.results]
+                raise AssertionError(f"ranks {missing} have no outcome for step {step} after {limit_s:g} s")
+            self.run(until=min(end, self._queue[0][0]))
 
     def outcome(self, rank: int, step: int, chunk: int = 0) -> Complete | Fail | None:
         return self.results.get((rank, step, chunk))
@@ -154,7 +170,8 @@ class SimNetwork:
                 case SetTimer(key=key, at=at):
                     token = next(self._seq)
                     self._timers[(rank, key)] = token
-                    self.at(at, functools.partial(self._fire, rank, key, token))
+                    self.at(at, functools.partial(self._fire, rank, key, token),
+                            essential=key.kind is not TimerKind.PROBE)
                 case CancelTimer(key=key):
                     self._timers.pop((rank, key), None)
                 case Complete() | Fail():

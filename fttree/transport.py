@@ -91,6 +91,13 @@ class _OutLink:
         self.writer: asyncio.StreamWriter | None = None
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"fttree-link-{peer}")
 
+    def backlog_bytes(self) -> int:
+        """Bytes waiting to go out on this link: queued frames plus the socket's send buffer."""
+        queued = sum(len(m.payload) for m in self.queue if m.payload is not None)  # type: ignore[arg-type]
+        if self.writer is not None:
+            queued += self.writer.transport.get_write_buffer_size()
+        return queued
+
     def push(self, msg: Message) -> None:
         self.queue.append(msg)
         self.wake.set()
@@ -103,6 +110,8 @@ class _OutLink:
                 t.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             t.stats[self.peer].last_error = f"connect to {addr}: {exc or type(exc).__name__}"
+            if isinstance(exc, ConnectionRefusedError):
+                t.on_link_down(self.peer, f"connection to {addr} refused")
             return False
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -141,7 +150,10 @@ class _OutLink:
             try:
                 await self._drain_queue()
             except (OSError, TimeoutError) as exc:
-                self._drop_connection(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                self._drop_connection(why)
+                if isinstance(exc, ConnectionError):  # reset or closed, not merely slow
+                    self.t.on_link_down(self.peer, why)
                 continue
             self.wake.clear()
             if not self.queue:
@@ -168,6 +180,7 @@ class TcpTransport:
     def __init__(self, rank: int, addresses: list[Address], *,
                  on_message: Callable[[Message], None],
                  is_stale: Callable[[Message], bool] = lambda m: False,
+                 on_link_down: Callable[[int, str], None] = lambda peer, why: None,
                  faults: FaultSchedule | None = None,
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
@@ -176,6 +189,7 @@ class TcpTransport:
         self.me = addresses[rank]
         self.on_message = on_message
         self.is_stale = is_stale
+        self.on_link_down = on_link_down
         self.faults = faults or FaultSchedule()
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -213,6 +227,10 @@ class TcpTransport:
             asyncio.get_running_loop().call_later(verdict.delay_s, self._link(dst).push, msg)
             return
         self._link(dst).push(msg)
+
+    def backlog_bytes(self, dst: int) -> int:
+        link = self._out.get(dst)
+        return 0 if link is None else link.backlog_bytes()
 
     async def wait_for_peers(self, peers: list[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable."""

@@ -1,0 +1,164 @@
+"""Recovery beyond the thesis: adaptive timeouts, link memory with probes and damping, hard
+failure detection, and exactly-once under flapping links (simulated network, fake clock)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fttree.faults import FaultSchedule
+from fttree.protocol import Complete, LinkDown, NoteKind
+from fttree.testing import SimNetwork
+from fttree.timeouts import AdaptiveTimeouts, Phase, StaticTimeouts
+
+from .test_protocol_sim import contributions
+
+KEY = (3, 1, Phase.REDUCE)
+
+
+# ---- the timeout policies ------------------------------------------------------------------
+
+
+def test_static_policy_is_the_thesis_timeout() -> None:
+    policy = StaticTimeouts(0.5)
+    policy.observe(KEY, 0.001, 100)
+    policy.timed_out(KEY)
+    assert policy.deadline_s(KEY, 10**9) == 0.5
+
+
+def test_adaptive_follows_rfc6298_and_clamps() -> None:
+    policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.01, ceiling_s=2.0)
+    assert policy.deadline_s(KEY, 0) == 0.5  # no sample yet
+    policy.observe(KEY, 0.1, 1000)  # first sample: SRTT = R, RTTVAR = R/2
+    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.1 + 4 * 0.05)
+    policy.observe(KEY, 0.1, 1000)  # RTTVAR = 3/4 * 0.05 + 1/4 * 0, SRTT stays
+    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.1 + 4 * 0.0375)
+    for _ in range(200):
+        policy.observe(KEY, 0.0001, 1000)
+    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.01)  # floor
+    policy.timed_out(KEY)
+    policy.timed_out(KEY)
+    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.04)  # backoff doubles per timeout
+    policy.observe(KEY, 0.0001, 1000)
+    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.01)  # a clean sample resets it
+
+
+def test_adaptive_scales_with_the_bytes_queued_ahead() -> None:
+    policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.001, ceiling_s=2.0)
+    for _ in range(20):
+        policy.observe(KEY, 0.02, 1_600_000)
+    small = policy.deadline_s(KEY, 1_600_000)
+    big = policy.deadline_s(KEY, 100 * 1_600_000)
+    assert big == pytest.approx(small * 100)  # 100x the backlog: 100x the patience
+    assert policy.deadline_s(KEY, 100) == pytest.approx(small)  # never below the learnt one
+
+
+# ---- adaptive recovery in the simulator --------------------------------------------------
+
+
+def run_steps(net: SimNetwork, world: int, steps: range, gap_s: float = 0.05) -> dict[int, float]:
+    """Run steps one after another; every rank must finish each with the exact sum."""
+    durations = {}
+    for s in steps:
+        data = contributions(world, step=s)
+        start = net.now
+        net.submit_all(s, data)
+        net.run_until_finished(s)
+        durations[s] = max(net.finished_at[(r, s, 0)] for r in range(world)) - start
+        for r in range(world):
+            out = net.outcome(r, s)
+            assert isinstance(out, Complete), f"rank {r} step {s}: {out}"
+            assert np.array_equal(out.result, sum(data)), f"rank {r} step {s}: wrong sum"
+        net.run(until=net.now + gap_s)
+    return durations
+
+
+def test_adaptive_first_faulted_step_costs_far_less_than_the_static_timeout() -> None:
+    static = SimNetwork(7, timeout_s=0.5, faults=FaultSchedule("cut 1-0 @10.."), jitter_s=0.002)
+    adaptive = SimNetwork(7, timeout_s=0.5, faults=FaultSchedule("cut 1-0 @10.."), jitter_s=0.002)
+    for m in adaptive.machines:
+        m.timeouts = AdaptiveTimeouts(initial_s=0.5, floor_s=0.03, ceiling_s=2.0)
+    t_static = run_steps(static, 7, range(12))
+    t_adaptive = run_steps(adaptive, 7, range(12))
+    base = t_static[9]
+    assert t_static[10] - base > 0.5  # the thesis pays a full timeout
+    assert t_adaptive[10] - base < 0.1  # learnt deadlines: tens of milliseconds
+    assert t_adaptive[11] < 1.5 * max(t_adaptive[9], 0.01)  # link memory: no second timeout
+
+
+def test_link_memory_pays_once_then_probes_bring_the_link_back() -> None:
+    net = SimNetwork(7, timeout_s=0.2, faults=FaultSchedule("cut 1-0 @2..5"))
+    run_steps(net, 7, range(30), gap_s=0.1)
+    timeout_steps = {n.step for r, n in net.notes if n.kind is NoteKind.TIMEOUT and "rank 1's data" in n.text}
+    assert timeout_steps == {2}
+    links = [(r, n.text) for r, n in net.notes if n.kind is NoteKind.LINK]
+    assert any(r == 1 and "marked failed" in t for r, t in links)
+    assert any(r == 1 and "back in use" in t for r, t in links)
+    relayed = {n.step for r, n in net.notes if r == 0 and "forwarded by" in n.text}
+    assert set(range(2, 6)) <= relayed
+    assert max(relayed) < 29  # direct again well before the end
+
+
+def test_a_flapping_link_must_stay_healthy_longer_each_time() -> None:
+    net = SimNetwork(7, timeout_s=0.2, faults=FaultSchedule("cut 1-0 @2..3; cut 1-0 @12..13; cut 1-0 @30..31"))
+    run_steps(net, 7, range(60), gap_s=0.1)
+    holds = [n.text for r, n in net.notes if r == 1 and n.kind is NoteKind.LINK and "marked failed" in n.text]
+    assert len(holds) == 3
+    assert "for 0.5 s" in holds[0]
+    assert "for 1 s" in holds[1]
+    assert "for 2 s" in holds[2]
+
+
+def test_an_observer_cut_off_from_the_parent_does_not_misroute_its_brother() -> None:
+    # rank 1 cannot hear rank 0, so it asks rank 2 for data in vain; rank 2 must keep using
+    # its healthy link to 0 (it got the result straight from its parent)
+    net = SimNetwork(7, timeout_s=0.2, faults=FaultSchedule("cut 1-0"))
+    run_steps(net, 7, range(5))
+    assert not [n for r, n in net.notes if r == 2 and n.kind is NoteKind.LINK]
+
+
+def test_a_hard_link_failure_reroutes_at_once_without_a_timeout() -> None:
+    net = SimNetwork(7, timeout_s=5.0)
+    net.cut(1, 0)
+    data = contributions(7)
+    net.submit_all(0, data)
+    net.run(until=0.01)  # rank 1 has sent into the dead link
+    net._apply(1, net.machines[1].handle(LinkDown(peer=0, reason="connection reset"), net.now))
+    net.run_until_finished(0)
+    assert max(net.finished_at.values()) < 0.1  # no 5 s timeout was paid
+    for r in range(7):
+        out = net.outcome(r, 0)
+        assert isinstance(out, Complete)
+        assert np.array_equal(out.result, sum(data))
+
+
+@st.composite
+def flapping(draw: st.DrawFn) -> tuple[int, str, int]:
+    """One primary link that is cut and healed again and again, within and across steps."""
+    child = draw(st.integers(min_value=1, max_value=6))
+    link = f"{child}-{(child - 1) // 2}"
+    windows, step = [], 0
+    while step < 14:
+        step += draw(st.integers(min_value=0, max_value=3))
+        length = draw(st.integers(min_value=0, max_value=2))
+        windows.append(f"cut {link} @{step}..{step + length}")
+        step += length + 1
+    return child, "; ".join(windows), draw(st.integers(0, 1000))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(flapping(), st.sampled_from(["static", "adaptive"]))
+def test_flapping_links_keep_every_step_exact(case: tuple[int, str, int], policy: str) -> None:
+    child, schedule, seed = case
+    net = SimNetwork(7, timeout_s=0.2, faults=FaultSchedule(schedule), jitter_s=0.003, duplicate_p=0.1, seed=seed)
+    if policy == "adaptive":
+        for m in net.machines:
+            m.timeouts = AdaptiveTimeouts(initial_s=0.2, floor_s=0.02, ceiling_s=1.0)
+    # mid-step flaps too: the same link cut and healed at odd times within steps
+    parent = (child - 1) // 2
+    for t in (0.013, 0.2, 0.47):
+        net.at(t, lambda: net.cut(child, parent))
+        net.at(t + 0.021, lambda: net.heal(child, parent))
+    run_steps(net, 7, range(16), gap_s=0.01)
