@@ -734,7 +734,7 @@ class TreeMachine:
             self.timeouts.observe((peer, parent, phase), now - started[0], started[1])
 
     def _heal_hold_s(self) -> float:
-        return min(self.cfg.heal_after_s * 2 ** max(0, self.up.failures - 1), self.cfg.max_heal_after_s)
+        return float(min(self.cfg.heal_after_s * 2.0 ** max(0, self.up.failures - 1), self.cfg.max_heal_after_s))
 
     def _mark_up_failed(self, via: int, why: str, now: float, out: list[Action]) -> None:
         parent = self.me.parent

@@ -93,7 +93,7 @@ class _OutLink:
 
     def backlog_bytes(self) -> int:
         """Bytes waiting to go out on this link: queued frames plus the socket's send buffer."""
-        queued = sum(len(m.payload) for m in self.queue if m.payload is not None)  # type: ignore[arg-type]
+        queued = sum(len(m.payload) for m in self.queue if m.payload is not None)
         if self.writer is not None:
             queued += self.writer.transport.get_write_buffer_size()
         return queued
