@@ -183,7 +183,7 @@ class MachineConfig:
     max_ops_ahead: int = 4096  # ops a peer may run ahead of our last submit
     retired_memory: int = 8192  # retired op ids remembered to drop their late messages
     timeout_policy: str = "static"  # "static": always timeout_s; "adaptive": learnt per link (timeouts.py)
-    adaptive_floor_s: float = 0.03
+    adaptive_floor_s: float = 0.08
     adaptive_ceiling_s: float = 2.0
     link_memory: bool = True  # route later steps around a primary link found failed
     probe_interval_s: float = 0.1  # how often a failed primary link is probed
@@ -470,6 +470,8 @@ class TreeMachine:
             return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.cfg.rank}")
         if msg.src != origin and msg.src not in (self.me.brother, *self.me.children):
             return self._protocol(out, msg, f"rank {msg.src} cannot relay for rank {origin}")
+        if msg.src == origin:  # any direct copy, even a late duplicate, proves the link works
+            self.down_failed.discard(origin)
         if op.done:
             return
         if origin in op.got_children:
@@ -491,8 +493,6 @@ class TreeMachine:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
                             text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
             self.down_failed.add(origin)
-        else:
-            self.down_failed.discard(origin)
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (self.me.brother, *self.me.children):

@@ -65,7 +65,7 @@ class AdaptiveTimeouts:
     """Per-(link, phase) deadlines learnt from how long confirmations take."""
 
     initial_s: float = 0.5  # before any sample (RFC 6298 uses 1 s)
-    floor_s: float = 0.03
+    floor_s: float = 0.08
     ceiling_s: float = 2.0
     k: float = 4.0
     alpha: float = 1 / 8
