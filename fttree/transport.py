@@ -18,6 +18,7 @@ import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from .errors import ConfigError, FrameError, PeerError
 from .faults import FaultSchedule
@@ -200,13 +201,13 @@ class TcpTransport:
         self.last_frame_error = ""
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
-        self._readers: set[asyncio.Task[None]] = set()
-        self._inbound: set[asyncio.StreamWriter] = set()
+        self._inbound: set[asyncio.Transport] = set()
 
     async def start(self) -> None:
         try:
-            self._server = await asyncio.start_server(self._accept, self.me.host, self.me.port,
-                                                      reuse_address=True, limit=STREAM_LIMIT)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
+                                                    reuse_address=True)
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
             raise PeerError(f"rank {self.rank} cannot listen on {self.me}: {exc.strerror or exc}{hint}") from None
@@ -256,19 +257,12 @@ class TcpTransport:
             link.task.cancel()
             if link.writer is not None:
                 link.writer.transport.abort()
-        for writer in list(self._inbound):
-            writer.transport.abort()  # readers then end on their own (no cancel: see _accept)
-        tasks = [link.task for link in self._out.values()] + list(self._readers)
+        for inbound in list(self._inbound):
+            inbound.abort()
+        tasks = [link.task for link in self._out.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    # ---- inbound -----------------------------------------------------------------------
-
-    async def _read_frame(self, reader: asyncio.StreamReader) -> Message:
-        prefix = await reader.readexactly(PREFIX.size)
-        head_len, payload_len = decode_prefix(prefix, max_payload_bytes=self.max_payload_bytes)
-        head = await reader.readexactly(head_len)
-        payload = await reader.readexactly(payload_len) if payload_len else None
-        return decode_header(head, payload)
+    # ---- inbound ----------------------------------------------------------------------
 
     def _check_hello(self, hello: Message, peer_host: str) -> int:
         if hello.kind != Kind.HELLO:
@@ -284,37 +278,116 @@ class TcpTransport:
                              f"(two workers with the same rank, or a wrong --rank?)")
         return src
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._readers.add(task)
-        self._inbound.add(writer)
-        peername = writer.get_extra_info("peername") or ("?", 0)
-        src = -1
+    def _frame_error(self, who: str, exc: FrameError) -> None:
+        self.frame_errors += 1
+        self.last_frame_error = f"bad frame from {who}: {exc}"
+        log.error("rank %d: %s; closing that connection", self.rank, self.last_frame_error)
+
+
+class _Inbound(asyncio.BufferedProtocol):
+    """Reads frames from one accepted connection. Payloads are read by the kernel straight
+    into a buffer of their exact size (no stream-buffer copies); prefixes and headers go
+    through a small scratch buffer, several per read when frames are small."""
+
+    SCRATCH_BYTES = 256 * 1024  # > prefix + the largest header, so a header always fits
+
+    def __init__(self, owner: TcpTransport) -> None:
+        self.t = owner
+        self.scratch = bytearray(self.SCRATCH_BYTES)
+        self.start = self.end = 0  # unread bytes are scratch[start:end]
+        self.payload: bytearray | None = None  # the payload being read, if any
+        self.payload_got = 0
+        self.head = b""
+        self.src = -1  # rank, once its HELLO is checked
+        self.transport: asyncio.Transport | None = None
+        self.peer: tuple[str, int] = ("?", 0)
+        self.hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        peername = transport.get_extra_info("peername")
+        self.peer = (str(peername[0]), int(peername[1])) if peername else ("?", 0)
+        self.t._inbound.add(self.transport)
+        self.hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.t._inbound.discard(self.transport)
+        self.transport = None
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+
+    def _no_hello(self) -> None:
+        if self.src < 0 and self.transport is not None:
+            log.error("rank %d: %s:%s sent no HELLO within %g s; closing", self.t.rank, *self.peer, HELLO_TIMEOUT_S)
+            self.transport.abort()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.payload is not None:
+            return memoryview(self.payload)[self.payload_got:]
+        if self.end == len(self.scratch):  # move the unread tail to the front
+            unread = self.end - self.start
+            self.scratch[:unread] = self.scratch[self.start:self.end]
+            self.start, self.end = 0, unread
+        return memoryview(self.scratch)[self.end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            hello = await asyncio.wait_for(self._read_frame(reader), HELLO_TIMEOUT_S)
-            src = self._check_hello(hello, str(peername[0]))
-            stats = self.stats[src]
-            while True:
-                msg = await self._read_frame(reader)
-                if msg.src != src:
-                    raise FrameError(f"frame says it is from rank {msg.src} on rank {src}'s connection")
-                stats.frames_received += 1
-                stats.bytes_received += PREFIX.size + (0 if msg.payload is None else len(msg.payload))
-                if self.faults and self.faults.verdict(src, self.rank, msg.step).drop:
-                    stats.injected_drops += 1
-                    continue
-                self.on_message(msg)
+            if self.payload is not None:
+                self.payload_got += nbytes
+                if self.payload_got < len(self.payload):
+                    return
+                payload, self.payload = self.payload, None
+                self._frame(self.head, payload)
+            else:
+                self.end += nbytes
+            self._parse()
         except FrameError as exc:
-            self.frame_errors += 1
-            who = f"rank {src}" if src >= 0 else f"{peername[0]}:{peername[1]}"
-            self.last_frame_error = f"bad frame from {who}: {exc}"
-            log.error("rank %d: %s; closing that connection", self.rank, self.last_frame_error)
-        except TimeoutError:
-            log.error("rank %d: %s:%s sent no HELLO within %g s; closing", self.rank, *peername[:2], HELLO_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass  # the peer went away; it reconnects when it has something to send
-        finally:
-            writer.transport.abort()
-            self._inbound.discard(writer)
-            self._readers.discard(task)
+            self.t._frame_error(f"rank {self.src}" if self.src >= 0 else f"{self.peer[0]}:{self.peer[1]}", exc)
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _parse(self) -> None:
+        """Handle every whole frame in the scratch buffer; start reading a payload if one begins."""
+        while self.transport is not None and self.payload is None:
+            avail = self.end - self.start
+            if avail < PREFIX.size:
+                break
+            head_len, payload_len = decode_prefix(bytes(self.scratch[self.start:self.start + PREFIX.size]),
+                                                  max_payload_bytes=self.t.max_payload_bytes)
+            if avail < PREFIX.size + head_len:
+                break
+            head_start = self.start + PREFIX.size
+            head = bytes(self.scratch[head_start:head_start + head_len])
+            self.start = head_start + head_len
+            if not payload_len:
+                self._frame(head, None)
+                continue
+            payload = bytearray(payload_len)
+            take = min(payload_len, self.end - self.start)
+            payload[:take] = self.scratch[self.start:self.start + take]
+            self.start += take
+            if take == payload_len:
+                self._frame(head, payload)
+            else:
+                self.payload, self.payload_got, self.head = payload, take, head
+        if self.start == self.end:
+            self.start = self.end = 0
+
+    def _frame(self, head: bytes, payload: bytearray | None) -> None:
+        msg = decode_header(head, payload)
+        t = self.t
+        if self.src < 0:
+            self.src = t._check_hello(msg, self.peer[0])
+            if self.hello_timer is not None:
+                self.hello_timer.cancel()
+            return
+        if msg.src != self.src:
+            raise FrameError(f"frame says it is from rank {msg.src} on rank {self.src}'s connection")
+        stats = t.stats[self.src]
+        stats.frames_received += 1
+        stats.bytes_received += PREFIX.size + len(head) + (0 if payload is None else len(payload))
+        if t.faults and t.faults.verdict(self.src, t.rank, msg.step).drop:
+            stats.injected_drops += 1
+            return
+        t.on_message(msg)
