@@ -15,16 +15,20 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import uvloop
 
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .faults import FaultSchedule
+from .linkstate import Monitor
 from .node import Node, NodeConfig, StepResult
 from .topology import check_rank
 from .transport import Address, parse_address, parse_peers
+
+if TYPE_CHECKING:
+    from .control import ControlServer
 
 _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
 
@@ -65,13 +69,19 @@ class FTTreeAllreduce:
     `peers` lists every rank's "host:port" (index = rank). `timeout` is the backup-link watch
     in seconds; `step_timeout` bounds a whole step, after which it raises StepAborted naming
     what it waited for. `faults` is an in-process fault schedule (see fttree.faults).
+    `timeout_policy="adaptive"` learns each backup watch's deadline from the link (between
+    `adaptive_floor` and `adaptive_ceiling` seconds; `timeout` is the first guess);
+    `link_memory` routes later steps around a primary link found failed until it heals.
+    `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.control).
     """
 
     def __init__(self, rank: int, peers: Sequence[str | Address], *, timeout: float = 0.5,
                  step_timeout: float = 30.0, root_timeout: float | None = None,
                  startup_timeout: float = 60.0, faults: str | FaultSchedule | None = None,
-                 fault_tolerant: bool = True, chunk_bytes: int = 4 * 1024 * 1024,
-                 stall_timeout: float = 5.0) -> None:
+                 fault_tolerant: bool = True, timeout_policy: str = "static", link_memory: bool = True,
+                 adaptive_floor: float = 0.08, adaptive_ceiling: float = 2.0, chunk_bytes: int = 4 * 1024 * 1024,
+                 stall_timeout: float = 5.0, http_port: int | None = None, http_host: str | None = None,
+                 http_token: str | None = None) -> None:
         addresses = [p if isinstance(p, Address) else parse_address(p) for p in peers]
         if not addresses:
             raise ConfigError("peers is empty: list one host:port per rank")
@@ -83,12 +93,18 @@ class FTTreeAllreduce:
         for name, value in (("timeout", timeout), ("step_timeout", step_timeout), ("startup_timeout", startup_timeout)):
             if not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if timeout_policy not in ("static", "adaptive"):
+            raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {timeout_policy!r}")
+        if not 0 < adaptive_floor <= adaptive_ceiling:
+            raise ConfigError(f"need 0 < adaptive_floor <= adaptive_ceiling, got {adaptive_floor}, {adaptive_ceiling}")
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)
         self.rank, self.world = rank, len(addresses)
         self.config = NodeConfig(rank=rank, peers=addresses, timeout_s=timeout, step_timeout_s=step_timeout,
                                  root_timeout_s=root_timeout, startup_timeout_s=startup_timeout,
-                                 fault_tolerant=fault_tolerant, chunk_bytes=chunk_bytes,
+                                 fault_tolerant=fault_tolerant, timeout_policy=timeout_policy,
+                                 link_memory=link_memory, adaptive_floor_s=adaptive_floor,
+                                 adaptive_ceiling_s=adaptive_ceiling, chunk_bytes=chunk_bytes,
                                  stall_timeout_s=stall_timeout, faults=faults)
         self.node: Node | None = None
         self.last: StepResult | None = None
@@ -96,6 +112,9 @@ class FTTreeAllreduce:
         self._thread: threading.Thread | None = None
         self._next_step = 0
         self._lock = threading.Lock()
+        self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
+        self.monitor: Monitor | None = None
+        self.control: ControlServer | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -141,9 +160,13 @@ class FTTreeAllreduce:
         self._loop = loop
         asyncio.set_event_loop(loop)
         self.node = Node(self.config)
+        self.monitor = Monitor(self.node)
         try:
             loop.run_until_complete(self.node.start())
+            if self.http_port is not None:
+                loop.run_until_complete(self._start_control())
         except BaseException as exc:
+            self.monitor.close()
             loop.run_until_complete(self.node.close())
             loop.close()
             ready.set_exception(exc if isinstance(exc, FTTreeError) else PeerError(f"rank {self.rank}: {exc}"))
@@ -152,8 +175,27 @@ class FTTreeAllreduce:
         try:
             loop.run_forever()
         finally:
+            if self.control is not None:
+                loop.run_until_complete(self.control.close())
+            self.monitor.close()
             loop.run_until_complete(self.node.close())
             loop.close()
+
+    async def _start_control(self) -> None:
+        from .control import ControlServer, default_http_host
+
+        assert self.node is not None
+        assert self.monitor is not None
+        assert self.http_port is not None
+        host = self.http_host or default_http_host(self.config.peers[self.rank].host)
+        control = ControlServer(self.node, self.monitor, host=host, port=self.http_port, token=self.http_token)
+        await control.start()
+        self.control = control
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the control server, once started (None without one)."""
+        return None if self.control is None else self.control.address
 
     def _join(self) -> None:
         if self._thread is not None:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
+from . import logs
 from . import topology as topo
 from .demo import THESIS_MLP_PARAMS, run_steps
 from .errors import FTTreeError
 from .faults import FaultSchedule
 from .launch import launch as run_launch
+from .status_cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
 from .transport import parse_peers
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,6 +40,10 @@ def _job_options(f: F) -> F:
     f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
                      show_default=True, help="Wait this long for peers to come up.")(f)
     f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
+    f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="static",
+                     show_default=True, help="static: always --timeout; adaptive: learnt per link.")(f)
+    f = click.option("--no-link-memory", is_flag=True,
+                     help="Pay the timeout on every step of a failure (the thesis), no routing around.")(f)
     return _faults_option(f)
 
 
@@ -45,8 +52,7 @@ def _job_options(f: F) -> F:
 def main(verbose: int) -> None:
     """fttree: fault-tolerant tree allreduce over unreliable links."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(level)
 
 
 @main.command()
@@ -61,28 +67,45 @@ def topology(world: int) -> None:
 @click.option("--peers", "peers_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="File with one host:port per line; line i is rank i.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per step (for launch).")
+@click.option("--gate-dir", type=click.Path(file_okay=False, path_type=Path), default=None, hidden=True,
+              help="Wait before --gate-steps for the real-fault runner (fttree launch --real-faults).")
+@click.option("--gate-steps", default="", hidden=True, help="Comma-separated steps to wait before.")
 @_job_options
+@worker_options
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
-           startup_timeout: float, no_ft: bool, faults: str) -> None:
+           startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
+           timeout_policy: str, no_link_memory: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum."""
     from .api import FTTreeAllreduce
 
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
         ar = FTTreeAllreduce(rank, peers, timeout=timeout, step_timeout=step_timeout,
-                             startup_timeout=startup_timeout, faults=faults, fault_tolerant=not no_ft)
+                             startup_timeout=startup_timeout, faults=faults, fault_tolerant=not no_ft,
+                             timeout_policy=timeout_policy, link_memory=not no_link_memory,
+                             **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
+    gate = None
+    if gate_dir is not None:
+        from .realfaults import StepGate
+
+        gate = StepGate(gate_dir, StepGate.parse_steps(gate_steps), rank, max(startup_timeout, step_timeout) + 30)
     failed = False
     try:
-        for rec in run_steps(ar, steps, size):
+        for rec in run_steps(ar, steps, size, before_step=gate):
             failed |= not rec.exact
             if as_json:
                 click.echo(rec.to_json())
             else:
                 status = "exact" if rec.exact else f"FAILED: {rec.error or 'wrong sum'}"
                 click.echo(f"rank {rank} step {rec.step:3d} {rec.duration_s * 1000:8.1f} ms {status}")
+        if gate is not None:
+            gate(steps)  # stay up (serving as a backup) until every rank has its last result
+        linger(ar)
+    except FTTreeError as exc:  # the real-fault gate; steps report their own errors
+        raise click.ClickException(str(exc)) from None
     finally:
         ar.close()
     if failed:
@@ -98,23 +121,41 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
               help="Port every worker listens on (each on its own address).")
 @click.option("--launch-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where to write peers.txt (default: a new temp dir).")
+@click.option("--real-faults", is_flag=True,
+              help="Apply --faults with iptables (netem/ scripts) in a network namespace, not in-process. Needs root.")
+@click.option("--netns", default=None, metavar="NAME",
+              help="Namespace for --real-faults (default: a new fttree-PID, deleted afterwards).")
 @_job_options
-def launch(world: int, host_base: str, port: int, launch_dir: Path | None, steps: int, size: int, timeout: float,
-           step_timeout: float, startup_timeout: float, no_ft: bool, faults: str) -> None:
+@launch_options
+def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
+           steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
+           faults: str, timeout_policy: str, no_link_memory: bool) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness."""
     try:
-        FaultSchedule(faults, world=world)  # fail fast on a bad schedule, before spawning
+        schedule = FaultSchedule(faults, world=world)  # fail fast on a bad schedule, before spawning
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
-            str(step_timeout), "--startup-timeout", str(startup_timeout)]
-    if faults:
+            str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy]
+    if no_link_memory:
+        args.append("--no-link-memory")
+    if faults and not real_faults:
         args += ["--faults", faults]
     if no_ft:
         args.append("--no-ft")
+    launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
+    args += launch_worker_args(world, host_base, port, launch_dir)
+    if real_faults:
+        from .realfaults import run_launch_cli
+
+        run_launch_cli(schedule, world, args, steps=steps, netns=netns, host_base=host_base, port=port,
+                       launch_dir=launch_dir,
+                       deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s())
+        return
     try:
         result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
-                            deadline_s=startup_timeout + steps * (step_timeout + 5), echo=click.echo)
+                            deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
+                            echo=click.echo)
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     if not result.ok:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -42,8 +42,10 @@ class StepRecord:
         return json.dumps(asdict(self))
 
 
-def run_steps(ar: FTTreeAllreduce, steps: int, size: int) -> Iterator[StepRecord]:
-    """Run `steps` checked allreduce steps and yield one record per step."""
+def run_steps(ar: FTTreeAllreduce, steps: int, size: int,
+              before_step: Callable[[int], None] | None = None) -> Iterator[StepRecord]:
+    """Run `steps` checked allreduce steps and yield one record per step. `before_step(step)`
+    runs before each step's clock starts (the real-fault gate waits there)."""
     assert ar.node is not None
     events: dict[int, list[str]] = defaultdict(list)
 
@@ -54,6 +56,8 @@ def run_steps(ar: FTTreeAllreduce, steps: int, size: int) -> Iterator[StepRecord
     ar.node.note_listeners.append(on_note)
     for step in range(steps):
         data = contribution(ar.rank, step, size)
+        if before_step is not None:
+            before_step(step)
         t0 = time.perf_counter()
         try:
             out = ar.allreduce(data)

@@ -8,7 +8,9 @@ chunks (each its own op in the machine) and reassembled here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,7 +20,7 @@ import numpy as np
 
 from .errors import StepAborted, TensorMismatch
 from .faults import FaultSchedule
-from .messages import DEFAULT_MAX_PAYLOAD_BYTES, Message
+from .messages import DEFAULT_MAX_PAYLOAD_BYTES, Kind, Message
 from .protocol import (
     AbortCode,
     Action,
@@ -26,6 +28,7 @@ from .protocol import (
     Complete,
     Event,
     Fail,
+    LinkDown,
     MachineConfig,
     Note,
     NoteKind,
@@ -54,6 +57,10 @@ class NodeConfig:
     connect_timeout_s: float = 2.0
     stall_timeout_s: float = 5.0
     fault_tolerant: bool = True
+    timeout_policy: str = "static"
+    adaptive_floor_s: float = 0.08
+    adaptive_ceiling_s: float = 2.0
+    link_memory: bool = True
     chunk_bytes: int = 4 * 1024 * 1024
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     faults: FaultSchedule = field(default_factory=FaultSchedule)
@@ -93,9 +100,12 @@ class Node:
         self.machine = TreeMachine(MachineConfig(
             rank=config.rank, world=config.world, timeout_s=config.timeout_s,
             step_timeout_s=config.step_timeout_s, root_timeout_s=config.root_timeout_s,
-            fault_tolerant=config.fault_tolerant))
+            fault_tolerant=config.fault_tolerant, timeout_policy=config.timeout_policy,
+            adaptive_floor_s=config.adaptive_floor_s, adaptive_ceiling_s=config.adaptive_ceiling_s,
+            link_memory=config.link_memory))
         self.transport = TcpTransport(
             config.rank, config.peers, on_message=self._on_message, is_stale=self._is_stale,
+            on_link_down=self._on_link_down,
             faults=config.faults, connect_timeout_s=config.connect_timeout_s,
             stall_timeout_s=config.stall_timeout_s, max_payload_bytes=config.max_payload_bytes)
         self.neighbours = neighbours(config.rank, config.world)
@@ -105,7 +115,10 @@ class Node:
         self.recent_notes: deque[str] = deque(maxlen=50)
         self.step_durations: deque[tuple[int, float]] = deque(maxlen=100)
         self.note_listeners: list[Callable[[Note], None]] = []  # called on the loop thread
+        # (step, duration_s, error or None) when a step finishes here; called on the loop thread
+        self.step_listeners: list[Callable[[int, float, str | None], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -113,6 +126,7 @@ class Node:
         peers = sorted(self.neighbours.all)
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.cfg.peers[self.rank], peers)
         await self.transport.wait_for_peers(peers, self.cfg.startup_timeout_s)
+        self._started = True
 
     async def close(self) -> None:
         for handle in self._timers.values():
@@ -135,17 +149,27 @@ class Node:
         starts = list(range(0, max(1, data.size), per_chunk))
         st = _Step(step=step, future=future, out=np.empty_like(data),
                    offsets=dict(enumerate(starts)), remaining=set(range(len(starts))),
-                   started=self._loop.time())
+                   started=time.perf_counter())  # loop.time() ticks in whole ms
         self._steps[step] = st
         for chunk, start in enumerate(starts):
             piece = data[start:start + per_chunk]
             self._handle(Submit(step=step, chunk=chunk, data=piece, signature=signature))
 
+    def active_steps(self) -> list[int]:
+        """Steps submitted here and not finished yet, oldest first."""
+        return sorted(self._steps)
+
     def _on_message(self, msg: Message) -> None:
         self._handle(Received(msg=msg))
 
     def _is_stale(self, msg: Message) -> bool:
+        if msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK):
+            return False  # about links, not ops
         return self.machine._is_retired(msg.op)
+
+    def _on_link_down(self, peer: int, reason: str) -> None:
+        if self._started:  # refusals while peers start up are expected
+            self._handle(LinkDown(peer=peer, reason=reason))
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
@@ -165,6 +189,9 @@ class Node:
         assert self._loop is not None
         match action:
             case Send(dst=dst, msg=msg):
+                if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
+                    # tell observers how much was queued ahead, so adaptive deadlines scale with it
+                    msg = dataclasses.replace(msg, numel=self.transport.backlog_bytes(msg.target))
                 self.transport.send(dst, msg)
             case SetTimer(key=key, at=at):
                 old = self._timers.pop(key, None)
@@ -198,8 +225,10 @@ class Node:
         if not st.remaining:
             del self._steps[done.step]
             assert self._loop is not None
-            duration = self._loop.time() - st.started
+            duration = time.perf_counter() - st.started
             self.step_durations.append((done.step, duration))
+            for step_listener in self.step_listeners:
+                step_listener(done.step, duration, None)
             st.future.set_result(StepResult(step=done.step, data=st.out, contributors=st.contributors,
                                             duration_s=duration))
 
@@ -208,6 +237,9 @@ class Node:
         log.warning("rank %d: step %d chunk %d failed: %s", self.rank, fail.step, fail.chunk, fail.reason)
         if st is None or st.future.done():
             return
+        assert self._loop is not None
+        for step_listener in self.step_listeners:
+            step_listener(fail.step, self._loop.time() - st.started, fail.reason)
         cls = TensorMismatch if fail.code == AbortCode.MISMATCH else StepAborted
         st.future.set_exception(cls(fail.step, fail.reason, peers=fail.peers))
 

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from fttree.demo import contribution, expected_sum
+from fttree.protocol import Note, NoteKind
 
 from .conftest import cluster, free_port
 
 
 def test_seven_workers_exact_through_a_cut_link_in_process() -> None:
     size = 20_000
-    with cluster(7, timeout=0.3, faults="cut 1-0 @5..10") as handles:
+    with cluster(7, timeout=0.3, faults="cut 1-0 @5..10", link_memory=False) as handles:
         recovered = []
         for h in handles:
             assert h.node is not None
@@ -61,7 +64,7 @@ def test_large_tensor_is_chunked_and_exact() -> None:
 def test_launch_seven_processes_with_a_cut_link() -> None:
     """The issue's acceptance run: 7 processes, link 1-0 silent for steps 5..10 of 20."""
     cmd = [sys.executable, "-m", "fttree", "launch", "-n", "7", "--steps", "20", "--size", "50000",
-           "--timeout", "0.3", "--port", str(free_port()), "--faults", "cut 1-0 @5..10"]
+           "--timeout", "0.3", "--port", str(free_port()), "--faults", "cut 1-0 @5..10", "--no-link-memory"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = {int(line.split()[1]): line for line in proc.stdout.splitlines() if line.startswith("step ")}
@@ -70,3 +73,41 @@ def test_launch_seven_processes_with_a_cut_link() -> None:
     for step in range(20):
         assert ("forwarded by" in lines[step]) == (5 <= step <= 10), lines[step]
     assert "all exact: yes" in proc.stdout
+
+
+def test_link_memory_routes_around_then_returns_after_healing() -> None:
+    """Only the first step of a failure pays the timeout; the healed link is used again."""
+    size = 5_000
+    notes: list[tuple[int, str, int, str]] = []
+    healed = threading.Event()
+
+    def listen(rank: int, note: Note) -> None:
+        notes.append((rank, note.kind.value, note.step, note.text))
+        if note.kind is NoteKind.LINK and "back in use" in note.text:
+            healed.set()
+
+    with cluster(7, timeout=0.3, faults="cut 1-0 @3..6") as handles:
+        for h in handles:
+            assert h.node is not None
+            h.node.note_listeners.append(functools.partial(listen, h.rank))
+
+        def step(s: int) -> None:
+            futures = [h.allreduce_async(contribution(h.rank, s, size)) for h in handles]
+            for h, fut in zip(handles, futures, strict=True):
+                assert np.array_equal(fut.result(timeout=30), expected_sum(7, s, size)), f"rank {h.rank} step {s}"
+
+        for s in range(7):
+            step(s)
+        timeouts = {s for _, kind, s, text in notes if kind == "timeout" and "rank 1's data" in text}
+        assert timeouts == {3}, "later steps of the failure must route around without waiting"
+        assert any(kind == "link" and "link 1->0 marked failed" in text for _, kind, _, text in notes)
+        s = 7
+        while not healed.is_set():  # probes ride on the current step, so keep stepping
+            assert s < 500, "link 1-0 never came back into use"
+            step(s)
+            s += 1
+        last = s
+        step(last)
+    relayed = {s for rank, _, s, text in notes if rank == 0 and "forwarded by" in text}
+    assert set(range(3, 7)) <= relayed
+    assert last not in relayed
