@@ -216,10 +216,14 @@ class _UpLink:
     """What this rank remembers about its primary link to its parent."""
 
     failed: bool = False
-    via: int | None = None  # the backup node that relays for us while the link is failed
+    relays: tuple[int, ...] = ()  # backup nodes that relay for us while the link is failed
     failures: int = 0  # times it was marked failed: damps a flapping link
     probe_sent_at: float | None = None  # an unanswered probe
     healthy_since: float | None = None  # first of an unbroken run of answered probes
+
+    @property
+    def via(self) -> str:
+        return " and ".join(str(r) for r in self.relays)
 
 
 @dataclass(slots=True)
@@ -252,6 +256,7 @@ class _Op:
     watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
     requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
+    relayed_children: set[int] = field(default_factory=set)  # children whose sum came around, this op
 
 
 class TreeMachine:
@@ -392,10 +397,13 @@ class TreeMachine:
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             self._finish(op, now, out)
             return
-        if self._ft and self.up.failed and self.up.via is not None:
-            op.rerouted = True  # link memory: straight to the relay, no timeout to pay
-            out.append(Send(dst=self.up.via, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
-                                                                origin=self.cfg.rank, target=parent)))
+        if self._ft and self.up.failed and self.up.relays:
+            # link memory: straight to every backup, no timeout to pay. Both, because we cannot
+            # tell which of them still reaches our parent; the parent adds the first copy only.
+            op.rerouted = True
+            for relay in self.up.relays:
+                out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
+                                                              origin=self.cfg.rank, target=parent)))
         else:
             out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
                                                            origin=self.cfg.rank)))
@@ -493,6 +501,7 @@ class TreeMachine:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
                             text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
             self.down_failed.add(origin)
+            op.relayed_children.add(origin)
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (self.me.brother, *self.me.children):
@@ -558,8 +567,7 @@ class TreeMachine:
             # Our sum needed a relay AND the result came around too: the link to the parent is
             # down both ways. A request alone is no proof (an observer cut off from our parent
             # asks in vain), so only both together make later steps route around it.
-            via = msg.src if msg.src in op.requested_by else op.requested_by[0]
-            self._mark_up_failed(via, f"step {op.step} needed relays both ways", now, out)
+            self._mark_up_failed(f"step {op.step} needed relays both ways", now, out)
         if msg.src != self.me.parent:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=msg.src,
                             text=f"step {op.step}: result reached rank {self.cfg.rank} through rank {msg.src}"))
@@ -593,8 +601,8 @@ class TreeMachine:
         op.done = True
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in self.me.children:
-            if self._ft and self.cfg.link_memory and child in self.down_failed:
-                continue  # its data came around a broken link: the relay pushes the result
+            if self._ft and self.cfg.link_memory and child in op.relayed_children:
+                continue  # this op's data from it came around a broken link: the relay pushes the result
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
@@ -736,16 +744,20 @@ class TreeMachine:
     def _heal_hold_s(self) -> float:
         return float(min(self.cfg.heal_after_s * 2.0 ** max(0, self.up.failures - 1), self.cfg.max_heal_after_s))
 
-    def _mark_up_failed(self, via: int, why: str, now: float, out: list[Action]) -> None:
+    def _mark_up_failed(self, why: str, now: float, out: list[Action]) -> None:
         parent = self.me.parent
         if not self._ft or not self.cfg.link_memory or parent is None:
             return
         if self.up.failed:
             self.up.healthy_since = None  # still failing: the healthy run starts over
             return
-        self.up = _UpLink(failed=True, via=via, failures=self.up.failures + 1)
+        relays = tuple(r for r in (self.me.brother, self.me.uncle) if r is not None)
+        if not relays:
+            return
+        self.up = _UpLink(failed=True, relays=relays, failures=self.up.failures + 1)
         out.append(Note(step=self._max_step_submitted, kind=NoteKind.LINK, peer=parent,
-                        text=f"link {self.cfg.rank}->{parent} marked failed ({why}); routing through rank {via} "
+                        text=f"link {self.cfg.rank}->{parent} marked failed ({why}); routing through "
+                             f"rank {self.up.via} "
                              f"until it answers probes for {self._heal_hold_s():g} s"))
         out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
 
@@ -782,13 +794,14 @@ class TreeMachine:
             return
         if peer != self.me.parent:
             return
-        via = self.me.brother if self.me.brother is not None else self.me.uncle
-        if via is None:
+        relays = [r for r in (self.me.brother, self.me.uncle) if r is not None]
+        if not relays:
             return
-        self._mark_up_failed(via, f"connection to rank {peer} failed: {reason}", now, out)
+        self._mark_up_failed(f"connection to rank {peer} failed: {reason}", now, out)
         for op in self._ops.values():
             if op.reduce_sent and op.result is None and not op.done and not op.rerouted and op.acc is not None:
                 op.rerouted = True
-                out.append(Send(dst=via, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
-                                                            tuple(sorted(op.contributors)),
-                                                            origin=self.cfg.rank, target=peer)))
+                for relay in relays:
+                    out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
+                                                                  tuple(sorted(op.contributors)),
+                                                                  origin=self.cfg.rank, target=peer)))

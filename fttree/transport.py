@@ -89,6 +89,8 @@ class _OutLink:
         self.queue: deque[Message] = deque()
         self.wake = asyncio.Event()
         self.connected = asyncio.Event()
+        self.idle = asyncio.Event()  # nothing queued and the last drain finished
+        self.idle.set()
         self.writer: asyncio.StreamWriter | None = None
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"fttree-link-{peer}")
 
@@ -101,6 +103,7 @@ class _OutLink:
 
     def push(self, msg: Message) -> None:
         self.queue.append(msg)
+        self.idle.clear()
         self.wake.set()
 
     async def _connect(self) -> bool:
@@ -158,6 +161,7 @@ class _OutLink:
                 continue
             self.wake.clear()
             if not self.queue:
+                self.idle.set()
                 await self.wake.wait()
 
     async def _drain_queue(self) -> None:
@@ -249,14 +253,22 @@ class TcpTransport:
             raise PeerError(f"rank {self.rank} could not reach peers within {deadline_s:g} s: {detail}",
                             peers=tuple(missing))
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Stop, first giving queued frames up to `flush_s` to go out (a peer may still need
+        the last step's result or relay from us)."""
+        busy = [link.idle.wait() for link in self._out.values() if link.connected.is_set() and not link.idle.is_set()]
+        if busy:
+            waits = [asyncio.ensure_future(b) for b in busy]
+            await asyncio.wait(waits, timeout=flush_s)
+            for w in waits:
+                w.cancel()
         self.closed = True
         if self._server is not None:
             self._server.close()
         for link in self._out.values():
             link.task.cancel()
             if link.writer is not None:
-                link.writer.transport.abort()
+                link.writer.close()  # graceful: what the socket buffer holds still goes out
         for inbound in list(self._inbound):
             inbound.abort()
         tasks = [link.task for link in self._out.values()]

@@ -25,7 +25,8 @@ def test_static_policy_is_the_thesis_timeout() -> None:
     policy = StaticTimeouts(0.5)
     policy.observe(KEY, 0.001, 100)
     policy.timed_out(KEY)
-    assert policy.deadline_s(KEY, 10**9) == 0.5
+    assert policy.deadline_s(KEY, 0) == 0.5
+    assert policy.deadline_s(KEY, 10**9) == pytest.approx(0.5 + 5.0)  # 1 GB queued ahead at 200 MB/s
 
 
 def test_adaptive_follows_rfc6298_and_clamps() -> None:
