@@ -203,7 +203,13 @@ class FTTreeAllreduce:
             self._thread = None
 
     def close(self) -> None:
+        """Stop this rank. It first stays (up to the protocol's linger time, at most 10 s)
+        while a peer may still need its relay or result for a finished step."""
         loop = self._loop
+        if loop is not None and not loop.is_closed() and self.node is not None and self.node._started:
+            limit = min(self.node.machine.cfg.linger_s, 10.0)
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.node.quiesce(limit), loop).result(limit + 2)
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(loop.stop)

@@ -8,6 +8,7 @@ chunks (each its own op in the machine) and reassembled here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -38,6 +39,7 @@ from .protocol import (
     Submit,
     TimerFired,
     TimerKey,
+    TimerKind,
     TreeMachine,
 )
 from .topology import neighbours
@@ -119,6 +121,7 @@ class Node:
         self.step_listeners: list[Callable[[int, float, str | None], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
+        self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -127,6 +130,21 @@ class Node:
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.cfg.peers[self.rank], peers)
         await self.transport.wait_for_peers(peers, self.cfg.startup_timeout_s)
         self._started = True
+
+    def _owes_peers(self) -> bool:
+        """Are we still watching a link for a peer (it may need our relay or result)?"""
+        watches = (TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH)
+        return bool(self._steps) or any(key.kind in watches for key in self._timers)
+
+    async def quiesce(self, limit_s: float) -> None:
+        """Before closing: wait (bounded) until no peer can still need us for a finished step,
+        so a rank that finishes first does not leave before relaying for a slower one."""
+        assert self._loop is not None
+        end = self._loop.time() + limit_s
+        while self._owes_peers() and self._loop.time() < end:
+            self._quiet.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._quiet.wait(), end - self._loop.time())
 
     async def close(self) -> None:
         for handle in self._timers.values():
@@ -184,6 +202,8 @@ class Node:
             raise
         for action in actions:
             self._do(action)
+        if not self._owes_peers():
+            self._quiet.set()
 
     def _do(self, action: Action) -> None:
         assert self._loop is not None

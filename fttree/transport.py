@@ -12,6 +12,7 @@ the protocol's business (it recovers them through backup links).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -27,6 +28,19 @@ from .messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_h
 log = logging.getLogger("fttree.transport")
 
 STREAM_LIMIT = 16 * 1024 * 1024
+DRAIN_ABOVE_BYTES = 256 * 1024  # wait for the socket only when this much is buffered
+TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+TCP_RTO_MAX_MS = 44  # Linux 6.15+: cap on the retransmission backoff
+
+
+def _bound_retransmissions(sock: socket.socket, stall_timeout_s: float) -> None:
+    """After a silent cut heals, TCP may wait out a backed-off retransmission timer (up to
+    minutes) before the link carries data again. Drop connections whose data stays
+    unacknowledged for stall_timeout_s, and cap the backoff at 1 s where the kernel allows."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(stall_timeout_s * 1000))
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, 1000)
 HELLO_TIMEOUT_S = 10.0
 
 
@@ -120,6 +134,7 @@ class _OutLink:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _bound_retransmissions(sock, t.stall_timeout_s)
         for buf in encode(Message(kind=Kind.HELLO, src=t.rank, world=t.world)):
             writer.write(buf)
         self.writer = writer
@@ -153,7 +168,7 @@ class _OutLink:
             backoff = 0.05
             try:
                 await self._drain_queue()
-            except (OSError, TimeoutError) as exc:
+            except (OSError, TimeoutError, RuntimeError) as exc:
                 why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 self._drop_connection(why)
                 if isinstance(exc, ConnectionError):  # reset or closed, not merely slow
@@ -168,6 +183,8 @@ class _OutLink:
         writer, stats = self.writer, self.t.stats[self.peer]
         assert writer is not None
         while self.queue:
+            if writer.transport.is_closing():  # closed under us; uvloop's write() would raise
+                raise ConnectionResetError(f"connection to rank {self.peer} was closed")
             msg = self.queue.popleft()
             if self.t.is_stale(msg):
                 stats.stale_dropped += 1
@@ -176,7 +193,8 @@ class _OutLink:
                 writer.write(buf)
                 stats.bytes_sent += len(buf)
             stats.frames_sent += 1
-            await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
+            if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
+                await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
 
 
 class TcpTransport:

@@ -111,3 +111,13 @@ def test_link_memory_routes_around_then_returns_after_healing() -> None:
     relayed = {s for rank, _, s, text in notes if rank == 0 and "forwarded by" in text}
     assert set(range(3, 7)) <= relayed
     assert last not in relayed
+
+
+@pytest.mark.slow
+def test_a_cut_through_the_last_step_still_finishes_everywhere() -> None:
+    """A rank that finishes first must not leave before relaying for a slower one."""
+    cmd = [sys.executable, "-m", "fttree", "launch", "-n", "7", "--steps", "8", "--size", "1000",
+           "--timeout", "0.3", "--port", str(free_port()), "--faults", "cut 1-0 @5..7", "--no-http"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all exact: yes" in proc.stdout
