@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Remove every fault rule the fttree scripts installed, and nothing else.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "$(readlink -f "$0")")/lib.sh"
+
+usage() {
+    cat <<HELP
+Usage: $PROG [--netns NAME | --all]
+
+Remove every iptables rule whose comment starts with "$FTTREE_TAG" (cuts and losses) and every tc
+root qdisc with handle $FTTREE_QDISC_HANDLE (bandwidth limits and delays), in the current namespace,
+in --netns NAME, or with --all in the current namespace and every named one. Rules and
+qdiscs without the tag are never touched. Namespaces stay (cluster.sh down removes them).
+
+Options:
+  --all          every namespace
+$COMMON_HELP
+HELP
+}
+
+ALL=0
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        -h|--help) usage; exit 0 ;;
+        --all) ALL=1; shift ;;
+        -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
+        *) die "unexpected argument '$1' (see --help)" ;;
+    esac
+done
+need_root
+check_netns
+
+namespaces=("$NETNS")
+if ((ALL)); then
+    namespaces=("")
+    while read -r ns _; do
+        [[ -n $ns ]] && namespaces+=("$ns")
+    done < <(ip netns list 2>/dev/null)
+fi
+
+total=0
+for NETNS in "${namespaces[@]}"; do
+    n=$(delete_tagged "^$FTTREE_TAG( |\$)")
+    while read -r dev; do
+        n=$((n + $(drop_root "$dev")))
+    done < <(in_ns ls /sys/class/net)
+    total=$((total + n))
+    if ((n > 0)); then
+        echo "removed $n fttree rules from ${NETNS:+namespace }${NETNS:-the current namespace}"
+    fi
+done
+echo "reset done: $total fttree rules removed"

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# List the fault rules fttree scripts installed (iptables rules tagged "fttree", tc qdiscs f7:).
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "$(readlink -f "$0")")/lib.sh"
+
+usage() {
+    cat <<HELP
+Usage: $PROG [--netns NAME | --all]
+
+List the iptables rules (comment "$FTTREE_TAG ...") and tc qdiscs (handle $FTTREE_QDISC_HANDLE) that the fttree
+netem scripts installed, in the current namespace, in --netns NAME, or with --all in the
+current namespace and every named one (ip netns list). Nothing else is shown or touched.
+Exit status 0 either way; the last line says how many were found.
+
+Options:
+  --all          every namespace
+$COMMON_HELP
+HELP
+}
+
+ALL=0
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        -h|--help) usage; exit 0 ;;
+        --all) ALL=1; shift ;;
+        -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
+        *) die "unexpected argument '$1' (see --help)" ;;
+    esac
+done
+need_root
+check_netns
+
+namespaces=("$NETNS")
+if ((ALL)); then
+    namespaces=("")
+    while read -r ns _; do
+        [[ -n $ns ]] && namespaces+=("$ns")
+    done < <(ip netns list 2>/dev/null)
+fi
+
+total=0
+for NETNS in "${namespaces[@]}"; do
+    where=${NETNS:-"current namespace"}
+    [[ -n $NETNS ]] && where="namespace $NETNS"
+    lines=()
+    for backend in $(iptables_backends); do
+        while IFS= read -r rule; do
+            lines+=("  $backend: $rule")
+        done < <(in_ns "$backend" -w 5 -S 2>/dev/null | grep -E -- "--comment \"?$FTTREE_TAG( |\"|$)" || true)
+    done
+    while read -r dev; do
+        read -r _ handle <<<"$(root_qdisc "$dev")"
+        if [[ $handle == "$FTTREE_QDISC_HANDLE" ]]; then
+            lines+=("  tc $dev: $(in_ns tc qdisc show dev "$dev" | awk '/ root/ { $1 = ""; print substr($0, 2); exit }')")
+        fi
+    done < <(in_ns ls /sys/class/net)
+    if [[ ${#lines[@]} -gt 0 ]]; then
+        echo "$where:"
+        printf '%s\n' "${lines[@]}"
+    fi
+    total=$((total + ${#lines[@]}))
+done
+if ((ALL)); then
+    echo "$total fttree rules in ${#namespaces[@]} namespaces"
+else
+    echo "$total fttree rules in ${NETNS:+namespace }${NETNS:-the current namespace}"
+fi
