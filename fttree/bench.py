@@ -1,0 +1,754 @@
+"""The measurement engine of `fttree bench`: the seed thesis's evaluation (chapter 7) with fttree,
+beside torch.distributed's gloo allreduce and a plain (non-fault-tolerant) tree.
+
+Every measurement is a *run*: N worker processes on this machine, rank r on 127.0.0.(r+1), each
+doing timed allreduce steps of the same checked float32 tensor and printing one JSON record per
+step (bench_worker.py for fttree and the plain tree, gloo_baseline.py for gloo). A step's time is
+the slowest rank's time for it, the moment the step was done everywhere.
+
+One fault-tolerant run covers every fault pattern of a (workers, timeout, policy) cell: the
+in-process fault schedule opens one window per pattern, the first at steps 5-10 as in the
+thesis's Figs. 14-17, with clean steps between windows. So startup is paid once per cell, and
+the per-step trace of the run *is* the figure. No-fault times are the clean steps of that run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .analyze import bridgeable
+from .demo import THESIS_MLP_PARAMS
+from .errors import ConfigError
+from .launch import local_peers
+
+# ---- what the thesis reports ---------------------------------------------------------------
+
+PATTERNS = ("none", "1", "2p", "2s")
+PATTERN_NAMES = {"none": "no fault", "1": "1 fault", "2p": "2 parallel", "2s": "2 serial"}
+# Tables 1 (timeout 0.5 s) and 2 (1 s): step seconds for no fault, 1 fault, 2 parallel, 2 serial
+THESIS: dict[float, dict[int, tuple[float, float, float, float]]] = {
+    0.5: {7: (0.033, 1.449, 1.495, 2.822), 15: (0.062, 1.510, 1.513, 2.890), 31: (0.091, 1.497, 1.494, 2.880)},
+    1.0: {7: (0.034, 2.441, 2.473, 4.839), 15: (0.065, 2.541, 2.498, 4.860), 31: (0.093, 2.509, 2.541, 4.911)},
+}
+FIGURE_OF_WORLD = {3: 14, 7: 15, 15: 16, 31: 17}  # Figs. 14-17: time per iteration, faults at steps 5-10
+# Links cut by each pattern: at the same height (parallel) or at consecutive heights (serial).
+PATTERN_LINKS: dict[str, list[tuple[int, int]]] = {"1": [(1, 0)], "2p": [(3, 1), (5, 2)], "2s": [(3, 1), (1, 0)]}
+POLICIES = ("static", "adaptive")
+
+FIRST_WINDOW = 5  # the thesis's links fail between the 5th and the 10th iteration
+WARMUP_STEPS = 2
+
+
+def thesis_figure(timeout_s: float, world: int, pattern: str) -> float | None:
+    row = THESIS.get(timeout_s, {}).get(world)
+    return None if row is None else row[PATTERNS.index(pattern)]
+
+
+def pattern_links(world: int, pattern: str) -> list[tuple[int, int]] | None:
+    """The links a pattern cuts in a tree of `world`, or None where it cannot apply (a rank is
+    missing, or the one-hop backups could not bridge it, as for 2 faults in 3 workers)."""
+    links = PATTERN_LINKS[pattern]
+    if any(max(a, b) >= world for a, b in links) or not bridgeable(world, set(links)):
+        return None
+    return links
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+
+_UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """float32 elements for '4KB', '1.6MB', '100MB', '16MiB', 'mlp' (the thesis's 407,050) or a bare count."""
+    t = text.strip().upper()
+    if t == "MLP":
+        return THESIS_MLP_PARAMS
+    if t.isdigit():
+        n = int(t)
+    else:
+        num = t.rstrip("KMGIB")
+        unit = t[len(num):]
+        try:
+            n = int(float(num) * _UNITS[unit]) // 4
+        except (KeyError, ValueError):
+            raise ConfigError(f"bad size {text!r}: use 4KB, 1.6MB, 100MB, 16MiB, mlp or an element count") from None
+    if n < 1:
+        raise ConfigError(f"size {text!r} is less than one float32")
+    return n
+
+
+def format_bytes(elements: int) -> str:
+    b = elements * 4
+    for unit, scale in (("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
+        if b >= scale:
+            v = b / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{b} B"
+
+
+# ---- runs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    """One group of worker processes doing `steps` allreduce steps."""
+
+    kind: str  # "fttree", "plain" (fttree without backups) or "gloo"
+    world: int
+    size: int  # float32 elements
+    steps: int
+    warmup: int = WARMUP_STEPS
+    timeout_s: float = 0.5
+    policy: str = "static"
+    faults: str = ""
+    windows: tuple[tuple[str, int, int], ...] = ()  # (pattern, first step, last step)
+    purpose: str = "matrix"  # "matrix" or "sweep"
+    step_timeout_s: float = 30.0
+    chunk_bytes: int | None = None
+    link_memory: bool = True
+
+    @property
+    def label(self) -> str:
+        what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
+        if self.kind == "fttree" and not self.link_memory:
+            what += " no-link-memory"
+        return f"{what}, {self.world} workers, {format_bytes(self.size)}"
+
+    def deadline_s(self) -> float:
+        per_step = 5.0 + 3 * self.timeout_s + self.size * 4 / 20e6  # generous: a 2-core box shared with others
+        return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
+
+    def pattern_of(self, step: int) -> str:
+        for pattern, first, last in self.windows:
+            if first <= step <= last:
+                return pattern
+        return "none"
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    records: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    stderr_tail: dict[int, list[str]] = field(default_factory=dict)
+    startup_s: float = 0.0
+    wall_s: float = 0.0
+    error: str = ""
+
+    def complete_steps(self) -> list[int]:
+        return sorted(s for s, recs in self.records.items() if len(recs) == self.spec.world)
+
+    def step_time(self, step: int) -> float:
+        """The slowest rank's time for the step (how long until it was done everywhere)."""
+        return max(float(r["duration_s"]) for r in self.records[step].values())
+
+    def step_cpu(self, step: int) -> float:
+        """CPU seconds all ranks spent inside the step's allreduce call: what a loaded machine
+        does not inflate (much), unlike wall time."""
+        return sum(float(r.get("cpu_s", 0.0)) for r in self.records[step].values())
+
+    def step_ok(self, step: int) -> bool:
+        return all(r["exact"] and not r["error"] for r in self.records[step].values())
+
+    def all_exact(self) -> bool:
+        return all(r["exact"] for recs in self.records.values() for r in recs.values())
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and len(self.complete_steps()) == self.spec.steps and self.all_exact()
+
+    def measured(self, pattern: str = "none") -> list[int]:
+        """Post-warmup steps under `pattern` that finished exactly on every rank (a failed step
+        is counted in `failed_steps`, never in a median)."""
+        return [s for s in self.complete_steps()
+                if s >= self.spec.warmup and self.spec.pattern_of(s) == pattern and self.step_ok(s)]
+
+    def failed_steps(self) -> list[int]:
+        return [s for s in self.complete_steps() if not self.step_ok(s)]
+
+    def times(self, pattern: str = "none") -> list[float]:
+        return [self.step_time(s) for s in self.measured(pattern)]
+
+    def median(self, pattern: str = "none") -> float | None:
+        t = self.times(pattern)
+        return statistics.median(t) if t else None
+
+    def cpu_median(self, pattern: str = "none") -> float | None:
+        c = [self.step_cpu(s) for s in self.measured(pattern)]
+        return statistics.median(c) if c else None
+
+    def first_of_window(self, pattern: str) -> float | None:
+        """The first faulted step of the pattern's window: the one that pays for detection (later
+        steps may route around a link already known broken)."""
+        for p, first, _last in self.spec.windows:
+            if p == pattern and first in self.records and len(self.records[first]) == self.spec.world:
+                return self.step_time(first) if self.step_ok(first) else None
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec": asdict(self.spec), "label": self.spec.label, "ok": self.ok, "error": self.error,
+            "startup_s": self.startup_s, "wall_s": self.wall_s, "exit_codes": self.exit_codes,
+            "stderr_tail": {r: t for r, t in self.stderr_tail.items() if t and self.exit_codes.get(r) != 0},
+            "step_times_s": {s: self.step_time(s) for s in self.complete_steps()},
+            "medians_s": {p: self.median(p) for p in PATTERNS if self.times(p)},
+            "first_faulted_step_s": {p: self.first_of_window(p) for p, _, _ in self.spec.windows},
+            "cpu_medians_s": {p: self.cpu_median(p) for p in PATTERNS if self.times(p)},
+            "failed_steps": self.failed_steps(),
+            "records": {s: [recs[r] for r in sorted(recs)] for s, recs in sorted(self.records.items())},
+        }
+
+
+def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
+    """A port that is free on every one of `hosts` right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((hosts[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise ConfigError(f"no TCP port free on all of {hosts[0]}..{hosts[-1]}")
+
+
+def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
+    py = [sys.executable, "-m"]
+    if spec.kind == "gloo":
+        port = free_port()
+        return [[*py, "fttree.gloo_baseline", "--rank", str(r), "--world", str(spec.world), "--port", str(port),
+                 "--steps", str(spec.steps), "--size", str(spec.size)] for r in range(spec.world)]
+    hosts = [f"127.0.0.{r + 1}" for r in range(spec.world)]
+    peers = local_peers(spec.world, "127.0.0.1", free_port(hosts))
+    peers_file = workdir / f"peers-{spec.world}.txt"
+    peers_file.write_text("\n".join(peers) + "\n")
+    args = ["--steps", str(spec.steps), "--size", str(spec.size), "--timeout", str(spec.timeout_s),
+            "--step-timeout", str(spec.step_timeout_s)]
+    if spec.faults:
+        args += ["--faults", spec.faults]
+    if spec.kind == "plain":
+        args.append("--no-ft")
+    if spec.kind == "fttree" and spec.policy != "static":
+        args += ["--timeout-policy", spec.policy]
+    if spec.chunk_bytes:
+        args += ["--chunk-bytes", str(spec.chunk_bytes)]
+    if spec.kind == "fttree" and not spec.link_memory:
+        args.append("--no-link-memory")
+    return [[*py, "fttree.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
+            for r in range(spec.world)]
+
+
+def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambda step: None) -> RunResult:
+    """Start the run's workers, gather their records, release them together, and clean up.
+
+    Workers block after their last step until their stdin closes, so none tears down a link
+    while a slower peer still needs it. A worker that dies early ends the run at once."""
+    result = RunResult(spec=spec)
+    cmds = worker_commands(spec, workdir)
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    procs: dict[int, subprocess.Popen[str]] = {}
+    stderr: dict[int, list[str]] = defaultdict(list)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    pumps: list[threading.Thread] = []
+
+    def pump(rank: int, stream: Any, into: queue.Queue[tuple[int, str | None]] | None) -> None:
+        for line in stream:
+            if into is not None:
+                into.put((rank, line))
+            else:
+                stderr[rank].append(line.rstrip())
+                del stderr[rank][:-30]
+        if into is not None:
+            into.put((rank, None))
+
+    t0 = time.monotonic()
+    end = t0 + spec.deadline_s()
+    ready: set[int] = set()
+    done: set[int] = set()
+    try:
+        for rank, cmd in enumerate(cmds):
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env, start_new_session=True)
+            procs[rank] = proc
+            for stream, into in ((proc.stdout, lines), (proc.stderr, None)):
+                pumps.append(threading.Thread(target=pump, args=(rank, stream, into), daemon=True))
+                pumps[-1].start()
+        while len(done) < spec.world:
+            try:
+                rank, line = lines.get(timeout=max(0.05, end - time.monotonic()))
+            except queue.Empty:
+                steps = result.complete_steps()
+                result.error = (f"gave up after {spec.deadline_s():.0f} s with {len(steps)} of {spec.steps} steps "
+                                f"done on every rank; ranks not finished: {sorted(set(range(spec.world)) - done)}")
+                break
+            if line is None:
+                if rank not in done:
+                    result.error = f"rank {rank} exited before its last step"
+                    break
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                stderr[rank].append(f"(stdout) {line.rstrip()}")
+                continue
+            kind = rec.get("kind")
+            if kind == "ready":
+                ready.add(rank)
+                if len(ready) == spec.world:
+                    result.startup_s = time.monotonic() - t0
+            elif kind == "step":
+                step = int(rec["step"])
+                result.records[step][rank] = rec
+                if len(result.records[step]) == spec.world:
+                    on_step(step)
+            elif kind == "done":
+                done.add(rank)
+    finally:
+        result.wall_s = time.monotonic() - t0
+        for proc in procs.values():
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        if result.error:
+            for proc in procs.values():
+                _kill_group(proc, 15)
+        for rank, proc in procs.items():
+            try:
+                result.exit_codes[rank] = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc, 9)
+                result.exit_codes[rank] = proc.wait(timeout=10)
+        for thread in pumps:
+            thread.join(timeout=2)  # the streams end with the processes
+    for rank in procs:
+        result.stderr_tail[rank] = stderr[rank][-12:]
+        if result.exit_codes.get(rank) not in (0, None) and not result.error:
+            result.error = f"rank {rank} exited with code {result.exit_codes[rank]}"
+    return result
+
+
+def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
+    """Signal the process group of one worker we started (each has its own session)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchOptions:
+    workers: tuple[int, ...] = (3, 7)
+    timeouts: tuple[float, ...] = (0.5, 1.0)
+    patterns: tuple[str, ...] = PATTERNS
+    policies: tuple[str, ...] = POLICIES
+    size: int = THESIS_MLP_PARAMS
+    sweep_sizes: tuple[int, ...] = (1000, THESIS_MLP_PARAMS, 4_000_000, 25_000_000)
+    sweep_workers: tuple[int, ...] = (3, 7)
+    window: int = 6  # steps per fault window (5..10 in the thesis)
+    gap: int = 4  # clean steps after each window
+    clean_steps: int = 10  # measured steps of a no-fault run
+    gloo: bool = True
+    plain: bool = True
+    step_timeout_s: float = 30.0
+    chunk_bytes: int | None = None
+    link_memory: bool = True
+    sweep_policies: tuple[str, ...] = ("static",)
+
+
+def sweep_steps(size: int) -> tuple[int, int]:
+    """(warmup, measured) steps for a size-sweep point: fewer for big tensors."""
+    nbytes = size * 4
+    if nbytes <= 4_000_000:
+        return WARMUP_STEPS, 10
+    if nbytes <= 40_000_000:
+        return 1, 5
+    return 1, 3
+
+
+def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
+               clean_steps: int) -> tuple[int, str, tuple[tuple[str, int, int], ...], list[str]]:
+    """(steps, schedule, windows, skipped patterns) of one fault-tolerant run of `world` workers."""
+    faulted = [p for p in patterns if p != "none"]
+    usable = [p for p in faulted if pattern_links(world, p) is not None]
+    skipped = [p for p in faulted if p not in usable]
+    if not usable:
+        return WARMUP_STEPS + clean_steps, "", (), skipped
+    windows, rules = [], []
+    for i, p in enumerate(usable):
+        first = FIRST_WINDOW + i * (window + gap)
+        last = first + window - 1
+        windows.append((p, first, last))
+        rules += [f"cut {a}-{b} @{first}..{last}" for a, b in PATTERN_LINKS[p]]
+    steps = FIRST_WINDOW + len(usable) * (window + gap)
+    return steps, "; ".join(rules), tuple(windows), skipped
+
+
+def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
+    """Every run the options ask for, and notes on what is left out and why."""
+    notes: list[str] = []
+    policies = list(opts.policies)
+    if "adaptive" in policies and not timeout_policy_available():
+        policies.remove("adaptive")
+        notes.append("adaptive timeouts: skipped (FTTreeAllreduce has no timeout_policy argument yet)")
+    runs: list[RunSpec] = []
+    common = {"step_timeout_s": opts.step_timeout_s, "chunk_bytes": opts.chunk_bytes}
+    ft_common = {**common, "link_memory": opts.link_memory}
+    sweep_policies = [p for p in opts.sweep_policies if p in policies or p == "static"]
+    for world in opts.workers:
+        steps, faults, windows, skipped = fault_plan(world, opts.patterns, opts.window, opts.gap, opts.clean_steps)
+        for p in skipped:
+            notes.append(f"{world} workers: pattern {PATTERN_NAMES[p]!r} is n/a (links {PATTERN_LINKS[p]} "
+                         f"missing or not bridgeable by one-hop backups)")
+        for t in opts.timeouts:
+            for pol in policies:
+                runs.append(RunSpec(kind="fttree", world=world, size=opts.size, steps=steps, timeout_s=t,
+                                    policy=pol, faults=faults, windows=windows, **ft_common))  # type: ignore[arg-type]
+        baseline_steps = WARMUP_STEPS + opts.clean_steps
+        if opts.plain:
+            runs.append(RunSpec(kind="plain", world=world, size=opts.size, steps=baseline_steps,
+                                timeout_s=opts.timeouts[0], **common))  # type: ignore[arg-type]
+        if opts.gloo:
+            runs.append(RunSpec(kind="gloo", world=world, size=opts.size, steps=baseline_steps))
+    for world in opts.sweep_workers:
+        for size in opts.sweep_sizes:
+            warmup, measured = sweep_steps(size)
+            for pol in sweep_policies:
+                if size == opts.size and world in opts.workers and pol in policies:
+                    continue  # the matrix runs measure this point already
+                runs.append(RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
+                                    timeout_s=opts.timeouts[0], policy=pol, purpose="sweep",
+                                    **ft_common))  # type: ignore[arg-type]
+            if opts.gloo and not (size == opts.size and world in opts.workers):
+                runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
+                                    purpose="sweep"))
+    return runs, notes
+
+
+def timeout_policy_available() -> bool:
+    from .bench_worker import supports_timeout_policy
+
+    return supports_timeout_policy()
+
+
+# ---- summary -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    opts: BenchOptions
+    results: list[RunResult]
+    notes: list[str]
+
+    def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
+             policy: str = "static") -> RunResult | None:
+        for r in self.results:
+            s = r.spec
+            if (s.kind == kind and s.world == world and s.size == size
+                    and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s)
+                    and (kind != "fttree" or s.policy == policy)):
+                return r
+        return None
+
+    def nofault(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
+        """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
+        fault, or a spurious one on a big tensor), the baselines from their own runs."""
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy)
+        return None if r is None else r.median("none")
+
+    def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy)
+        return None if r is None else r.cpu_median("none")
+
+    def sweep_policies(self) -> list[str]:
+        return sorted({r.spec.policy for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "sweep"}
+                      | {"static"}, key=POLICIES.index)
+
+    def targets(self) -> list[tuple[bool, str]]:
+        """The issue's performance targets, each (met, sentence with the numbers)."""
+        out: list[tuple[bool, str]] = []
+        o = self.opts
+        for world in o.workers:
+            ft, gloo, plain = (self.nofault(k, world, o.size) for k in ("fttree", "gloo", "plain"))
+            if world in (7, 15) and ft and gloo:
+                out.append((ft <= gloo, f"no fault, {world} workers, {format_bytes(o.size)}: fttree/gloo "
+                                        f"{ft / gloo:.2f} (target <= 1.00)"))
+            if ft and plain:
+                out.append((ft <= 1.15 * plain, f"no fault, {world} workers: fttree/plain tree {ft / plain:.2f} "
+                                                f"(target <= 1.15)"))
+            for t in o.timeouts:
+                r = self.find("fttree", world, o.size, t)
+                if r is None or (base := r.median("none")) is None:
+                    continue
+                for p, limit, name in (("1", t + 2 * base, f"t + 2 x no-fault = {t + 2 * base:.3f} s"),
+                                       ("2s", base + 1.5 * t, f"no-fault + 1.5 t = {base + 1.5 * t:.3f} s")):
+                    window = [w for w in r.spec.windows if w[0] == p]
+                    if not window:
+                        continue
+                    _, first_step, last_step = window[0]
+                    failed = [s for s in r.failed_steps() if first_step <= s <= last_step]
+                    first, med = r.first_of_window(p), r.median(p)
+                    what = f"{PATTERN_NAMES[p]}, {world} workers, t={t:g} s"
+                    if failed or first is None or med is None:
+                        out.append((False, f"{what}: steps {failed} failed (target {name})"))
+                        continue
+                    out.append((max(first, med) <= limit, f"{what}: first faulted step {first:.3f} s, median "
+                                                          f"{med:.3f} s (target <= {name})"))
+        if 7 in o.sweep_workers and 25_000_000 in o.sweep_sizes:
+            gloo = self.nofault("gloo", 7, 25_000_000)
+            for pol in self.sweep_policies():
+                run = self.find("fttree", 7, 25_000_000, o.timeouts[0], pol)
+                if run is None or not gloo:
+                    continue
+                ft, failed = run.median("none"), run.failed_steps()
+                if ft is None:
+                    out.append((False, f"100 MB, 7 workers, {pol}: no step finished exactly"))
+                    continue
+                note = f"; {len(failed)} failed steps left out" if failed else ""
+                out.append((ft <= 1.5 * gloo and not failed,
+                            f"100 MB, 7 workers, {pol}: fttree/gloo {ft / gloo:.2f} (target <= 1.50){note}"))
+        return out
+
+    def to_json(self, machine: dict[str, Any], argv: Sequence[str]) -> dict[str, Any]:
+        return {"command": list(argv), "machine": machine, "options": asdict(self.opts), "notes": self.notes,
+                "thesis": {str(t): rows for t, rows in THESIS.items()},
+                "targets": [{"met": m, "text": s} for m, s in self.targets()],
+                "runs": [r.to_json() for r in self.results]}
+
+
+def _num(v: float | None, width: int = 7) -> str:
+    return f"{v:>{width}.3f}" if v is not None else f"{'-':>{width}}"
+
+
+def _cell(value: float | None, thesis: float | None, width: int = 7) -> str:
+    return _num(value, width) + (f" [{thesis:.3f}]" if thesis is not None else " " * 8)
+
+
+def render(summary: Summary) -> str:
+    o = summary.opts
+    out: list[str] = []
+    policies = sorted({r.spec.policy for r in summary.results if r.spec.kind == "fttree"}, key=POLICIES.index)
+    rows = [(world, t, pol, r) for world in o.workers for t in o.timeouts for pol in policies
+            if (r := summary.find("fttree", world, o.size, t, pol)) is not None]
+    out.append(f"Tables 1-2: step seconds, {o.size:,} float32 ({format_bytes(o.size)}), slowest rank per step; "
+               f"no fault: median; faults: first faulted step / median of the window; [thesis]")
+    width = {p: (15 if p == "none" else 22) for p in o.patterns}
+    out.append(f"{'workers':>7} {'timeout':>7} {'policy':>8}  " + "  ".join(f"{PATTERN_NAMES[p]:>{width[p]}}"
+                                                                            for p in o.patterns) + "  failed steps")
+    for world, t, pol, r in rows:
+        cells = []
+        for p in o.patterns:
+            th = thesis_figure(t, world, p)
+            if p == "none":
+                cells.append(_cell(r.median(p), th))
+            elif pattern_links(world, p) is None:
+                cells.append("n/a")
+            else:
+                first, med = r.first_of_window(p), r.median(p)
+                pair = "/".join(f"{v:.3f}" if v is not None else "-" for v in (first, med))
+                cells.append(pair + (f" [{th:.3f}]" if th is not None else ""))
+        failed = r.failed_steps()
+        tail = f"  {len(failed)} {failed}" if failed else "  0"
+        if r.error:
+            tail += f"  ! {r.error}"
+        out.append(f"{world:>7} {t:>7g} {pol:>8}  " + "  ".join(f"{c:>{width[p]}}" for c, p in
+                                                                 zip(cells, o.patterns, strict=True)) + tail)
+    faulted = [p for p in o.patterns if p != "none"]
+    if faulted and rows:
+        out.append("")
+        out.append("Cost of faults in timeouts t: first faulted step / window median, minus the no-fault median; "
+                   "[thesis]")
+        out.append(f"{'workers':>7} {'timeout':>7} {'policy':>8}  " + "  ".join(f"{PATTERN_NAMES[p]:>22}"
+                                                                                for p in faulted))
+        for world, t, pol, r in rows:
+            base = r.median("none")
+            cells = []
+            for p in faulted:
+                first, med = r.first_of_window(p), r.median(p)
+                th, th0 = thesis_figure(t, world, p), thesis_figure(t, world, "none")
+                if p != "none" and pattern_links(world, p) is None:
+                    cells.append("n/a")
+                    continue
+                mine = "/".join(f"{(v - base) / t:.2f}t" if v is not None and base is not None else "-"
+                                for v in (first, med))
+                cells.append(mine + (f" [{(th - th0) / t:.2f}t]" if th is not None and th0 is not None else ""))
+            out.append(f"{world:>7} {t:>7g} {pol:>8}  " + "  ".join(f"{c:>22}" for c in cells))
+    if o.gloo or o.plain:
+        out.append("")
+        out.append(f"No fault, same worker count and tensor ({format_bytes(o.size)}): median step seconds, and CPU "
+                   f"ms per step summed over ranks")
+        out.append(f"{'workers':>7} {'fttree':>8} {'plain':>8} {'gloo':>8} {'fttree/gloo':>12} {'fttree/plain':>13}"
+                   f" {'cpu fttree':>11} {'cpu plain':>10} {'cpu gloo':>9}")
+        for world in o.workers:
+            ft, plain, gloo = (summary.nofault(k, world, o.size) for k in ("fttree", "plain", "gloo"))
+            cpu = [summary.nofault_cpu(k, world, o.size) for k in ("fttree", "plain", "gloo")]
+            rg = f"{ft / gloo:.2f}" if ft and gloo else "-"
+            rp = f"{ft / plain:.2f}" if ft and plain else "-"
+            cpus = " ".join(f"{c * 1000:>{w}.1f}" if c is not None else f"{'-':>{w}}"
+                            for c, w in zip(cpu, (11, 10, 9), strict=True))
+            out.append(f"{world:>7} {_num(ft, 8)} {_num(plain, 8)} {_num(gloo, 8)} {rg:>12} {rp:>13} {cpus}")
+    if o.sweep_workers and o.sweep_sizes:
+        pols = summary.sweep_policies()
+        out.append("")
+        out.append("Size sweep, no fault: median step seconds (gloo's CPU allreduce is a ring), CPU ms per step; "
+                   f"fttree at t={o.timeouts[0]:g} s")
+        out.append(f"{'workers':>7} {'size':>9} " + " ".join(f"{'ft ' + p:>11}" for p in pols) + f" {'gloo':>8} "
+                   + " ".join(f"{'ft/gloo ' + p[:3]:>12}" for p in pols) + " " + " ".join(f"{'cpu ' + p[:3]:>8}"
+                                                                                        for p in pols)
+                   + f" {'cpu gloo':>8}  failed steps")
+        for world in o.sweep_workers:
+            for size in o.sweep_sizes:
+                gloo = summary.nofault("gloo", world, size)
+                fts = [summary.nofault("fttree", world, size, p) for p in pols]
+                ratios = [f"{ft / gloo:.2f}" if ft and gloo else "-" for ft in fts]
+                ft_cpus = [_ms(summary.nofault_cpu("fttree", world, size, p), 8) for p in pols]
+                sweep_failed: list[str] = []
+                for p in pols:
+                    run = summary.find("fttree", world, size, o.timeouts[0], p)
+                    if run is not None and run.failed_steps():
+                        sweep_failed.append(f"{p} {run.failed_steps()}")
+                out.append(f"{world:>7} {format_bytes(size):>9} " + " ".join(_num(ft, 11) for ft in fts)
+                           + f" {_num(gloo, 8)} " + " ".join(f"{r:>12}" for r in ratios) + " " + " ".join(ft_cpus)
+                           + f" {_ms(summary.nofault_cpu('gloo', world, size), 8)}  "
+                           + ("; ".join(sweep_failed) if sweep_failed else "0"))
+    targets = summary.targets()
+    if targets:
+        out.append("")
+        out.append("Performance targets (issue 5)")
+        out.extend(f"  [{'met ' if met else 'MISS'}] {text}" for met, text in targets)
+    bad = [r for r in summary.results if not r.ok]
+    if bad:
+        out.append("")
+        out.append("Runs with problems (failed steps are left out of the medians):")
+        for r in bad:
+            failed = r.failed_steps()
+            out.append(f"  {r.spec.label}: {r.error or 'inexact result'}; failed steps {failed}")
+            for step in failed[:2]:
+                reasons = sorted({rec["error"] for rec in r.records[step].values() if rec["error"]})
+                if reasons:
+                    out.append(f"    step {step}: {reasons[0][:300]}")
+    if summary.notes:
+        out.append("")
+        out.extend(f"note: {n}" for n in summary.notes)
+    return "\n".join(out)
+
+
+def _ms(v: float | None, width: int) -> str:
+    return f"{v * 1000:>{width}.1f}" if v is not None else f"{'-':>{width}}"
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+
+def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
+    """Figs. 14-17: time per step of each fault-tolerant matrix run, fault windows shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    o = summary.opts
+    colours = {"1": "tab:red", "2p": "tab:orange", "2s": "tab:purple"}
+    for world in o.workers:
+        runs = [r for r in summary.results if r.spec.kind == "fttree" and r.spec.world == world
+                and r.spec.purpose == "matrix"]
+        if not runs:
+            continue
+        fig, axes = plt.subplots(1, len(o.timeouts), figsize=(8 * len(o.timeouts), 4), squeeze=False)
+        for ax, t in zip(axes[0], o.timeouts, strict=True):
+            shaded: set[str] = set()
+            for r in runs:
+                if r.spec.timeout_s != t:
+                    continue
+                steps = r.complete_steps()
+                ax.plot(steps, [r.step_time(s) for s in steps], marker="o", ms=3, label=f"fttree ({r.spec.policy})")
+                for p, first, last in r.spec.windows:
+                    if p not in shaded:
+                        ax.axvspan(first - 0.5, last + 0.5, color=colours.get(p, "grey"), alpha=0.12,
+                                   label=f"{PATTERN_NAMES[p]} (steps {first}-{last})")
+                        shaded.add(p)
+            for kind, style in (("plain", ":"), ("gloo", "--")):
+                m = summary.nofault(kind, world, o.size)
+                if m is not None:
+                    ax.axhline(m, linestyle=style, color="grey", lw=1, label=f"{kind} no-fault median")
+            ax.set(xlabel="step (iteration)", ylabel="time per step (s)",
+                   title=f"timeout {t * 1000:g} ms")
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        n = FIGURE_OF_WORLD.get(world)
+        fig.suptitle(f"{'Fig. ' + str(n) + ': ' if n else ''}time per iteration, fault-tolerant tree of {world} "
+                     f"workers ({format_bytes(o.size)})")
+        fig.tight_layout()
+        path = out_dir / (f"fig{n}_{world}workers.png" if n else f"steps_{world}workers.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    if o.sweep_workers and o.sweep_sizes:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for world in o.sweep_workers:
+            lines = [(f"fttree {p}", "-o", "fttree", p) for p in summary.sweep_policies()] + [("gloo", "--s", "gloo",
+                                                                                               "static")]
+            for name, style, kind, pol in lines:
+                pts = [(s * 4, m) for s in o.sweep_sizes if (m := summary.nofault(kind, world, s, pol)) is not None]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, label=f"{name}, {world} workers")
+        ax.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="median step (s)",
+               title="allreduce time by tensor size, no fault")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "size_sweep.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+                            "python": platform.python_version(), "platform": platform.platform()}
+    with contextlib.suppress(OSError):
+        info["load_avg"] = os.getloadavg()
+    try:
+        from importlib.metadata import version
+
+        info["torch"] = version("torch")
+    except Exception:
+        pass
+    try:
+        root = Path(__file__).resolve().parent.parent
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        info["git"] = rev + ("+dirty" if dirty else "") if rev else ""
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info

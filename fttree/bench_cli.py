@@ -1,0 +1,220 @@
+"""`fttree bench` and `fttree analyze`: the seed thesis's evaluation, reproduced (see bench.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from .errors import ConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _split(text: str, convert: Callable[[str], Any], what: str) -> tuple[Any, ...]:
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return tuple(convert(p) for p in items)
+    except (ValueError, ConfigError) as exc:
+        raise click.BadParameter(f"{text!r}: {exc}", param_hint=what) from None
+
+
+def _out_option(f: F) -> F:
+    return click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
+                        show_default=True, help="Where the JSON and PNG files go.")(f)
+
+
+@click.command()
+@click.option("--workers", default="3,7", show_default=True, help="Worker counts of the Table 1-2 matrix (3,7,15,31).")
+@click.option("--timeouts", default="0.5,1.0", show_default=True,
+              help="Backup timeouts in seconds (Table 1: 0.5, Table 2: 1).")
+@click.option("--patterns", default="none,1,2p,2s", show_default=True,
+              help="Fault patterns: none, 1 (cut 1-0), 2p (cut 3-1 and 5-2), 2s (cut 3-1 and 1-0).")
+@click.option("--policies", default="static,adaptive", show_default=True,
+              help="Timeout policies; adaptive is skipped while fttree has no timeout_policy.")
+@click.option("--size", "size_text", default="mlp", show_default=True,
+              help="Tensor of the matrix: mlp (the thesis's 407,050 float32), 1.6MB, or an element count.")
+@click.option("--sizes", "sizes_text", default="4KB,mlp,16MB,100MB", show_default=True,
+              help="Size sweep against gloo ('' to skip).")
+@click.option("--sweep-workers", default="3,7", show_default=True, help="Worker counts of the size sweep.")
+@click.option("--sweep-policies", default="static,adaptive", show_default=True,
+              help="Timeout policies of the size sweep (big tensors are where static timeouts misfire).")
+@click.option("--link-memory/--no-link-memory", default=True, show_default=True,
+              help="Let fttree route later steps around a link found broken (off: every faulted step re-detects, "
+                   "as in the thesis).")
+@click.option("--window", type=click.IntRange(1, 50), default=6, show_default=True,
+              help="Steps per fault window (the thesis: steps 5-10).")
+@click.option("--gap", type=click.IntRange(1, 50), default=4, show_default=True, help="Clean steps after each window.")
+@click.option("--clean-steps", type=click.IntRange(1, 500), default=10, show_default=True,
+              help="Measured steps of each no-fault baseline run.")
+@click.option("--gloo/--no-gloo", default=True, show_default=True, help="Measure torch.distributed gloo.")
+@click.option("--plain/--no-plain", default=True, show_default=True, help="Measure the plain tree (no backups).")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Write Figs. 14-17 and the sweep as PNG.")
+@click.option("--fig11-trials", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="Monte Carlo trials per height for Fig. 11 (0: skip).")
+@click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="A worker gives up on a step after this many seconds.")
+@click.option("--chunk-bytes", type=click.IntRange(min=1), default=None, help="fttree chunk size (default: the API's).")
+@click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
+@click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
+@_out_option
+def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: str, sizes_text: str,
+          sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
+          gloo: bool, plain: bool, plots: bool,
+          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, dry_run: bool, strict: bool,
+          out_dir: Path) -> None:
+    """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree.
+
+    Prints the tables and the issue's performance targets, and writes bench.json (every raw
+    step time of every rank) and the PNG figures to --out."""
+    from . import bench as b
+
+    def positive(text: str) -> int:
+        n = int(text)
+        if not 1 <= n <= 254:
+            raise ValueError("worker counts must be 1..254")
+        return n
+
+    def pattern(text: str) -> str:
+        if text not in b.PATTERNS:
+            raise ValueError(f"unknown pattern {text!r}; known: {', '.join(b.PATTERNS)}")
+        return text
+
+    def policy(text: str) -> str:
+        if text not in b.POLICIES:
+            raise ValueError(f"unknown policy {text!r}; known: {', '.join(b.POLICIES)}")
+        return text
+
+    def timeout(text: str) -> float:
+        t = float(text)
+        if not t > 0:
+            raise ValueError("timeouts must be positive")
+        return t
+
+    try:
+        matrix_size = b.parse_size(size_text)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--size") from None
+    opts = b.BenchOptions(
+        workers=_split(workers, positive, "--workers"), timeouts=_split(timeouts, timeout, "--timeouts"),
+        patterns=_split(patterns, pattern, "--patterns") or ("none",), policies=_split(policies, policy, "--policies"),
+        size=matrix_size, sweep_sizes=_split(sizes_text, b.parse_size, "--sizes"),
+        sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
+        clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
+        link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"))
+    if not opts.timeouts or not opts.policies:
+        raise click.UsageError("--timeouts and --policies need at least one value")
+    runs, notes = b.plan(opts)
+    total = sum(r.steps for r in runs)
+    click.echo(f"fttree bench: {len(runs)} runs, {total} steps; output in {out_dir}/", err=True)
+    for n in notes:
+        click.echo(f"note: {n}", err=True)
+    if dry_run:
+        for r in runs:
+            click.echo(f"{r.label}: {r.steps} steps" + (f", faults {r.faults!r}" if r.faults else ""))
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = b.machine_info()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, \
+            click.progressbar(length=total, label="benchmark", file=sys.stderr, show_eta=True,
+                              item_show_func=_show_label) as bar:
+        results = []
+        for spec in runs:
+            bar.update(0, spec.label)
+            res = b.execute(spec, Path(tmp), on_step=_advance(bar, spec.label))
+            missing = spec.steps - len(res.complete_steps())
+            if missing > 0:
+                bar.update(missing, spec.label)  # a failed run still moves the bar to its end
+            results.append(res)
+    machine["load_avg_after"] = _loadavg()
+    machine["bench_wall_s"] = time.monotonic() - started
+    summary = b.Summary(opts=opts, results=results, notes=notes)
+    click.echo(b.render(summary))
+    data = summary.to_json(machine, sys.argv)
+    fig11 = None
+    if fig11_trials:
+        from . import analyze as a
+
+        fig11 = a.monte_carlo(list(range(1, 6)), fig11_trials)
+        data["fig11"] = a.as_json(fig11, 0)
+        click.echo("")
+        click.echo(a.render(fig11))
+    (out_dir / "bench.json").write_text(json.dumps(data, indent=1, default=str))  # before plotting can fail
+    pngs: list[Path] = []
+    if plots:
+        try:
+            pngs = b.plot_steps(summary, out_dir)
+            if fig11 is not None:
+                pngs.append(a.plot(fig11, out_dir / "fig11.png"))
+        except ImportError as exc:
+            click.echo(f"no plots: {exc} (pip install matplotlib)", err=True)
+    click.echo(f"\n{len(results)} runs in {machine['bench_wall_s']:.0f} s on {machine.get('cpu', '?')} "
+               f"({machine.get('cores')} cores, load {_fmt_load(machine.get('load_avg'))} -> "
+               f"{_fmt_load(machine['load_avg_after'])}); raw figures in {out_dir / 'bench.json'}"
+               + (f", plots: {', '.join(p.name for p in pngs)}" if pngs else ""))
+    bad = [r for r in results if not r.ok]
+    if bad:
+        click.echo(f"{len(bad)} of {len(results)} runs had failed or inexact steps (see above)", err=True)
+        if strict:
+            sys.exit(1)
+
+
+def _advance(bar: Any, label: str) -> Callable[[int], None]:
+    """Move the progress bar one step for each step done on every rank of a run."""
+    def on_step(step: int) -> None:
+        bar.update(1, label)
+
+    return on_step
+
+
+def _show_label(label: str | None) -> str | None:
+    return label
+
+
+def _loadavg() -> tuple[float, float, float] | None:
+    try:
+        import os
+
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def _fmt_load(load: Any) -> str:
+    return "?" if not load else f"{load[0]:.1f}"
+
+
+@click.command()
+@click.option("--heights", default="1,2,3,4,5,6", show_default=True, help="Tree heights (height h: 2^(h+1)-1 workers).")
+@click.option("--trials", type=click.IntRange(min=1), default=5000, show_default=True, help="Random orders per height.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--plots/--no-plots", default=True, show_default=True)
+@_out_option
+def analyze(heights: str, trials: int, seed: int, plots: bool, out_dir: Path) -> None:
+    """Random link failures tolerated until some node is isolated, by tree height (thesis Figure 11)."""
+    from . import analyze as a
+
+    def height(text: str) -> int:
+        h = int(text)
+        if not 1 <= h <= 9:
+            raise ValueError("heights must be 1..9")
+        return h
+
+    results = a.monte_carlo(list(_split(heights, height, "--heights")), trials, seed)
+    click.echo(a.render(results))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fig11.json").write_text(json.dumps(a.as_json(results, seed), indent=1))
+    written = [out_dir / "fig11.json"]
+    if plots:
+        try:
+            written.append(a.plot(results, out_dir / "fig11.png"))
+        except ImportError as exc:
+            click.echo(f"no plot: {exc} (pip install matplotlib)", err=True)
+    click.echo(f"wrote {', '.join(str(p) for p in written)}")

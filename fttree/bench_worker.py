@@ -1,0 +1,187 @@
+"""One fttree worker of `fttree bench`: timed allreduce steps of a checked tensor, one JSON line each.
+
+Separate from `fttree worker` for two reasons. The work outside the timed region (one fill, one
+exactness check) is the same as in the gloo baseline (gloo_baseline.py), so both pay the same
+CPU tax on a shared machine. And the worker does not close until the bench tells it to (stdin
+EOF): closing right after its last step could abort frames still queued for a slower peer.
+
+    python -m fttree.bench_worker --rank R --peers FILE --steps K --size N [--faults ...]
+
+Records (stdout, one JSON object per line): {"kind": "ready"}, then per step {"kind": "step",
+"rank", "step", "start", "end", "duration_s", "exact", "error", "events"}, then {"kind": "done"}.
+`start`/`end` are time.monotonic(), one clock for every process on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class Payload:
+    """Integer-valued float32 contributions whose sum is exact in any order of addition, so
+    every step is checked bit for bit, at the cost of one fill and one compare per step (into
+    preallocated buffers: fresh 100 MB arrays would cost page faults on every step)."""
+
+    def __init__(self, rank: int, world: int, size: int) -> None:
+        self.rank, self.world, self.size = rank, world, size
+        self.base = (np.arange(size, dtype=np.float32) % 5).astype(np.float32)
+        self.base_sum = self.base * np.float32(world)
+        self.buf = np.empty(size, dtype=np.float32)
+        self._scratch = np.empty(size, dtype=np.float32)
+
+    def fill(self, step: int) -> np.ndarray:
+        np.add(self.base, np.float32((self.rank + 1) * (step + 1)), out=self.buf)
+        return self.buf
+
+    def check(self, out: np.ndarray, step: int) -> bool:
+        total = np.float32((step + 1) * self.world * (self.world + 1) // 2)
+        flat = np.asarray(out).reshape(-1)
+        if flat.shape != self.base.shape or flat.dtype != self.base.dtype:
+            return False
+        np.subtract(flat, total, out=self._scratch)
+        return bool(np.array_equal(self._scratch, self.base_sum))
+
+
+def emit(record: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def wait_for_release() -> None:
+    """Block until the bench closes our stdin: every rank has reported, so closing now loses nothing."""
+    try:
+        while sys.stdin.readline():
+            pass
+    except (OSError, ValueError):
+        pass
+
+
+def _accepts(name: str) -> bool:
+    from .api import FTTreeAllreduce
+
+    return name in inspect.signature(FTTreeAllreduce.__init__).parameters
+
+
+def supports_timeout_policy() -> bool:
+    """True once FTTreeAllreduce takes a `timeout_policy` argument (the adaptive-timeout issue)."""
+    return _accepts("timeout_policy")
+
+
+def _start_profile(ar: Any) -> Any:
+    """cProfile the loop thread, where the transport, node and protocol run (3.11: per thread)."""
+    import asyncio
+    import cProfile
+
+    profiler = cProfile.Profile(time.thread_time)  # CPU time: a shared machine inflates wall time
+    asyncio.run_coroutine_threadsafe(_call(profiler.enable), ar._loop).result(timeout=10)
+    return profiler
+
+
+def _stop_profile(ar: Any, profiler: Any, path: Path) -> None:
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(_call(profiler.disable), ar._loop).result(timeout=10)
+    profiler.dump_stats(str(path))
+
+
+async def _call(fn: Any) -> None:
+    fn()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fttree.bench_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--peers", type=Path, required=True, help="file with one host:port per line")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--size", type=int, required=True, help="float32 elements")
+    p.add_argument("--timeout", type=float, default=0.5)
+    p.add_argument("--step-timeout", type=float, default=30.0)
+    p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--faults", default="")
+    p.add_argument("--no-ft", action="store_true", help="plain tree (no backup links)")
+    p.add_argument("--timeout-policy", default=None, help="static or adaptive (needs API support)")
+    p.add_argument("--no-link-memory", action="store_true", help="re-detect a broken link in every step")
+    p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from .api import FTTreeAllreduce
+    from .errors import FTTreeError
+    from .protocol import Note, NoteKind
+    from .transport import parse_peers
+
+    peers = parse_peers(args.peers.read_text().splitlines())
+    kwargs: dict[str, Any] = {}
+    if args.chunk_bytes:
+        kwargs["chunk_bytes"] = args.chunk_bytes
+    if args.timeout_policy:
+        if not supports_timeout_policy():
+            print(f"rank {args.rank}: this fttree has no timeout_policy argument; cannot run "
+                  f"--timeout-policy {args.timeout_policy}", file=sys.stderr)
+            return 2
+        kwargs["timeout_policy"] = args.timeout_policy
+    if args.no_link_memory:
+        if not _accepts("link_memory"):
+            print(f"rank {args.rank}: this fttree has no link_memory argument", file=sys.stderr)
+            return 2
+        kwargs["link_memory"] = False
+    try:
+        ar = FTTreeAllreduce(args.rank, peers, timeout=args.timeout, step_timeout=args.step_timeout,
+                             startup_timeout=args.startup_timeout, faults=args.faults,
+                             fault_tolerant=not args.no_ft, **kwargs)
+        ar.start()
+    except FTTreeError as exc:
+        print(f"rank {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    assert ar.node is not None
+    events: dict[int, list[str]] = defaultdict(list)
+
+    def on_note(note: Note) -> None:  # on the loop thread; list.append is atomic enough here
+        if note.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT):
+            events[note.step].append(note.text)
+
+    ar.node.note_listeners.append(on_note)
+    payload = Payload(args.rank, ar.world, args.size)
+    profiler = _start_profile(ar) if args.profile else None
+    emit({"kind": "ready", "rank": args.rank, "at": time.monotonic()})
+    failed = False
+    try:
+        for step in range(args.steps):
+            data = payload.fill(step)
+            error, exact = "", False
+            cpu, start = time.process_time(), time.monotonic()
+            try:
+                out = ar.allreduce(data)
+            except FTTreeError as exc:
+                error = str(exc)
+            end, cpu = time.monotonic(), time.process_time() - cpu
+            if not error:
+                exact = payload.check(out, step)
+            failed |= not exact
+            emit({"kind": "step", "rank": args.rank, "step": step, "start": start, "end": end,
+                  "duration_s": end - start, "cpu_s": cpu, "exact": exact, "error": error,
+                  "events": sorted(set(events.pop(step, [])))})
+        emit({"kind": "done", "rank": args.rank})
+        if profiler is not None:
+            _stop_profile(ar, profiler, args.profile)
+        wait_for_release()
+    finally:
+        ar.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

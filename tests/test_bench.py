@@ -1,0 +1,205 @@
+"""Smoke tests of the benchmark harness: tiny tensors, few steps; they check structure, never timing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fttree import analyze
+from fttree import bench as b
+from fttree.bench_cli import analyze as analyze_cmd
+from fttree.bench_cli import bench as bench_cmd
+from fttree.bench_worker import Payload
+from fttree.errors import ConfigError
+from fttree.faults import FaultSchedule
+
+from .test_protocol_sim import bridgeable as protocol_bridgeable
+
+
+@pytest.mark.parametrize("world", [3, 7, 10, 15])
+def test_bridgeable_is_the_rule_of_the_protocol_tests(world: int) -> None:
+    rng = random.Random(world)
+    links = analyze.all_links(world)
+    for _ in range(300):
+        failed = set(rng.sample(links, rng.randint(0, min(6, len(links)))))
+        assert analyze.bridgeable(world, failed) == protocol_bridgeable(world, failed), sorted(failed)
+
+
+def test_tolerated_failures_stops_at_the_first_unbridgeable_failure() -> None:
+    world = 15
+    links = analyze.all_links(world)
+    for seed in range(50):
+        tolerated = analyze.tolerated_failures(world, random.Random(seed))
+        order = links[:]
+        random.Random(seed).shuffle(order)
+        assert analyze.bridgeable(world, set(order[:tolerated]))
+        assert not analyze.bridgeable(world, set(order[:tolerated + 1]))
+
+
+def test_three_workers_always_survive_exactly_one_failure() -> None:
+    (res,) = analyze.monte_carlo([1], trials=50)
+    assert (res.world, res.links, res.min_tolerated, res.max_tolerated) == (3, 3, 1, 1)
+    assert res.mean_percent == pytest.approx(100 / 3)
+
+
+def test_analyze_command_writes_json_and_png(tmp_path: Path) -> None:
+    out = CliRunner().invoke(analyze_cmd, ["--heights", "1,2", "--trials", "30", "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    data = json.loads((tmp_path / "fig11.json").read_text())
+    assert [r["world"] for r in data["results"]] == [3, 7]
+    assert (tmp_path / "fig11.png").stat().st_size > 0
+
+
+def test_sizes_parse_to_float32_elements() -> None:
+    assert b.parse_size("4KB") == 1000
+    assert b.parse_size("mlp") == 407_050
+    assert b.parse_size("100MB") == 25_000_000
+    assert b.parse_size("1MiB") == 262_144
+    assert b.parse_size("12") == 12
+    for bad in ("4XB", "", "2B"):
+        with pytest.raises(ConfigError):
+            b.parse_size(bad)
+
+
+def test_fault_plan_puts_the_first_window_at_steps_5_to_10() -> None:
+    steps, schedule, windows, skipped = b.fault_plan(7, b.PATTERNS, window=6, gap=4, clean_steps=10)
+    assert windows == (("1", 5, 10), ("2p", 15, 20), ("2s", 25, 30))
+    assert steps == 35
+    assert skipped == []
+    faults = FaultSchedule(schedule, world=7)
+    assert faults.verdict(1, 0, 5).drop
+    assert faults.verdict(0, 1, 10).drop
+    assert not faults.verdict(1, 0, 11).drop
+    assert faults.verdict(5, 2, 15).drop
+    assert faults.verdict(3, 1, 20).drop
+    assert not faults.verdict(5, 2, 25).drop
+    assert faults.verdict(1, 0, 25).drop
+    assert faults.verdict(3, 1, 30).drop
+
+
+def test_two_faults_are_not_applicable_to_three_workers() -> None:
+    _steps, schedule, windows, skipped = b.fault_plan(3, b.PATTERNS, window=6, gap=4, clean_steps=10)
+    assert windows == (("1", 5, 10),)
+    assert schedule == "cut 1-0 @5..10"
+    assert skipped == ["2p", "2s"]
+    assert b.pattern_links(3, "2p") is None
+    assert b.pattern_links(7, "2p") == [(3, 1), (5, 2)]
+
+
+def test_payload_sum_is_checked_exactly() -> None:
+    world, step = 4, 3
+    parts = [Payload(r, world, 37) for r in range(world)]
+    total = np.sum([p.fill(step).copy() for p in parts], axis=0)
+    assert parts[0].check(total, step)
+    total[5] += 1
+    assert not parts[0].check(total, step)
+    assert not parts[0].check(total[:-1], step)
+
+
+def _fake_run(world: int, timeout_s: float, times: dict[str, float], windows: tuple[tuple[str, int, int], ...],
+              steps: int, kind: str = "fttree") -> b.RunResult:
+    spec = b.RunSpec(kind=kind, world=world, size=407_050, steps=steps, timeout_s=timeout_s, windows=windows)
+    res = b.RunResult(spec=spec)
+    for s in range(steps):
+        for r in range(world):
+            t = times[spec.pattern_of(s)] * (1 + 0.01 * r)
+            res.records[s][r] = {"rank": r, "step": s, "duration_s": t, "exact": True, "error": "", "events": []}
+    return res
+
+
+def test_summary_medians_targets_and_table() -> None:
+    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
+    steps, _, windows, _ = b.fault_plan(7, b.PATTERNS, 6, 4, 10)
+    ft = _fake_run(7, 0.5, {"none": 0.05, "1": 0.55, "2p": 0.62, "2s": 1.4}, windows, steps)
+    plain = _fake_run(7, 0.5, {"none": 0.045}, (), 12, kind="plain")
+    gloo = _fake_run(7, 0.5, {"none": 0.04}, (), 12, kind="gloo")
+    summary = b.Summary(opts=opts, results=[ft, plain, gloo], notes=["a note"])
+    assert ft.median("1") == pytest.approx(0.55 * 1.06)  # slowest of 7 ranks
+    assert len(ft.times("none")) == steps - b.WARMUP_STEPS - 18
+    targets = dict((text.split(":")[0], met) for met, text in summary.targets())
+    assert targets["no fault, 7 workers, 1.63 MB"] is False  # 0.053 > gloo's 0.0424
+    assert targets["no fault, 7 workers"] is True  # 1.11 x plain
+    assert targets["1 fault, 7 workers, t=0.5 s"] is True
+    assert targets["2 serial, 7 workers, t=0.5 s"] is False  # 2.6 t extra
+    table = b.render(summary)
+    for expected in ("[0.033]", "[1.449]", "[1.495]", "[2.822]", "fttree/gloo", "MISS", "note: a note"):
+        assert expected in table
+    data = summary.to_json(b.machine_info(), ["fttree", "bench"])
+    assert json.loads(json.dumps(data, default=str))["runs"][0]["medians_s"]["2s"] == pytest.approx(1.4 * 1.06)
+
+
+def test_failed_steps_stay_out_of_medians_and_miss_the_target() -> None:
+    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
+    steps, _, windows, _ = b.fault_plan(7, b.PATTERNS, 6, 4, 10)
+    ft = _fake_run(7, 0.5, {"none": 0.05, "1": 0.3, "2p": 0.3, "2s": 0.3}, windows, steps)
+    for rec in ft.records[5].values():  # the first step of the 1-fault window
+        rec.update(duration_s=15.0, exact=False, error="step 5 aborted: no contribution from ranks [1]")
+    assert ft.failed_steps() == [5]
+    assert not ft.ok
+    assert max(ft.times("1")) < 1.0
+    assert ft.first_of_window("1") is None
+    summary = b.Summary(opts=opts, results=[ft], notes=[])
+    met = {text.split(":")[0]: m for m, text in summary.targets()}
+    assert met["1 fault, 7 workers, t=0.5 s"] is False
+    assert met["2 serial, 7 workers, t=0.5 s"] is True
+    assert "no contribution from ranks [1]" in b.render(summary)
+
+
+def test_adaptive_column_appears_only_when_the_api_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), sweep_workers=(), gloo=False, plain=False)
+    monkeypatch.setattr(b, "timeout_policy_available", lambda: False)
+    runs, notes = b.plan(opts)
+    assert [r.policy for r in runs] == ["static"]
+    assert any("adaptive" in n for n in notes)
+    monkeypatch.setattr(b, "timeout_policy_available", lambda: True)
+    runs, _ = b.plan(opts)
+    assert [r.policy for r in runs] == ["static", "adaptive"]
+    cmd = b.worker_commands(runs[1], Path("/tmp"))[0]
+    assert cmd[cmd.index("--timeout-policy") + 1] == "adaptive"
+
+
+@pytest.mark.slow
+def test_fault_run_records_every_rank_and_the_recovery(tmp_path: Path) -> None:
+    spec = b.RunSpec(kind="fttree", world=3, size=64, steps=3, warmup=1, timeout_s=0.2, faults="cut 1-0 @2",
+                     windows=(("1", 2, 2),), step_timeout_s=20)
+    res = b.execute(spec, tmp_path)
+    assert res.ok, (res.error, res.stderr_tail)
+    assert res.complete_steps() == [0, 1, 2]
+    assert res.exit_codes == {0: 0, 1: 0, 2: 0}
+    assert res.times("none")
+    assert res.times("1")
+    events = [e for rec in res.records[2].values() for e in rec["events"]]
+    assert any("1->0 lost" in e or "relayed rank 1" in e for e in events), events
+
+
+def test_a_worker_that_dies_ends_the_run_with_its_reason(tmp_path: Path) -> None:
+    spec = b.RunSpec(kind="fttree", world=2, size=8, steps=2, faults="cut 5-0")  # rank 5 is not in a world of 2
+    res = b.execute(spec, tmp_path)
+    assert not res.ok
+    assert "exited" in res.error
+    assert any("rank 5" in line for tail in res.stderr_tail.values() for line in tail), res.stderr_tail
+
+
+@pytest.mark.slow
+def test_bench_command_end_to_end(tmp_path: Path) -> None:
+    args = ["--workers", "3", "--timeouts", "0.5", "--patterns", "none", "--policies", "static", "--size", "256",
+            "--sizes", "1KB", "--sweep-workers", "3", "--clean-steps", "3", "--fig11-trials", "20",
+            "--strict", "--out", str(tmp_path)]
+    out = CliRunner().invoke(bench_cmd, args)
+    assert out.exit_code == 0, out.output
+    assert "fttree/gloo" in out.output
+    assert "fttree/plain" in out.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    kinds = sorted((r["spec"]["kind"], r["spec"]["purpose"]) for r in data["runs"])
+    assert kinds == [("fttree", "matrix"), ("fttree", "sweep"), ("gloo", "matrix"), ("gloo", "sweep"),
+                     ("plain", "matrix")]
+    assert all(r["ok"] for r in data["runs"])
+    assert all(len(recs) == 3 for r in data["runs"] for recs in r["records"].values())
+    assert data["fig11"]["results"][0]["world"] == 3
+    for png in ("fig14_3workers.png", "size_sweep.png", "fig11.png"):
+        assert (tmp_path / png).stat().st_size > 0
