@@ -165,7 +165,10 @@ class Node:
             return
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
-        st = _Step(step=step, future=future, out=np.empty_like(data),
+        # Results land in the submitted buffer itself: at the root a chunk's result IS its
+        # accumulator, elsewhere the accumulator is no longer needed once the result exists
+        # (any copy of it still queued is a duplicate the parent drops).
+        st = _Step(step=step, future=future, out=data,
                    offsets=dict(enumerate(starts)), remaining=set(range(len(starts))),
                    started=time.perf_counter())  # loop.time() ticks in whole ms
         self._steps[step] = st
@@ -239,7 +242,9 @@ class Node:
         if st is None:
             return
         start = st.offsets[done.chunk]
-        st.out[start:start + done.result.size] = done.result
+        target = st.out[start:start + done.result.size]
+        if not np.may_share_memory(target, done.result):
+            target[...] = done.result
         st.contributors = done.contributors if st.contributors is None else st.contributors
         st.remaining.discard(done.chunk)
         if not st.remaining:
