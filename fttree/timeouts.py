@@ -74,12 +74,13 @@ class AdaptiveTimeouts:
     alpha: float = 1 / 8
     beta: float = 1 / 4
     max_backoff: float = 8.0
+    allowance_bytes_per_s: float = 200e6  # before any sample: time allowed per queued byte
     _est: dict[WatchKey, _Estimate] = field(default_factory=dict)
 
     def deadline_s(self, key: WatchKey, nbytes: int) -> float:
         est = self._est.get(key)
-        if est is None:
-            return min(max(self.initial_s, self.floor_s), self.ceiling_s)
+        if est is None:  # like the static policy until the first sample
+            return min(max(self.initial_s, self.floor_s), self.ceiling_s) + max(0, nbytes) / self.allowance_bytes_per_s
         scale = max(1.0, nbytes / est.typical_bytes) if est.typical_bytes > 0 else 1.0
         base = (est.srtt + self.k * est.rttvar) * scale
         return float(min(max(base, self.floor_s) * est.backoff, self.ceiling_s * scale))
