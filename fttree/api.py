@@ -78,7 +78,7 @@ class FTTreeAllreduce:
     def __init__(self, rank: int, peers: Sequence[str | Address], *, timeout: float = 0.5,
                  step_timeout: float = 30.0, root_timeout: float | None = None,
                  startup_timeout: float = 60.0, faults: str | FaultSchedule | None = None,
-                 fault_tolerant: bool = True, timeout_policy: str = "static", link_memory: bool = True,
+                 fault_tolerant: bool = True, timeout_policy: str = "adaptive", link_memory: bool = True,
                  adaptive_floor: float = 0.08, adaptive_ceiling: float = 2.0, chunk_bytes: int = 4 * 1024 * 1024,
                  stall_timeout: float = 5.0, http_port: int | None = None, http_host: str | None = None,
                  http_token: str | None = None) -> None:

@@ -40,8 +40,9 @@ def _job_options(f: F) -> F:
     f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
                      show_default=True, help="Wait this long for peers to come up.")(f)
     f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
-    f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="static",
-                     show_default=True, help="static: always --timeout; adaptive: learnt per link.")(f)
+    f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
+                     show_default=True,
+                     help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
     f = click.option("--no-link-memory", is_flag=True,
                      help="Pay the timeout on every step of a failure (the thesis), no routing around.")(f)
     return _faults_option(f)

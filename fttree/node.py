@@ -59,7 +59,7 @@ class NodeConfig:
     connect_timeout_s: float = 2.0
     stall_timeout_s: float = 5.0
     fault_tolerant: bool = True
-    timeout_policy: str = "static"
+    timeout_policy: str = "adaptive"
     adaptive_floor_s: float = 0.08
     adaptive_ceiling_s: float = 2.0
     link_memory: bool = True

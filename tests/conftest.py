@@ -26,7 +26,9 @@ def local_peers(n: int, port: int | None = None) -> list[str]:
 
 @contextlib.contextmanager
 def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
-    """n started FTTreeAllreduce handles in this process, closed on exit."""
+    """n started FTTreeAllreduce handles in this process, closed on exit. Static timeouts
+    unless asked otherwise: tests that assert which steps recover need them predictable."""
+    kwargs.setdefault("timeout_policy", "static")
     peers = local_peers(n)
     handles = [FTTreeAllreduce(r, peers, **kwargs) for r in range(n)]  # type: ignore[arg-type]
     errors: list[BaseException] = []

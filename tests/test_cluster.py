@@ -64,7 +64,8 @@ def test_large_tensor_is_chunked_and_exact() -> None:
 def test_launch_seven_processes_with_a_cut_link() -> None:
     """The issue's acceptance run: 7 processes, link 1-0 silent for steps 5..10 of 20."""
     cmd = [sys.executable, "-m", "fttree", "launch", "-n", "7", "--steps", "20", "--size", "50000",
-           "--timeout", "0.3", "--port", str(free_port()), "--faults", "cut 1-0 @5..10", "--no-link-memory"]
+           "--timeout", "0.3", "--port", str(free_port()), "--faults", "cut 1-0 @5..10", "--no-link-memory",
+           "--timeout-policy", "static"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = {int(line.split()[1]): line for line in proc.stdout.splitlines() if line.startswith("step ")}

@@ -404,3 +404,19 @@ def test_launch_real_cut_through_the_last_step(netns: str) -> None:
     assert run.applied == [(5, "cut 0-1")]
     assert run.result.all_exact()
     assert sorted(run.result.records) == list(range(STEPS))
+
+
+@pytest.mark.realnet
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launch_real_cut_heal_cut_with_adaptive_timeouts(netns: str) -> None:
+    """A flapping link under the kernel's firewall: cut, healed, cut again; every step exact."""
+    run = run_real(netns, "cut 1-0 @3..5; cut 1-0 @9..11", "--timeout-policy", "adaptive")
+    result = run.result
+    assert sorted(result.records) == list(range(STEPS))
+    assert result.all_exact()
+    assert [(step, c) for step, c in run.applied] == [(3, "cut 0-1"), (6, "heal cut 0-1"), (9, "cut 0-1"),
+                                                       (12, "heal cut 0-1")]
+    for step in (3, 9):  # the first step of each cut needed a recovery
+        assert any(rec.events for rec in result.records[step].values()), f"step {step}"
+    assert fttree_rules(netns) == []
