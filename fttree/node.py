@@ -87,6 +87,7 @@ class _Step:
     step: int
     future: Future[StepResult]
     out: np.ndarray
+    submitted: np.ndarray
     offsets: dict[int, int]
     remaining: set[int]
     started: float
@@ -165,10 +166,10 @@ class Node:
             return
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
-        # Results land in the submitted buffer itself: at the root a chunk's result IS its
-        # accumulator, elsewhere the accumulator is no longer needed once the result exists
-        # (any copy of it still queued is a duplicate the parent drops).
-        st = _Step(step=step, future=future, out=data,
+        # Results land in the submitted buffer itself where that is safe: below the root the
+        # accumulator is no longer needed once the result exists (any copy of it still queued
+        # is a duplicate the parent drops).
+        st = _Step(step=step, future=future, out=data, submitted=data,
                    offsets=dict(enumerate(starts)), remaining=set(range(len(starts))),
                    started=time.perf_counter())  # loop.time() ticks in whole ms
         self._steps[step] = st
@@ -242,9 +243,11 @@ class Node:
         if st is None:
             return
         start = st.offsets[done.chunk]
-        target = st.out[start:start + done.result.size]
-        if not np.may_share_memory(target, done.result):
-            target[...] = done.result
+        if np.may_share_memory(st.out, done.result) and st.out is st.submitted:
+            # At the root a chunk's result is its accumulator, and that memory is still queued
+            # for the children: the user gets a copy, never the buffer on the wire.
+            st.out = np.empty_like(st.out)
+        st.out[start:start + done.result.size] = done.result
         st.contributors = done.contributors if st.contributors is None else st.contributors
         st.remaining.discard(done.chunk)
         if not st.remaining:

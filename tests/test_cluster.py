@@ -122,3 +122,14 @@ def test_a_cut_through_the_last_step_still_finishes_everywhere() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all exact: yes" in proc.stdout
+
+
+def test_changing_a_result_in_place_never_reaches_other_workers() -> None:
+    """The root's result is also what it is sending down: users must get their own copy."""
+    with cluster(3, timeout=0.3) as handles:
+        for step in range(5):
+            futures = [h.allreduce_async(np.full(200_000, float(h.rank + 1), np.float32)) for h in handles]
+            root_out = futures[0].result(timeout=30)
+            root_out *= 1000  # the user scales its result in place, as `out /= n` would
+            for fut in futures[1:]:
+                assert np.array_equal(fut.result(timeout=30), np.full(200_000, 6.0, np.float32)), step
