@@ -1,0 +1,153 @@
+"""Shared by the training examples: the thesis's MLP, its data, the batch schedule, a local
+launcher and the progress line. Nothing here touches the network."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+BATCH = 100  # per worker, as in the thesis
+
+
+def thesis_mlp(seed: int = 0) -> nn.Module:
+    """784-512-10 MLP: 407,050 parameters."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+@dataclass
+class Dataset:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    name: str
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise SystemExit(f"{path} is not an MNIST idx file of unsigned bytes")
+    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def load_data(images: str | None, labels: str | None) -> Dataset:
+    """MNIST idx files when given, else scikit-learn's bundled 8x8 digits upsampled to
+    28x28 (no download)."""
+    if images:
+        x = torch.from_numpy(_read_idx(Path(images)).astype(np.float32) / 255.0).reshape(-1, 784)
+        if not labels:
+            guess = images.replace("images-idx3", "labels-idx1")
+            if guess == images or not Path(guess).exists():
+                raise SystemExit("give --labels for the MNIST images file")
+            labels = guess
+        y = torch.from_numpy(_read_idx(Path(labels)).astype(np.int64))
+        name = Path(images).name
+    else:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        small = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
+        x = nn.functional.interpolate(small, size=(28, 28), mode="bilinear", align_corners=False).reshape(-1, 784)
+        y = torch.from_numpy(digits.target.astype(np.int64))
+        name = "sklearn digits upsampled to 28x28"
+    n_test = max(1, len(x) // 6)
+    return Dataset(x[:-n_test], y[:-n_test], x[-n_test:], y[-n_test:], name)
+
+
+def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = BATCH) -> torch.Tensor:
+    """Rank `rank`'s slice of the global batch of `step`: one shuffle per epoch, shared by all
+    workers, so N workers see exactly what one process with batch N x `batch` would."""
+    global_batch = world * batch
+    per_epoch = max(1, n_train // global_batch)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(epoch))
+    start = k * global_batch + rank * batch
+    return perm[start:start + batch]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],
+                 deadline_s: float) -> int:
+    """Run n copies of `script` on this machine; rank 0's output is shown, the others' only
+    if they fail. Returns the worst exit code."""
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_for_rank[rank]}
+        procs.append(subprocess.Popen([sys.executable, script, *worker_args], env=env,
+                                      stdout=None if rank == 0 else subprocess.PIPE,
+                                      stderr=None if rank == 0 else subprocess.STDOUT, text=True))
+    end, worst = time.monotonic() + deadline_s, 0
+    try:
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+            if proc.returncode:
+                worst = worst or proc.returncode
+                if out:
+                    print(f"--- rank {rank} exited with {proc.returncode}:\n{out[-4000:]}", file=sys.stderr)
+    except subprocess.TimeoutExpired:
+        print(f"workers still running after {deadline_s:g} s: stopping them", file=sys.stderr)
+        worst = 124
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return worst
+
+
+class Progress:
+    """One line per step with a bar, the step time, loss and batch accuracy."""
+
+    def __init__(self, steps: int, enabled: bool, as_json: bool = False) -> None:
+        self.steps, self.enabled, self.as_json = steps, enabled, as_json
+        self.times: list[float] = []
+
+    def step(self, step: int, seconds: float, loss: float, acc: float, note: str = "") -> None:
+        self.times.append(seconds)
+        if not self.enabled or self.as_json:
+            return
+        width = 20
+        done = round(width * (step + 1) / self.steps)
+        bar = "#" * done + "-" * (width - done)
+        print(f"step {step + 1:4d}/{self.steps} [{bar}] {seconds * 1000:8.1f} ms  loss {loss:.4f}  "
+              f"acc {acc:.2f}{'  ' + note if note else ''}", flush=True)
+
+    def summary(self, warmup: int, extra: dict[str, object]) -> None:
+        if not self.enabled:
+            return
+        timed = sorted(self.times[warmup:] or self.times)
+        median = timed[len(timed) // 2] if timed else float("nan")
+        info = {"median_step_s": median, "steps": len(self.times), **extra}
+        if self.as_json:
+            print(json.dumps(info), flush=True)
+        else:
+            print(f"median step {median * 1000:.1f} ms over {len(timed)} steps; "
+                  + ", ".join(f"{k} {v}" for k, v in extra.items()), flush=True)
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())

@@ -1,0 +1,104 @@
+"""Stock DistributedDataParallel training of the thesis's MLP over the "fttree"
+torch.distributed backend. The training code is plain torch; `import fttree.backend` and the
+backend name are the only fttree-specific lines.
+
+    torchrun --nproc-per-node 3 examples/train_ddp.py --steps 30
+    python examples/train_ddp.py -n 3 --steps 30                      # starts the workers itself
+    python examples/train_ddp.py -n 3 --steps 30 --faults "cut 1-0 @8..12" --timeout 0.2
+    python examples/train_ddp.py -n 3 --backend gloo                  # the same on gloo
+
+Fault windows count fttree steps, including DDP's own setup collectives (a handful) before
+the first training step. Settings reach the backend as FTTREE_* environment variables
+(FTTREE_FAULTS, FTTREE_TIMEOUT, FTTREE_STEP_TIMEOUT), so torchrun users can set those directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mlp_common import BATCH, Progress, accuracy, batch_indices, free_port, launch_local, load_data, thesis_mlp
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--workers", type=int, default=3, help="local workers to start when not under torchrun")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--backend", choices=["fttree", "gloo"], default="fttree", help="torch.distributed backend")
+    p.add_argument("--faults", default="", help='fttree fault schedule (sets FTTREE_FAULTS), e.g. "cut 1-0 @8..12"')
+    p.add_argument("--timeout", type=float, default=None, help="fttree backup-link timeout in s (FTTREE_TIMEOUT)")
+    p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
+    p.add_argument("--labels", help="MNIST idx labels file")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line instead of progress lines")
+    p.add_argument("--deadline", type=float, default=600.0, help="stop the local workers after this many seconds")
+    return p.parse_args()
+
+
+def train(args: argparse.Namespace) -> int:
+    if args.faults:
+        os.environ["FTTREE_FAULTS"] = args.faults
+    if args.timeout is not None:
+        os.environ["FTTREE_TIMEOUT"] = str(args.timeout)
+    torch.set_num_threads(args.threads)
+    if args.backend == "fttree":
+        import fttree.backend  # registers the "fttree" backend
+
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_data(args.images, args.labels)
+    model = thesis_mlp(seed=rank)  # DDP broadcasts rank 0's parameters at construction
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    if rank == 0 and not args.json:
+        print(f"{world} workers, DDP on the {args.backend} backend, {data.name}, batch {BATCH} per worker", flush=True)
+    progress = Progress(args.steps, enabled=rank == 0, as_json=args.json)
+    try:
+        for step in range(args.steps):
+            idx = batch_indices(len(data.x_train), step, world, rank)
+            x, y = data.x_train[idx], data.y_train[idx]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            out = ddp(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+            opt.step()
+            progress.step(step, time.perf_counter() - t0, loss.item(), float((out.argmax(1) == y).float().mean()))
+    except Exception as exc:
+        print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    extra: dict[str, object] = {"backend": args.backend, "workers": world,
+                                "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
+    if args.backend == "fttree":
+        node = fttree.backend.allreduce_of().node
+        assert node is not None
+        extra["recoveries"] = sum(n for kind, n in node.note_counts.items() if kind.value == "recovery")
+    progress.summary(args.warmup, extra)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if "RANK" in os.environ:  # under torchrun, or started by launch_local below
+        return train(args)
+    port = str(free_port())
+    envs = {r: {"RANK": str(r), "WORLD_SIZE": str(args.workers), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port} for r in range(args.workers)}
+    return launch_local(__file__, args.workers, sys.argv[1:], envs, args.deadline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

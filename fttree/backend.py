@@ -1,0 +1,374 @@
+"""fttree as a torch.distributed backend, so unmodified DistributedDataParallel code runs on it.
+
+    import fttree.backend  # registers the "fttree" backend
+    dist.init_process_group("fttree")  # under torchrun, or with an explicit store/rank/world_size
+
+Each rank picks an address (FTTREE_HOST or the interface that reaches MASTER_ADDR, port
+FTTREE_PORT + LOCAL_RANK or a free one), publishes it once in the store torch hands the
+backend, reads everyone else's, and starts an FTTreeAllreduce. From then on the store is not
+used: every collective is one fttree step, submitted in call order (which torch.distributed
+requires to be the same on every rank anyway).
+
+Collectives are sums: allreduce (SUM, AVG), broadcast (the root contributes its tensor, the
+others zeros), allgather and gather (each rank fills its own slot of a zeroed buffer), reduce
+and reduce_scatter (SUM, AVG; a full allreduce, each rank keeps its part) and barrier (a
+one-element step); scatter, all_to_all, send and recv raise NotImplementedError. Adding zeros
+is exact, so broadcast and allgather return the bits that were sent (except that -0.0 arrives
+as +0.0).
+
+Settings come from the environment so that torchrun scripts need no change: FTTREE_TIMEOUT
+(backup-link watch, s), FTTREE_STEP_TIMEOUT (s), FTTREE_FAULTS (in-process fault schedule),
+FTTREE_CHUNK_BYTES, FTTREE_HOST, FTTREE_PORT.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from .api import FTTreeAllreduce
+from .buckets import copy_divided, digest, wire_dtype
+from .ddp import pending_future
+from .errors import ConfigError
+from .node import StepResult
+from .optim import close_gracefully
+
+__all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
+
+BACKEND = "fttree"
+
+
+class FTTreeWork(dist.Work):
+    """A collective in flight. `wait()` raises the fttree error itself (StepAborted,
+    TensorMismatch, ...); C++ callers such as DDP's reducer see it through `get_future()`."""
+
+    def __init__(self, inner: torch.futures.Future[Any], outer: torch.futures.Future[Any],
+                 outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._inner, self._outer, self._outputs = inner, outer, outputs
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        value = self._inner.wait()
+        if isinstance(value, BaseException):
+            raise value
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._outer
+
+    def is_completed(self) -> bool:
+        return self._inner.done()
+
+    def is_success(self) -> bool:
+        return self._inner.done() and not isinstance(self._inner.value(), BaseException)
+
+    def exception(self) -> BaseException | None:
+        value = self._inner.value() if self._inner.done() else None
+        return value if isinstance(value, BaseException) else None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+
+def _pack(tensors: Sequence[torch.Tensor], what: str) -> tuple[np.ndarray, str]:
+    """Copy tensors into one flat host array of their wire dtype; the signature names the
+    collective and the shapes so ranks that disagree fail the step with TensorMismatch."""
+    dtypes = {wire_dtype(t.dtype) for t in tensors}
+    if len(dtypes) != 1:
+        raise TypeError(f"fttree backend: {what} needs tensors of one dtype, got {[str(t.dtype) for t in tensors]}")
+    dtype = dtypes.pop()
+    flat = np.empty(sum(t.numel() for t in tensors), dtype=dtype)
+    view, offset = torch.from_numpy(flat), 0
+    for t in tensors:
+        view[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return flat, f"{what} {dtype.name}[{flat.size}] #{digest(tuple(t.shape) for t in tensors)}"
+
+
+def _unpack(flat: np.ndarray, tensors: Sequence[torch.Tensor], divisor: int = 1) -> None:
+    """Copy (and divide) a result into the tensors; `flat` is only read: at the root it is
+    also the payload of the result still queued for the children."""
+    src, offset = torch.from_numpy(flat), 0
+    with torch.no_grad():
+        for t in tensors:
+            copy_divided(t, src[offset:offset + t.numel()].view(t.shape), divisor)
+            offset += t.numel()
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "op", op)).rpartition(".")[2]
+
+
+class FTTreeProcessGroup(dist.ProcessGroup):
+    """A ProcessGroup whose collectives run as fttree steps (see the module docstring)."""
+
+    def __init__(self, store: Store | None, rank: int, world_size: int, timeout: timedelta | None = None, *,
+                 allreduce: FTTreeAllreduce | None = None) -> None:
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        if allreduce is None:
+            if store is None:
+                raise ConfigError("the fttree backend needs a store to exchange addresses (or an allreduce handle)")
+            allreduce = _connect(store, rank, world_size, timeout)
+        if (allreduce.rank, allreduce.world) != (rank, world_size):
+            raise ConfigError(f"allreduce handle is rank {allreduce.rank} of {allreduce.world}, "
+                              f"the group wants rank {rank} of {world_size}")
+        self.allreduce_handle = allreduce
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"FTTreeProcessGroup(rank={self.rank()}, world={self.size()})"
+
+    # ---- plumbing --------------------------------------------------------------------
+
+    def _run(self, what: str, flat: np.ndarray, signature: str, outputs: list[torch.Tensor],
+             finish: Callable[[StepResult], None]) -> FTTreeWork:
+        """Submit one step; `finish` (on the loop thread) writes the result into `outputs`."""
+        inner, outer = pending_future()
+        work = FTTreeWork(inner, outer, outputs)
+        where = f"fttree rank {self.rank()}: {what}"
+
+        def fail(exc: BaseException) -> None:
+            exc.add_note(where)
+            inner.set_result(exc)
+
+        try:
+            submitted = self.allreduce_handle.submit_array(flat, signature)
+        except Exception as exc:
+            fail(exc)
+            return work
+
+        def done(f: Any) -> None:
+            try:
+                finish(f.result())
+            except BaseException as exc:
+                fail(exc)
+                return
+            inner.set_result(outputs)
+
+        submitted.add_done_callback(done)
+        return work
+
+    def _sum(self, what: str, tensors: list[torch.Tensor], op: Any) -> FTTreeWork:
+        name = _op_name(op)
+        if name not in ("SUM", "AVG"):
+            raise NotImplementedError(f"fttree backend: {what} supports ReduceOp.SUM and AVG, not {name}")
+        if name == "AVG" and not all(t.is_floating_point() for t in tensors):
+            raise TypeError(f"fttree backend: ReduceOp.AVG needs floating-point tensors, got "
+                            f"{[str(t.dtype) for t in tensors]}")
+        flat, sig = _pack(tensors, what)
+
+        def finish(res: StepResult) -> None:
+            _unpack(res.data, tensors, len(res.contributors) if name == "AVG" else 1)
+
+        return self._run(f"{what} of {flat.size} x {flat.dtype}", flat, sig, tensors, finish)
+
+    # ---- collectives -------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:  # type: ignore[override]
+        return self._sum("allreduce", tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:
+        return self._sum("allreduce", tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:  # type: ignore[override]
+        root = opts.rootRank if opts is not None else 0
+        if self.rank() == root:
+            return self._sum(f"reduce to rank {root}", tensors, opts.reduceOp if opts is not None else "SUM")
+        copies = [t.detach().clone() for t in tensors]  # non-root inputs stay as they were
+        return self._sum(f"reduce to rank {root}", copies, opts.reduceOp if opts is not None else "SUM")
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:  # type: ignore[override]
+        root = opts.rootRank if opts is not None else 0
+        what = f"broadcast from rank {root}"
+        flat, sig = _pack(tensors, what)
+        if self.rank() != root:
+            flat[:] = 0
+        is_root = self.rank() == root
+
+        def finish(res: StepResult) -> None:
+            if not is_root:
+                _unpack(res.data, tensors)
+
+        return self._run(f"{what} of {flat.size} x {flat.dtype}", flat, sig, tensors, finish)
+
+    def _gather_into(self, what: str, inputs: list[torch.Tensor], slots: list[list[torch.Tensor]]) -> FTTreeWork:
+        """Every rank's `inputs` into slots[r] (empty list: not wanted here)."""
+        own, sig = _pack(inputs, what)
+        world, rank = self.size(), self.rank()
+        flat = np.zeros(own.size * world, dtype=own.dtype)
+        flat[rank * own.size:(rank + 1) * own.size] = own
+        sig = sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1)
+
+        def finish(res: StepResult) -> None:
+            for r, outs in enumerate(slots):
+                if outs:
+                    _unpack(res.data[r * own.size:(r + 1) * own.size], outs)
+
+        outputs = [t for outs in slots for t in outs]
+        return self._run(f"{what} of {world} x {own.size} x {own.dtype}", flat, sig, outputs, finish)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:
+        if len(input_tensors) != 1 or len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+            raise ValueError(f"fttree backend: allgather takes one input tensor and {self.size()} outputs")
+        return self._gather_into("allgather", input_tensors, [[t] for t in output_tensors[0]])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> FTTreeWork:
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"fttree backend: all_gather_single output needs {self.size()} x {input.numel()} "
+                             f"elements, has {output.numel()}")
+        return self._gather_into("allgather", [input], [[part] for part in output.view(self.size(), -1)])
+
+    _allgather_base = all_gather_single
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+               input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:
+        root = opts.rootRank if opts is not None else 0
+        wanted = output_tensors[0] if self.rank() == root else []
+        slots = [[t] for t in wanted] if wanted else [[] for _ in range(self.size())]
+        return self._gather_into(f"gather to rank {root}", input_tensors, slots)
+
+    def _reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], opts: Any) -> FTTreeWork:
+        """A full allreduce of every rank's list; each rank keeps its own part (simple, not
+        bandwidth-optimal: the tree has no scatter phase)."""
+        if len(inputs) != self.size():
+            raise ValueError(f"fttree backend: reduce_scatter needs {self.size()} inputs, got {len(inputs)}")
+        name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if name not in ("SUM", "AVG"):
+            raise NotImplementedError(f"fttree backend: reduce_scatter supports ReduceOp.SUM and AVG, not {name}")
+        flat, sig = _pack(inputs, "reduce_scatter")
+        start = sum(t.numel() for t in inputs[:self.rank()])
+        end = start + inputs[self.rank()].numel()
+
+        def finish(res: StepResult) -> None:
+            _unpack(res.data[start:end], [output], len(res.contributors) if name == "AVG" else 1)
+
+        return self._run(f"reduce_scatter of {flat.size} x {flat.dtype}", flat, sig, [output], finish)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> FTTreeWork:
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise ValueError("fttree backend: reduce_scatter takes one output tensor and one list of inputs")
+        return self._reduce_scatter(output_tensors[0], input_tensors[0], opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> FTTreeWork:
+        return self._reduce_scatter(output, list(input.reshape(self.size(), -1)), opts)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def barrier(self, opts: Any = None) -> FTTreeWork:
+        return self._sum("barrier", [torch.zeros(1)], dist.ReduceOp.SUM)
+
+    def _unsupported(self, name: str) -> FTTreeWork:
+        raise NotImplementedError(f"fttree backend: {name} is not implemented (fttree does sums: all_reduce SUM/AVG, "
+                                  f"broadcast, all_gather, gather, reduce, reduce_scatter, barrier)")
+
+    def scatter(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._unsupported("scatter")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._unsupported("all_to_all")
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._unsupported("all_to_all_single")
+
+    def send(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._unsupported("send")
+
+    def recv(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._unsupported("recv")
+
+    def shutdown(self) -> None:
+        close_gracefully(self.allreduce_handle)
+
+    def abort(self) -> None:
+        self.allreduce_handle.close()
+
+
+# ---- setup --------------------------------------------------------------------------------
+
+
+def _local_host() -> str:
+    """FTTREE_HOST, else the address of the interface that reaches MASTER_ADDR (no packet
+    is sent: a UDP connect only picks a route), else loopback."""
+    if os.environ.get("FTTREE_HOST"):
+        return os.environ["FTTREE_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        if master == "localhost" or ipaddress.ip_address(master).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _pick_port(host: str) -> int:
+    base = os.environ.get("FTTREE_PORT")
+    if base:
+        return int(base) + int(os.environ.get("LOCAL_RANK", "0"))
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    try:
+        return float(text) if text else default
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {text!r}") from None
+
+
+def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> FTTreeAllreduce:
+    host = _local_host()
+    me = f"{host}:{_pick_port(host)}"
+    store.set(f"fttree/peer/{rank}", me)
+    peers = [store.get(f"fttree/peer/{r}").decode() for r in range(world)]
+    startup = timeout.total_seconds() if timeout is not None else 300.0
+    kwargs: dict[str, Any] = {
+        "timeout": _env_float("FTTREE_TIMEOUT", 0.5),
+        "step_timeout": _env_float("FTTREE_STEP_TIMEOUT", 30.0),
+        "startup_timeout": max(1.0, min(startup, 600.0)),
+        "faults": os.environ.get("FTTREE_FAULTS") or None,
+    }
+    if os.environ.get("FTTREE_CHUNK_BYTES"):
+        kwargs["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
+    return FTTreeAllreduce(rank, peers, **kwargs).start()
+
+
+def _create(store: Store, rank: int, world_size: int, timeout: timedelta) -> FTTreeProcessGroup:
+    return FTTreeProcessGroup(store, rank, world_size, timeout)
+
+
+def register() -> None:
+    """Make `dist.init_process_group("fttree")` work (idempotent; done on import)."""
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+def allreduce_of(group: dist.ProcessGroup | None = None) -> FTTreeAllreduce:
+    """The FTTreeAllreduce under an fttree process group (default: the world), for its
+    statistics and notes."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, FTTreeProcessGroup):
+        raise ConfigError(f"{pg!r} is not an fttree process group")
+    return pg.allreduce_handle
+
+
+register()

@@ -1,0 +1,129 @@
+"""Gradient buckets: which parameters travel together, where each one sits in the flat buffer,
+and the signature that makes two workers with different models disagree loudly.
+
+A bucket is one allreduce step. Its flat buffer holds the gradients of its parameters back to
+back, then one "present" flag per parameter (1 if this worker produced that gradient, else 0),
+so after the sum every worker knows how many workers used each parameter: a parameter that no
+worker used keeps `grad is None`, exactly as in single-process training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+DEFAULT_BUCKET_MB = 25.0
+
+_WIRE: dict[torch.dtype, np.dtype] = {
+    torch.float16: np.dtype("<f2"), torch.float32: np.dtype("<f4"), torch.float64: np.dtype("<f8"),
+    torch.bfloat16: np.dtype("<f4"), torch.int32: np.dtype("<i4"), torch.int64: np.dtype("<i8"),
+}
+
+
+def wire_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype a tensor of `dtype` travels as: floats as themselves (bfloat16 as
+    float32, which holds every bfloat16 exactly), int32/int64 as themselves, other integer and
+    bool types as int64."""
+    wire = _WIRE.get(dtype)
+    if wire is not None:
+        return wire
+    if dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(f"fttree cannot send {dtype} tensors: use float16/bfloat16/float32/float64")
+    return np.dtype("<i8")
+
+
+def copy_divided(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:
+    """dst = src / divisor without writing to src, rounding once into dst's dtype."""
+    if divisor == 1:
+        dst.copy_(src)
+    elif dst.dtype == src.dtype:
+        dst.copy_(src).div_(divisor)
+    else:  # e.g. bfloat16 from a float32 sum: divide in float32 first
+        dst.copy_(src / divisor)
+
+
+def digest(items: Iterable[object]) -> str:
+    """A short stable hash of a layout description, shown in signatures and errors."""
+    h = hashlib.blake2b(digest_size=6)
+    for item in items:
+        h.update(repr(item).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def describe(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One parameter's place in a bucket."""
+
+    param: int  # index into the GradientSync's parameter list
+    name: str
+    offset: int  # first element in the bucket's flat buffer
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    index: int
+    count: int  # buckets in the plan
+    dtype: np.dtype  # wire dtype of the flat buffer
+    slots: tuple[Slot, ...]
+    numel: int  # gradient elements; the present flags follow them
+    layout: str  # digest of the slot shapes and dtype
+
+    @property
+    def size(self) -> int:
+        """Elements in the flat buffer: gradients, then one present flag per slot."""
+        return self.numel + len(self.slots)
+
+    @property
+    def signature(self) -> str:
+        return f"grad bucket {self.index}/{self.count} {self.dtype.name}[{self.size}] #{self.layout}"
+
+    def names(self, limit: int = 4) -> str:
+        names = [s.name for s in self.slots]
+        more = f", ... {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
+
+
+def plan_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketSpec]:
+    """Split parameters into buckets of at most `bucket_bytes` (a parameter larger than that
+    gets a bucket of its own), one wire dtype per bucket.
+
+    Parameters are taken in reverse order, as DistributedDataParallel does: backward produces
+    the gradients of the last layers first, so the first bucket fills first and its allreduce
+    overlaps the rest of backward."""
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    open_: dict[np.dtype, list[tuple[int, str, torch.Tensor]]] = {}
+    closed: list[tuple[np.dtype, list[tuple[int, str, torch.Tensor]]]] = []
+    for index in reversed(range(len(named_params))):
+        name, param = named_params[index]
+        dtype = wire_dtype(param.dtype)
+        members = open_.setdefault(dtype, [])
+        used = sum(p.numel() for _, _, p in members) * dtype.itemsize
+        if members and used + param.numel() * dtype.itemsize > bucket_bytes:
+            closed.append((dtype, members))
+            members = open_[dtype] = []
+        members.append((index, name, param))
+    closed.extend((dtype, members) for dtype, members in open_.items() if members)
+    specs = []
+    for b, (dtype, members) in enumerate(closed):
+        slots, offset = [], 0
+        for index, name, param in members:
+            slots.append(Slot(param=index, name=name, offset=offset, numel=param.numel(), shape=tuple(param.shape)))
+            offset += param.numel()
+        layout = digest([dtype.str, *((s.shape, str(named_params[s.param][1].dtype)) for s in slots)])
+        specs.append(BucketSpec(index=b, count=len(closed), dtype=dtype, slots=tuple(slots), numel=offset,
+                                layout=layout))
+    return specs

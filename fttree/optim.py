@@ -1,0 +1,414 @@
+"""Horovod-style gradient averaging on top of FTTreeAllreduce.
+
+    ar = fttree.FTTreeAllreduce.from_env().start()
+    opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+or `sync = fttree.attach(model, ar)` then `fttree.synchronize(model)` before any optimizer.
+
+How a step goes. Every parameter gets a post-accumulate-grad hook. When the last gradient of
+a bucket (fttree.buckets) arrives during backward, the bucket's gradients are copied into a
+fresh flat buffer and submitted at once, so its allreduce runs on the fttree loop thread while
+backward goes on. Buckets are submitted strictly in index order, so every worker gives them the
+same step numbers. When backward ends (an autograd engine callback) the buckets still waiting
+for gradients that never came (unused parameters) are submitted too. `synchronize()` waits for
+all of them and writes the averaged gradients back into `.grad`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from .api import FTTreeAllreduce
+from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
+from .errors import ConfigError, FTTreeError, StepAborted, TensorMismatch
+from .node import StepResult
+
+__all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "attach", "broadcast_parameters",
+           "check_same_layout", "close_gracefully", "synchronize"]
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class ModelMismatch(TensorMismatch):
+    """Workers hold different models (or bucket plans); raised on every worker."""
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def _named_tensors(target: Any, *, buffers: bool = True) -> Named:
+    """(name, tensor) pairs of a module (parameters, then buffers), a state_dict, or an
+    iterable of tensors or (name, tensor) pairs. Shared tensors are listed once."""
+    if isinstance(target, torch.nn.Module):
+        items: list[tuple[str, torch.Tensor]] = list(target.named_parameters())
+        if buffers:
+            items += list(target.named_buffers())
+    elif isinstance(target, torch.Tensor):
+        items = [("tensor", target)]
+    elif isinstance(target, Mapping):  # a state_dict
+        items = [(str(k), v) for k, v in target.items() if isinstance(v, torch.Tensor)]
+    else:
+        items = []
+        for i, item in enumerate(target):
+            if isinstance(item, torch.Tensor):
+                items.append((f"tensor{i}", item))
+            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+                items.append((str(item[0]), item[1]))
+            else:
+                raise TypeError(f"expected tensors or (name, tensor) pairs, got {type(item).__name__} at {i}")
+    seen: set[int] = set()
+    unique = []
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append((name, t))
+    return unique
+
+
+def _wait(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
+          context: Callable[[int], str]) -> list[StepResult]:
+    """Results of all futures; on failure, the first error (with `context(i)` noted) after
+    every future has settled, so no step of this batch is left running behind the caller."""
+    deadline = time.monotonic() + ar.config.step_timeout_s + 10
+    results: list[StepResult] = []
+    first: BaseException | None = None
+    for i, fut in enumerate(futures):
+        try:
+            results.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+        except FutureTimeout:
+            first = first or StepAborted(-1, f"rank {ar.rank}: no outcome within {ar.config.step_timeout_s + 10:g} s "
+                                             f"(event loop stuck?) while {context(i)}")
+        except FTTreeError as exc:
+            if first is None:
+                exc.add_note(f"fttree rank {ar.rank}: while {context(i)}")
+                first = exc
+    if first is not None:
+        raise first
+    return results
+
+
+def close_gracefully(allreduce: FTTreeAllreduce) -> None:
+    """Close a handle; `FTTreeAllreduce.close()` itself waits (bounded) for queued frames and
+    for peers that may still need this rank's relay, so this is kept as a plain alias."""
+    allreduce.close()
+
+
+def check_same_layout(ar: FTTreeAllreduce, what: str, entries: Sequence[str], *, numel: int = 0,
+                      summary: str = "") -> None:
+    """Compare a layout description across all workers in one small allreduce; raise
+    ModelMismatch on every worker (naming the ranks that differ) if they are not all equal.
+
+    Each rank writes (digest, entry count, `numel`) into its own row of a world x 3 int64
+    array; the sum hands every rank every row."""
+    world, rank = ar.world, ar.rank
+    mine = digest(entries)
+    table = np.zeros((world, 3), dtype=np.int64)
+    table[rank] = (int(mine, 16), len(entries), numel)
+    res = _wait([ar.submit_array(table.reshape(-1), f"layout check: {what} int64[{world}x3]")], ar,
+                lambda _: f"comparing the {what} of all workers")[0]
+    rows = res.data.reshape(world, 3)
+    if (rows[:, 0] == rows[rank, 0]).all():
+        return
+    groups: dict[int, list[int]] = {}
+    for r in res.contributors:
+        groups.setdefault(int(rows[r, 0]), []).append(r)
+    parts = [f"ranks {ranks} have #{key:012x} ({rows[ranks[0], 1]} tensors, {rows[ranks[0], 2]:,} elements)"
+             for key, ranks in sorted(groups.items(), key=lambda kv: kv[1])]
+    reason = (f"{what} differs between workers: {'; '.join(parts)}. This is rank {rank}"
+              + (f", whose {what} is {summary}" if summary else ""))
+    raise ModelMismatch(res.step, reason, peers=tuple(r for r in res.contributors if rows[r, 0] != rows[rank, 0]))
+
+
+def _layout_entries(named: Named) -> list[str]:
+    return [describe(t.shape, t.dtype) for _, t in named]
+
+
+def _summary(named: Named, limit: int = 6) -> str:
+    shown = ", ".join(f"{n} {describe(t.shape, t.dtype)}" for n, t in named[:limit])
+    return shown + (f", ... ({len(named) - limit} more)" if len(named) > limit else "")
+
+
+# ---- broadcast ----------------------------------------------------------------------------
+
+
+def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int = 0, *, check: bool = True) -> None:
+    """Copy rank `root_rank`'s parameters (and buffers, for a module) into every worker, so
+    all replicas start identical without seeding by hand.
+
+    `target` is a module, a tensor, or an iterable of tensors or (name, tensor) pairs. One
+    allreduce per wire dtype: the root contributes its values, everyone else zeros (x + 0 is
+    x exactly). With `check`, the layouts are compared first so different models fail with
+    ModelMismatch on every worker instead of a bare size mismatch."""
+    ar = allreduce
+    if not 0 <= root_rank < ar.world:
+        raise ConfigError(f"root_rank {root_rank} is not a rank of a world of {ar.world}")
+    named = _named_tensors(target)
+    if check:
+        check_same_layout(ar, "model state", _layout_entries(named), numel=sum(t.numel() for _, t in named),
+                          summary=_summary(named))
+    groups: dict[np.dtype, Named] = {}
+    for name, t in named:
+        groups.setdefault(wire_dtype(t.dtype), []).append((name, t))
+    futures, plans = [], []
+    for dtype, members in groups.items():
+        total = sum(t.numel() for _, t in members)
+        flat = np.zeros(total, dtype=dtype)
+        if ar.rank == root_rank:
+            view, offset = torch.from_numpy(flat), 0
+            for _, t in members:
+                view[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+                offset += t.numel()
+        layout = digest([dtype.str, *(tuple(t.shape) for _, t in members)])
+        futures.append(ar.submit_array(flat, f"broadcast from rank {root_rank} {dtype.name}[{total}] #{layout}"))
+        plans.append(members)
+    results = _wait(futures, ar, lambda i: f"broadcasting parameters from rank {root_rank}")
+    if ar.rank == root_rank:
+        return
+    with torch.no_grad():
+        for members, res in zip(plans, results, strict=True):
+            data, offset = torch.from_numpy(res.data), 0
+            for _, t in members:
+                t.copy_(data[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+
+# ---- gradient hooks -----------------------------------------------------------------------
+
+
+class GradientSync:
+    """Per-parameter gradient hooks feeding fused buckets; `synchronize()` averages.
+
+    `bucket_mb` caps a bucket's size; `backward_passes_per_step` > 1 accumulates that many
+    backward passes locally and allreduces once (the gradients are summed over passes and
+    averaged over workers, as in Horovod). `average=False` leaves the sum."""
+
+    def __init__(self, allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
+                 check: bool = True) -> None:
+        if backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
+        self.ar = allreduce
+        self.params = [(n, p) for n, p in _named_tensors(list(named_parameters)) if p.requires_grad]
+        if not self.params:
+            raise ConfigError("no parameter requires grad: nothing to synchronize")
+        self.passes = backward_passes_per_step
+        self.average = average
+        self.buckets = plan_buckets(self.params, max(1, int(bucket_mb * 2**20)))
+        self._bucket_of = {slot.param: spec.index for spec in self.buckets for slot in spec.slots}
+        self._lock = threading.RLock()
+        self._reset()
+        self.synchronized = False  # True from synchronize() until the next gradient arrives
+        if check:
+            check_same_layout(self.ar, "gradient bucket plan", [b.signature for b in self.buckets],
+                              numel=sum(b.numel for b in self.buckets),
+                              summary=f"{len(self.buckets)} buckets over {_summary(self.params)}")
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))  # type: ignore[no-untyped-call]
+                         for i, (_, p) in enumerate(self.params)]
+
+    def _reset(self) -> None:
+        self._pass = 0
+        self._waiting = [len(b.slots) for b in self.buckets]  # gradients still due in the final pass
+        self._fired: set[int] = set()
+        self._futures: list[Future[StepResult] | None] = [None] * len(self.buckets)
+        self._next = 0  # first bucket not yet submitted
+        self._callback_queued = False
+
+    def detach(self) -> None:
+        """Remove the hooks; gradients are left local from now on."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- during backward (autograd thread) -------------------------------------------
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self._on_grad(index)
+        return hook
+
+    def _on_grad(self, index: int) -> None:
+        with self._lock:
+            self.synchronized = False
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self._pass >= self.passes:
+                raise ConfigError(f"fttree rank {self.ar.rank}: more than backward_passes_per_step={self.passes} "
+                                  f"backward passes before step() or synchronize()")
+            if self._pass + 1 < self.passes or index in self._fired:
+                return
+            self._fired.add(index)
+            b = self._bucket_of[index]
+            self._waiting[b] -= 1
+            if self._waiting[b] == 0:
+                self._launch_ready()
+
+    def _end_of_backward(self) -> None:
+        with self._lock:
+            self._callback_queued = False
+            self._fired.clear()
+            self._pass += 1
+            if self._pass >= self.passes:
+                self._flush()
+
+    def _flush(self) -> None:
+        for b in range(self._next, len(self.buckets)):
+            self._waiting[b] = 0
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._waiting[self._next] == 0:
+            self._futures[self._next] = self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, spec: BucketSpec) -> Future[StepResult]:
+        buf = np.empty(spec.size, dtype=spec.dtype)
+        flat, flags = torch.from_numpy(buf), buf[spec.numel:]
+        for k, slot in enumerate(spec.slots):
+            grad = self.params[slot.param][1].grad
+            dst = flat[slot.offset:slot.offset + slot.numel]
+            if grad is None:
+                dst.zero_()
+                flags[k] = 0
+                continue
+            if grad.layout != torch.strided:
+                raise TypeError(f"fttree: parameter {slot.name} has a {grad.layout} gradient; only dense "
+                                f"gradients are supported")
+            dst.copy_(grad.detach().reshape(-1))
+            flags[k] = 1
+        return self.ar.submit_array(buf, spec.signature)
+
+    # ---- step (caller thread) ------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Submit what is left, wait for every bucket, write the averaged gradients back."""
+        with self._lock:
+            self._flush()
+            futures = [f for f in self._futures if f is not None]
+            self._reset()
+        results = _wait(futures, self.ar, lambda i: f"averaging gradient bucket {self.buckets[i].index} "
+                                                    f"({self.buckets[i].names()})")
+        for spec, res in zip(self.buckets, results, strict=True):
+            self._write_back(spec, res)
+        self.synchronized = True
+
+    def _write_back(self, spec: BucketSpec, res: StepResult) -> None:
+        # res.data is read, never written: at the root it is also the payload of the result
+        # still queued for the children.
+        data = res.data
+        flat, flags = torch.from_numpy(data[:spec.numel]), data[spec.numel:]
+        divisor = len(res.contributors) if self.average else 1
+        with torch.no_grad():
+            for k, slot in enumerate(spec.slots):
+                if flags[k] == 0:  # no worker produced this gradient: leave it None, like one process would
+                    continue
+                param = self.params[slot.param][1]
+                src = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                copy_divided(param.grad, src, divisor)
+
+
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, GradientSync] = weakref.WeakKeyDictionary()
+
+
+def attach(model: torch.nn.Module, allreduce: FTTreeAllreduce, *, bucket_mb: float = DEFAULT_BUCKET_MB,
+           backward_passes_per_step: int = 1, average: bool = True, broadcast: bool = True) -> GradientSync:
+    """Hook `model`'s gradients into fttree; call `synchronize(model)` before the optimizer
+    steps. With `broadcast`, rank 0's parameters and buffers are copied to every worker first."""
+    if model in _ATTACHED:
+        raise ConfigError("this model is already attached to fttree")
+    if broadcast:
+        broadcast_parameters(model, allreduce)
+    sync = GradientSync(allreduce, model.named_parameters(), bucket_mb=bucket_mb,
+                        backward_passes_per_step=backward_passes_per_step, average=average)
+    _ATTACHED[model] = sync
+    return sync
+
+
+def synchronize(target: torch.nn.Module | GradientSync | DistributedOptimizer | None = None) -> None:
+    """Average the gradients of an attached model (or of a GradientSync / DistributedOptimizer).
+    Without an argument, the one model attached in this process."""
+    if isinstance(target, GradientSync | DistributedOptimizer):
+        target.synchronize()
+    elif isinstance(target, torch.nn.Module):
+        sync = _ATTACHED.get(target)
+        if sync is None:
+            raise ConfigError("this model is not attached: call fttree.attach(model, allreduce) first")
+        sync.synchronize()
+    elif target is None:
+        attached = list(_ATTACHED.values())
+        if len(attached) != 1:
+            raise ConfigError(f"{len(attached)} models are attached: pass the one to synchronize")
+        attached[0].synchronize()
+    else:
+        raise TypeError(f"cannot synchronize a {type(target).__name__}")
+
+
+# ---- optimizer wrapper --------------------------------------------------------------------
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap any torch optimizer: `step()` first averages the gradients over all workers.
+
+    The object returned is an instance of both this class and the wrapped optimizer's class
+    (LR schedulers and isinstance checks keep working); it shares the wrapped optimizer's
+    parameter groups and state. A closure passed to step() is evaluated once before the
+    gradients are averaged (optimizers that call it repeatedly, like LBFGS, are not supported).
+    """
+
+    _subclasses: ClassVar[dict[type, type]] = {}
+    sync: GradientSync
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError("this optimizer is already a DistributedOptimizer")
+        base = type(optimizer)
+        sub = cls._subclasses.get(base)
+        if sub is None:
+            sub = cls._subclasses[base] = type(f"Distributed{base.__name__}", (cls, base), {"__module__": __name__})
+        return object.__new__(sub)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                 allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
+                 broadcast: bool = True) -> None:
+        # Deliberately not Optimizer.__init__: share the wrapped optimizer's groups and state.
+        self.__dict__.update(optimizer.__dict__)
+        if named_parameters is not None:
+            named = list(named_parameters)
+        elif model is not None:
+            named = list(model.named_parameters())
+        else:
+            named = [(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
+                     for i, p in enumerate(group["params"])]
+        if broadcast:
+            broadcast_parameters(model if model is not None else named, allreduce)
+        self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
+                                 backward_passes_per_step=backward_passes_per_step, average=average)
+
+    def synchronize(self) -> None:
+        """Average the gradients now (for clipping before step(); step() then skips it)."""
+        self.sync.synchronize()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.sync.synchronized:
+            self.sync.synchronize()
+        super().step()
+        return loss

@@ -1,0 +1,260 @@
+"""DistributedDataParallel over fttree, both ways: fttree.comm_hook on a gloo group, and the
+"fttree" torch.distributed backend. Each test starts 3 worker processes (this file, run as a
+script) that train the same small MLP on their slice of the batch; the parent checks the final
+parameters against one process training on the whole batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+WORLD = 3
+BATCH = 8
+STEPS = 5
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(WORLD * BATCH, 12, generator=g), torch.randint(0, 4, (WORLD * BATCH,), generator=g)
+
+
+def reference() -> list[torch.Tensor]:
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    for step in range(STEPS):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---- worker side (run as a script) --------------------------------------------------------
+
+
+def train(model: nn.Module, rank: int) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    for step in range(STEPS):
+        x, y = data(step)
+        sl = slice(rank * BATCH, (rank + 1) * BATCH)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def collectives(rank: int) -> dict[str, Any]:
+    """Every collective the backend implements, with results the parent can check."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
+        t = torch.full((3, 2), rank + 1, dtype=dtype)
+        dist.all_reduce(t)
+        out[f"sum_{dtype}"] = t
+    t = torch.full((5,), float(rank), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["avg"] = t
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    out["async_ok"] = work.wait()
+    for dtype in (torch.float32, torch.int32, torch.bool):
+        t = torch.arange(4).to(dtype) if rank == 1 else torch.zeros(4, dtype=dtype)
+        if dtype == torch.float32 and rank == 1:
+            t = torch.tensor([1.5, -2.25, float("inf"), 3e38])
+        dist.broadcast(t, src=1)
+        out[f"bcast_{dtype}"] = t
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(WORLD)]
+    dist.all_gather(gathered, torch.tensor([rank, 10 * rank]))
+    out["allgather"] = torch.stack(gathered)
+    single = torch.zeros(WORLD * 2)
+    dist.all_gather_into_tensor(single, torch.tensor([rank + 0.5, -float(rank)]))
+    out["allgather_single"] = single
+    t = torch.full((2,), float(rank + 1))
+    dist.reduce(t, dst=2)
+    out["reduce"] = t
+    rs = torch.zeros(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(WORLD * 2, dtype=torch.float32) * (rank + 1))
+    out["reduce_scatter"] = rs
+    dist.barrier()
+    try:
+        dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX)
+    except Exception as exc:
+        out["max_error"] = str(exc)
+    try:
+        dist.all_to_all_single(torch.zeros(WORLD), torch.ones(WORLD))
+    except NotImplementedError as exc:
+        out["alltoall_error"] = str(exc)
+    return out
+
+
+def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fttree
+
+    torch.set_num_threads(1)
+    if os.environ.get("FTTREE_TEST_LOG"):  # debugging aid: the protocol's notes on stderr
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)6d rank {rank} %(name)s %(message)s")
+    result: dict[str, Any] = {}
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
+    ar = None
+    if scenario.startswith("backend"):
+        import fttree.backend
+
+        dist.init_process_group("fttree", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+        ar = fttree.backend.allreduce_of()
+        if scenario == "backend":
+            result["collectives"] = collectives(rank)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+        ar = fttree.FTTreeAllreduce(rank, peers, timeout=0.2, faults=os.environ.get("FTTREE_FAULTS") or None,
+                                    step_timeout=float(os.environ.get("FTTREE_STEP_TIMEOUT", "30"))).start()
+    hidden_mismatch = scenario == "backend_mismatch" and rank == 2
+    model = mlp(seed=0 if rank == 0 else 50 + rank)  # DDP must broadcast rank 0's start
+    if hidden_mismatch:
+        model = nn.Sequential(nn.Linear(12, 17), nn.Tanh(), nn.Linear(17, 4))
+    try:
+        ddp = DDP(model)
+        if scenario.startswith("hook"):
+            ddp.register_comm_hook(ar, fttree.comm_hook)
+        result["params"] = train(ddp, rank)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    assert ar is not None
+    assert ar.node is not None
+    result["recoveries"] = sum(n for kind, n in ar.node.note_counts.items() if kind.value == "recovery")
+    torch.save(result, outdir / f"rank{rank}.pt")
+    exit_together(store, rank)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: after a failure a peer may already be gone
+
+
+def exit_together(store: Any, rank: int) -> None:
+    """Leave only when every rank is done: closing fttree right after the last step could drop
+    results still queued for peers. The store's host (rank 0) leaves last."""
+    if store.add("done", 1) == WORLD:
+        store.set("all_done", "1")
+    store.wait(["all_done"], timedelta(seconds=60))
+    if rank != 0:
+        if store.add("left", 1) == WORLD - 1:
+            store.set("all_left", "1")
+        return
+    store.wait(["all_left"], timedelta(seconds=60))
+
+
+# ---- parent side --------------------------------------------------------------------------
+
+
+def run_workers(scenario: str, tmp_path: Path, env: dict[str, str] | None = None,
+                deadline_s: float = 150) -> list[dict[str, Any]]:
+    from .conftest import free_port, local_peers
+
+    peers = local_peers(WORLD)
+    args = [scenario, str(free_port()), json.dumps(peers), str(tmp_path)]
+    # a generous step timeout: on a loaded machine ranks can reach the first step seconds apart
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, __file__, str(rank), *args], env=full_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
+    end = time.monotonic() + deadline_s
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+            logs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for rank in range(WORLD):
+        path = tmp_path / f"rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote no result; its output:\n{logs[rank][-3000:]}"
+        results.append(torch.load(path))
+    return results
+
+
+def assert_trained_like_one_process(results: list[dict[str, Any]]) -> None:
+    want = reference()
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+        for i, (got, exp) in enumerate(zip(res["params"], want, strict=True)):
+            torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5, msg=lambda m, r=rank, i=i: f"rank {r} p{i}: {m}")
+
+
+def test_comm_hook_trains_like_one_process(tmp_path: Path) -> None:
+    assert_trained_like_one_process(run_workers("hook", tmp_path))
+
+
+def test_comm_hook_with_a_cut_link(tmp_path: Path) -> None:
+    results = run_workers("hook_cut", tmp_path, {"FTTREE_FAULTS": "cut 1-0 @1..2"})
+    assert_trained_like_one_process(results)
+    assert results[0]["recoveries"] > 0, "the cut link was never worked around"
+
+
+def test_comm_hook_failure_is_a_clear_error_on_every_worker(tmp_path: Path) -> None:
+    results = run_workers("hook_fail", tmp_path, {"FTTREE_FAULTS": "isolate 2 @1..", "FTTREE_STEP_TIMEOUT": "2"})
+    for rank, res in enumerate(results):
+        err = res.get("error", "")
+        assert f"fttree rank {rank}, DDP gradient bucket 0" in err, f"rank {rank}: {err or 'no error'}"
+        assert "StepAborted: step " in err, f"rank {rank}: {err}"
+
+
+def test_backend_collectives_and_ddp(tmp_path: Path) -> None:
+    results = run_workers("backend", tmp_path)
+    assert_trained_like_one_process(results)
+    for rank, res in enumerate(results):
+        c = res["collectives"]
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
+            assert torch.equal(c[f"sum_{dtype}"], torch.full((3, 2), 6, dtype=dtype)), (rank, dtype)
+        assert torch.equal(c["avg"], torch.full((5,), 1.0, dtype=torch.float64))
+        assert c["async_ok"] is True
+        assert torch.equal(c["bcast_torch.float32"], torch.tensor([1.5, -2.25, float("inf"), 3e38]))
+        assert torch.equal(c["bcast_torch.int32"], torch.arange(4, dtype=torch.int32))
+        assert torch.equal(c["bcast_torch.bool"], torch.arange(4).bool())
+        assert torch.equal(c["allgather"], torch.tensor([[0, 0], [1, 10], [2, 20]]))
+        assert torch.equal(c["allgather_single"], torch.tensor([0.5, -0.0, 1.5, -1.0, 2.5, -2.0]))
+        if rank == 2:
+            assert torch.equal(c["reduce"], torch.full((2,), 6.0))
+        assert torch.equal(c["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * 6)
+        assert "SUM and AVG, not MAX" in c["max_error"]
+        assert "all_to_all_single is not implemented" in c["alltoall_error"]
+
+
+def test_backend_ddp_with_a_cut_link(tmp_path: Path) -> None:
+    results = run_workers("backend_cut", tmp_path, {"FTTREE_FAULTS": "cut 1-0 @4..7", "FTTREE_TIMEOUT": "0.2"})
+    assert_trained_like_one_process(results)
+    assert results[0]["recoveries"] > 0, "the cut link was never worked around"
+
+
+def test_backend_mismatched_models_fail_on_every_worker(tmp_path: Path) -> None:
+    """DDP's own shape check (an allgather on the backend) stops rank 2; the others learn of it
+    when rank 2 never joins the next collective, by the root's abort, not by a hang."""
+    results = run_workers("backend_mismatch", tmp_path, {"FTTREE_STEP_TIMEOUT": "4"})
+    errors = [res.get("error", "") for res in results]
+    assert "sizes [17, 12] appears not to match" in errors[2], errors[2]
+    for rank in (0, 1):
+        assert "StepAborted" in errors[rank], f"rank {rank}: {errors[rank] or 'no error'}"
+        assert "no contribution from ranks [2]" in errors[rank], errors[rank]
+
+
+if __name__ == "__main__":
+    _rank, _scenario, _port, _peers, _outdir = sys.argv[1:6]
+    worker(_scenario, int(_rank), int(_port), json.loads(_peers), Path(_outdir))

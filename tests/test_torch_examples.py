@@ -1,0 +1,31 @@
+"""The training examples run end to end as documented (small sizes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, check=False)
+
+
+def test_train_mlp_goes_on_through_a_cut_link() -> None:
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "6", "--timeout", "0.2",
+                       "--faults", "cut 1-0 @4..6", "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6
+    assert summary["recoveries"] > 0, "the cut link was never worked around"
+    assert summary["test_accuracy"] > 0.3  # 6 SGD steps on digits already beat chance (0.1)
+
+
+def test_examples_have_help() -> None:
+    for script in ("train_mlp.py", "train_ddp.py", "bench_torch.py"):
+        proc = run_example(str(EXAMPLES / script), "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "usage:" in proc.stdout

@@ -1,0 +1,313 @@
+"""Gradient hooks and DistributedOptimizer: N in-process workers must train exactly like one
+process on the concatenated batch (to float tolerance), with and without a cut link."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fttree
+from fttree import FTTreeAllreduce
+from fttree.optim import GradientSync, ModelMismatch
+from fttree.protocol import NoteKind
+
+from .conftest import cluster
+
+WORLD = 3
+BATCH = 8
+STEPS = 5
+
+
+def run_ranks(n: int, body: Callable[[int, FTTreeAllreduce], Any], deadline_s: float = 60,
+              **cluster_kw: Any) -> list[Any]:
+    """body(rank, ar) on n threads over a local cluster; each slot holds a result or the exception."""
+    results: list[Any] = [None] * n
+    with cluster(n, **cluster_kw) as handles:
+        def run(rank: int) -> None:
+            try:
+                results[rank] = body(rank, handles[rank])
+            except BaseException as exc:
+                results[rank] = exc
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(deadline_s)
+        assert not any(t.is_alive() for t in threads), "a worker hung"
+    return results
+
+
+def ok(results: list[Any]) -> list[Any]:
+    for rank, res in enumerate(results):
+        if isinstance(res, BaseException):
+            raise AssertionError(f"rank {rank} failed: {res!r}") from res
+    return results
+
+
+_SEED_LOCK = threading.Lock()  # torch.manual_seed is process-wide and the workers are threads
+
+
+def mlp(seed: int) -> nn.Module:
+    with _SEED_LOCK:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(WORLD * BATCH, 12, generator=g), torch.randint(0, 4, (WORLD * BATCH,), generator=g)
+
+
+def reference_mlp(steps: int = STEPS) -> list[torch.Tensor]:
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_mlp_worker(rank: int, ar: FTTreeAllreduce, **opt_kw: Any) -> list[torch.Tensor]:
+    model = mlp(seed=0 if rank == 0 else rank + 7)  # different on every rank: the broadcast must fix it
+    opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), model,
+                                      allreduce=ar, **opt_kw)
+    for step in range(STEPS):
+        x, y = data(step)
+        sl = slice(rank * BATCH, (rank + 1) * BATCH)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"{what}, parameter {i}: {m}")
+
+
+def test_optimizer_matches_single_process_training() -> None:
+    want = reference_mlp()
+    for rank, got in enumerate(ok(run_ranks(WORLD, train_mlp_worker, timeout=0.5))):
+        assert_params_close(got, want, f"rank {rank}")
+
+
+def test_optimizer_matches_single_process_with_a_cut_link() -> None:
+    want = reference_mlp()
+    recoveries: list[int] = []
+
+    def body(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
+        assert ar.node is not None
+        ar.node.note_listeners.append(lambda n: recoveries.append(n.step) if n.kind == NoteKind.RECOVERY else None)
+        return train_mlp_worker(rank, ar, bucket_mb=0.001)  # 4 buckets a step: steps 3.. are training
+
+    results = ok(run_ranks(WORLD, body, timeout=0.2, faults="cut 1-0 @4..6"))
+    for rank, got in enumerate(results):
+        assert_params_close(got, want, f"rank {rank} (link 1-0 cut)")
+    assert {4, 5, 6} <= set(recoveries), f"the cut was not exercised: recoveries in steps {sorted(set(recoveries))}"
+
+
+def test_broadcast_parameters_makes_replicas_identical() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
+        model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.copy_(torch.randint(-5, 5, t.shape, generator=gen).to(t.dtype))
+        extra = torch.full((4,), float(rank), dtype=torch.bfloat16)
+        fttree.broadcast_parameters(model, ar)
+        fttree.broadcast_parameters([extra], ar, root_rank=2)
+        return [t.clone() for t in [*model.parameters(), *model.buffers(), extra]]
+
+    results = ok(run_ranks(WORLD, body))
+    for rank in (1, 2):
+        for a, b in zip(results[0], results[rank], strict=True):
+            assert torch.equal(a, b), f"rank {rank} differs from rank 0 after the broadcast"
+    assert torch.equal(results[0][-1], torch.full((4,), 2.0, dtype=torch.bfloat16))
+
+
+class ManyParams(nn.Module):
+    """Many small parameters, one huge one, one never used, one used by some ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _SEED_LOCK:
+            torch.manual_seed(3)
+            self.small = nn.ModuleList(nn.Linear(4, 4) for _ in range(10))
+            self.huge = nn.Parameter(torch.randn(30_000) * 0.01)
+            self.unused = nn.Linear(4, 4)
+            self.sometimes = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        for layer in self.small:
+            x = torch.tanh(layer(x))
+        if use_sometimes:
+            x = self.sometimes(x)
+        return (x.sum(1) * self.huge[:300].sum() + x.pow(2).sum(1)).mean() + self.huge.pow(2).sum()
+
+
+def many_loss(model: ManyParams, rank: int, step: int, part: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * rank + part)
+    return model(torch.randn(6, 4, generator=g), use_sometimes=rank == 1)
+
+
+def many_reference(passes: int) -> ManyParams:
+    model = ManyParams()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.1)  # decay would move a zero-grad param
+    for step in range(3):
+        opt.zero_grad()
+        sum(many_loss(model, r, step, k) for r in range(WORLD) for k in range(passes)).div(WORLD).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize(("bucket_mb", "passes"), [(0.0002, 1), (25.0, 2), (0.0002, 2)])
+def test_buckets_small_huge_unused_and_accumulation(bucket_mb: float, passes: int) -> None:
+    want = many_reference(passes)
+
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[ManyParams, int]:
+        model = ManyParams()
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.1), model,
+                                          allreduce=ar, bucket_mb=bucket_mb, backward_passes_per_step=passes)
+        for step in range(3):
+            opt.zero_grad()
+            for k in range(passes):
+                many_loss(model, rank, step, k).backward()
+            opt.step()
+        return model, len(opt.sync.buckets)
+
+    for rank, (model, buckets) in enumerate(ok(run_ranks(WORLD, body))):
+        if bucket_mb < 0.001:
+            assert buckets > 5, "a bucket smaller than most parameters should give many buckets"
+        assert model.unused.weight.grad is None, "a parameter no worker used must keep grad None"
+        assert_params_close(list(model.parameters()), list(want.parameters()), f"rank {rank}")
+
+
+def test_too_many_backward_passes_is_an_error() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> str:
+        model = mlp(0)
+        sync = fttree.attach(model, ar)
+        x, y = data(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(fttree.ConfigError, match="backward_passes_per_step=1"):
+            nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        return "ok"
+
+    assert ok(run_ranks(2, body)) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_attach_and_synchronize_any_float_dtype(dtype: torch.dtype) -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> torch.Tensor:
+        w = nn.Parameter(torch.zeros(5, dtype=dtype))
+        holder = nn.Module()
+        holder.w = w
+        fttree.attach(holder, ar)
+        (w.float() * float(rank + 1)).sum().backward()  # grad = rank + 1 everywhere
+        fttree.synchronize(holder)
+        assert w.grad is not None
+        return w.grad.clone()
+
+    for grad in ok(run_ranks(WORLD, body)):
+        assert grad.dtype == dtype
+        assert torch.equal(grad, torch.full((5,), 2.0, dtype=dtype)), grad  # (1 + 2 + 3) / 3
+
+
+def test_distributed_optimizer_is_still_the_wrapped_class() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> float:
+        model = mlp(rank)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, allreduce=ar)
+        assert isinstance(opt, torch.optim.SGD)
+        assert isinstance(opt, fttree.DistributedOptimizer)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        x, y = data(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        return float(opt.param_groups[0]["lr"])
+
+    assert ok(run_ranks(2, body)) == [0.5, 0.5]
+
+
+def test_mismatched_models_fail_on_every_worker() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> None:
+        hidden = 16 if rank != 2 else 17
+        model = nn.Sequential(nn.Linear(12, hidden), nn.Linear(hidden, 4))
+        fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar)
+
+    results = run_ranks(WORLD, body, step_timeout=20)
+    for rank, res in enumerate(results):
+        assert isinstance(res, ModelMismatch), f"rank {rank}: {res!r}"
+        assert "ranks [2]" in str(res), str(res)
+        assert "ranks [0, 1]" in str(res), str(res)
+        assert "model state differs" in str(res)
+
+
+def test_mismatched_bucket_plans_fail_on_every_worker() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> None:
+        model = mlp(0)
+        GradientSync(ar, model.named_parameters(), bucket_mb=25 if rank else 0.001)
+
+    results = run_ranks(WORLD, body, step_timeout=20)
+    for rank, res in enumerate(results):
+        assert isinstance(res, ModelMismatch), f"rank {rank}: {res!r}"
+        assert "gradient bucket plan differs" in str(res)
+
+
+def test_mismatched_bucket_at_step_time_is_a_tensor_mismatch_everywhere() -> None:
+    """Without the up-front check a different model still fails the step, not hangs."""
+    def body(rank: int, ar: FTTreeAllreduce) -> None:
+        model = nn.Linear(3, 2 if rank != 1 else 3)
+        sync = GradientSync(ar, model.named_parameters(), check=False)
+        model(torch.ones(1, 3)).sum().backward()
+        sync.synchronize()
+
+    results = run_ranks(WORLD, body, step_timeout=20)
+    for rank, res in enumerate(results):
+        assert isinstance(res, fttree.TensorMismatch), f"rank {rank}: {res!r}"
+        assert "grad bucket 0/1" in str(res)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_gradients_go_through_the_host() -> None:  # pragma: no cover - needs a GPU
+    def body(rank: int, ar: FTTreeAllreduce) -> torch.Tensor:
+        model = nn.Linear(4, 2).cuda()
+        fttree.attach(model, ar)
+        model(torch.full((1, 4), float(rank + 1), device="cuda")).sum().backward()
+        fttree.synchronize(model)
+        assert model.weight.grad is not None
+        return model.weight.grad.cpu()
+
+    for grad in ok(run_ranks(WORLD, body)):
+        assert torch.equal(grad, torch.full((2, 4), 2.0))
+
+
+def test_a_failed_step_raises_on_every_worker_and_the_next_step_works() -> None:
+    """Rank 2 is cut off during the first training step (fttree step 3, after two setup steps
+    and the bucket check): every worker's step() raises StepAborted naming the bucket; the
+    following step goes through again on all of them."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[str, bool]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar)
+        x, y = data(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(fttree.StepAborted) as failed:
+            opt.step()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])]), model[0].weight.grad is not None
+
+    for rank, (error, stepped) in enumerate(ok(run_ranks(WORLD, body, step_timeout=2, faults="isolate 2 @3"))):
+        assert "step 3 aborted" in error, f"rank {rank}: {error}"
+        assert "averaging gradient bucket 0" in error, f"rank {rank}: {error}"
+        assert stepped
