@@ -246,7 +246,7 @@ def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
         args += ["--faults", spec.faults]
     if spec.kind == "plain":
         args.append("--no-ft")
-    if spec.kind == "fttree" and spec.policy != "static":
+    if spec.kind == "fttree":  # always explicit: the API's default policy may change
         args += ["--timeout-policy", spec.policy]
     if spec.chunk_bytes:
         args += ["--chunk-bytes", str(spec.chunk_bytes)]

@@ -189,7 +189,6 @@ class MachineConfig:
     probe_interval_s: float = 0.1  # how often a failed primary link is probed
     heal_after_s: float = 0.5  # healthy this long before reuse; doubled each time it fails again
     max_heal_after_s: float = 30.0
-    bcast_memory_s: float = 5.0  # observers push results directly this long after a bcast timeout
 
     def __post_init__(self) -> None:
         if self.timeout_policy not in ("static", "adaptive"):
@@ -274,7 +273,6 @@ class TreeMachine:
         self.timeouts: TimeoutPolicy = config.make_timeouts()
         self.up = _UpLink()
         self.down_failed: set[int] = set()  # children whose link to us is known broken
-        self._bcast_push_until: dict[int, float] = {}  # observer: push results to these directly
 
     # ---- public ------------------------------------------------------------------------
 
@@ -613,8 +611,7 @@ class TreeMachine:
                 for observer in (self.me.brother, *self.me.children):
                     if observer is not None and observer != child:
                         out.append(Send(dst=observer, msg=sent))
-            remembered = {k for k, until in self._bcast_push_until.items() if until > now}
-            for k in sorted(op.relayed_for | op.bcast_pending | remembered):
+            for k in sorted(op.relayed_for | op.bcast_pending):
                 if k not in op.bcast_confirmed:
                     self._push_result(op, k, out, "its primary link failed")
             op.bcast_pending.clear()
@@ -702,8 +699,6 @@ class TreeMachine:
         self.timeouts.timed_out((parent, target, Phase.BCAST))
         wait = self.timeouts.deadline_s((parent, target, Phase.BCAST), op.watch_started.get((Phase.BCAST, target),
                                                                                             (0.0, 0))[1])
-        if self.cfg.link_memory:
-            self._bcast_push_until[target] = now + self.cfg.bcast_memory_s
         out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=target,
                         text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
                              f"in time (try {tries})"))

@@ -4,12 +4,13 @@
 and phase, how long a confirmation normally takes, in the spirit of RFC 6298:
 
     SRTT <- (1 - a) SRTT + a R,   RTTVAR <- (1 - b) RTTVAR + b |SRTT - R|,   a = 1/8, b = 1/4
-    deadline = clamp((SRTT + K RTTVAR) * max(1, bytes / typical_bytes), floor, ceiling) * backoff
+    deadline = min(max(SRTT + K RTTVAR, floor) * backoff, ceiling) + max(0, bytes - 4 MiB) / 50 MB/s
 
-`bytes` is what the sender had queued on that link when it announced the data, so a large
-tensor, or many chunks queued behind each other, stretch the deadline instead of looking like
-a failure. Karn's rule: a watch that already fired gives no sample. A timeout doubles the
-backoff for that link and phase until a clean sample arrives.
+`bytes` is what the sender had queued on that link when it announced the data; beyond one
+chunk, the allowance turns it into time to send it (both policies get it), so a large tensor, or many chunks queued
+behind each other, stretch the deadline instead of looking like a failure. Karn's rule: a
+watch that already fired gives no sample. A timeout doubles the backoff for that link and
+phase until a clean sample arrives.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class Phase(Enum):
 WatchKey = tuple[int, int, Phase]  # (sender, receiver, phase)
 
 
+ALLOWANCE_FREE_BYTES = 4 * 1024 * 1024  # one default chunk: what learnt deadlines already cover
+ALLOWANCE_BYTES_PER_S = 50e6  # conservative: 7 workers on 2 cores move ~100 MB/s each way
+
+
+def queued_allowance_s(nbytes: int) -> float:
+    """Extra patience for data queued ahead of the watched message, beyond one chunk."""
+    return max(0, nbytes - ALLOWANCE_FREE_BYTES) / ALLOWANCE_BYTES_PER_S
+
+
 class TimeoutPolicy(Protocol):
     def deadline_s(self, key: WatchKey, nbytes: int) -> float: ...
 
@@ -38,14 +48,13 @@ class TimeoutPolicy(Protocol):
 @dataclass
 class StaticTimeouts:
     """One fixed timeout for every watch (the thesis's scheme), plus time to send what the
-    sender had queued ahead at `allowance_bytes_per_s`, so chunks of a large tensor queued
-    behind each other are not taken for lost."""
+    sender had queued ahead beyond one chunk, so chunks of a large tensor queued behind each
+    other are not taken for lost."""
 
     timeout_s: float
-    allowance_bytes_per_s: float = 200e6
 
     def deadline_s(self, key: WatchKey, nbytes: int) -> float:
-        return self.timeout_s + max(0, nbytes) / self.allowance_bytes_per_s
+        return self.timeout_s + queued_allowance_s(nbytes)
 
     def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
         pass
@@ -58,7 +67,6 @@ class StaticTimeouts:
 class _Estimate:
     srtt: float
     rttvar: float
-    typical_bytes: float
     backoff: float = 1.0
     samples: int = 0
 
@@ -74,26 +82,22 @@ class AdaptiveTimeouts:
     alpha: float = 1 / 8
     beta: float = 1 / 4
     max_backoff: float = 8.0
-    allowance_bytes_per_s: float = 200e6  # before any sample: time allowed per queued byte
     _est: dict[WatchKey, _Estimate] = field(default_factory=dict)
 
     def deadline_s(self, key: WatchKey, nbytes: int) -> float:
         est = self._est.get(key)
-        if est is None:  # like the static policy until the first sample
-            return min(max(self.initial_s, self.floor_s), self.ceiling_s) + max(0, nbytes) / self.allowance_bytes_per_s
-        scale = max(1.0, nbytes / est.typical_bytes) if est.typical_bytes > 0 else 1.0
-        base = (est.srtt + self.k * est.rttvar) * scale
-        return float(min(max(base, self.floor_s) * est.backoff, self.ceiling_s * scale))
+        learnt = self.initial_s if est is None else est.srtt + self.k * est.rttvar
+        backoff = 1.0 if est is None else est.backoff
+        return float(min(max(learnt, self.floor_s) * backoff, self.ceiling_s)) + queued_allowance_s(nbytes)
 
     def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
         r = max(0.0, elapsed_s)
         est = self._est.get(key)
         if est is None:
-            self._est[key] = _Estimate(srtt=r, rttvar=r / 2, typical_bytes=float(max(nbytes, 1)), samples=1)
+            self._est[key] = _Estimate(srtt=r, rttvar=r / 2, samples=1)
             return
         est.rttvar = (1 - self.beta) * est.rttvar + self.beta * abs(est.srtt - r)
         est.srtt = (1 - self.alpha) * est.srtt + self.alpha * r
-        est.typical_bytes = (1 - self.alpha) * est.typical_bytes + self.alpha * max(nbytes, 1)
         est.backoff = 1.0
         est.samples += 1
 

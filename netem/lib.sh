@@ -255,3 +255,17 @@ drop_root() {
         echo 0
     fi
 }
+
+# The namespaces a status or reset run covers, one per line ("" is the current one):
+# --netns NAME (or the current namespace), or with --all the current one and every named one.
+selected_namespaces() {
+    if (($1)); then
+        echo ""
+        local ns
+        ip netns list 2>/dev/null | while read -r ns _; do
+            if [[ -n $ns ]]; then echo "$ns"; fi
+        done
+    else
+        echo "$NETNS"
+    fi
+}

@@ -31,13 +31,7 @@ done
 need_root
 check_netns
 
-namespaces=("$NETNS")
-if ((ALL)); then
-    namespaces=("")
-    while read -r ns _; do
-        [[ -n $ns ]] && namespaces+=("$ns")
-    done < <(ip netns list 2>/dev/null)
-fi
+mapfile -t namespaces < <(selected_namespaces "$ALL")
 
 total=0
 for NETNS in "${namespaces[@]}"; do

@@ -26,34 +26,35 @@ def test_static_policy_is_the_thesis_timeout() -> None:
     policy.observe(KEY, 0.001, 100)
     policy.timed_out(KEY)
     assert policy.deadline_s(KEY, 0) == 0.5
-    assert policy.deadline_s(KEY, 10**9) == pytest.approx(0.5 + 5.0)  # 1 GB queued ahead at 200 MB/s
+    assert policy.deadline_s(KEY, 4 * 2**20) == 0.5  # one chunk ahead: nothing extra
+    assert policy.deadline_s(KEY, 10**9 + 4 * 2**20) == pytest.approx(0.5 + 20.0)  # 1 GB more at 50 MB/s
 
 
 def test_adaptive_follows_rfc6298_and_clamps() -> None:
     policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.01, ceiling_s=2.0)
     assert policy.deadline_s(KEY, 0) == 0.5  # no sample yet
     policy.observe(KEY, 0.1, 1000)  # first sample: SRTT = R, RTTVAR = R/2
-    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.1 + 4 * 0.05)
+    assert policy.deadline_s(KEY, 0) == pytest.approx(0.1 + 4 * 0.05)
     policy.observe(KEY, 0.1, 1000)  # RTTVAR = 3/4 * 0.05 + 1/4 * 0, SRTT stays
-    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.1 + 4 * 0.0375)
+    assert policy.deadline_s(KEY, 0) == pytest.approx(0.1 + 4 * 0.0375)
     for _ in range(200):
         policy.observe(KEY, 0.0001, 1000)
-    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.01)  # floor
+    assert policy.deadline_s(KEY, 0) == pytest.approx(0.01)  # floor
     policy.timed_out(KEY)
     policy.timed_out(KEY)
-    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.04)  # backoff doubles per timeout
+    assert policy.deadline_s(KEY, 0) == pytest.approx(0.04)  # backoff doubles per timeout
     policy.observe(KEY, 0.0001, 1000)
-    assert policy.deadline_s(KEY, 1000) == pytest.approx(0.01)  # a clean sample resets it
+    assert policy.deadline_s(KEY, 0) == pytest.approx(0.01)  # a clean sample resets it
 
 
-def test_adaptive_scales_with_the_bytes_queued_ahead() -> None:
+def test_adaptive_allows_for_the_bytes_queued_ahead() -> None:
     policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.001, ceiling_s=2.0)
     for _ in range(20):
         policy.observe(KEY, 0.02, 1_600_000)
-    small = policy.deadline_s(KEY, 1_600_000)
-    big = policy.deadline_s(KEY, 100 * 1_600_000)
-    assert big == pytest.approx(small * 100)  # 100x the backlog: 100x the patience
-    assert policy.deadline_s(KEY, 100) == pytest.approx(small)  # never below the learnt one
+    small = policy.deadline_s(KEY, 0)
+    more = 100_000_000 + 4 * 2**20
+    assert policy.deadline_s(KEY, more) == pytest.approx(small + 2.0)  # 100 MB beyond a chunk at 50 MB/s
+    assert AdaptiveTimeouts(initial_s=0.5).deadline_s(KEY, more) == pytest.approx(2.5)  # before samples
 
 
 # ---- adaptive recovery in the simulator --------------------------------------------------
