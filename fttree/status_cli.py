@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -329,7 +330,7 @@ def _show(targets: Sequence[str], timeout: float, token: str | None, watch: bool
             click.echo(json.dumps([rep if isinstance(rep, dict) else {"rank": r, "error": rep}
                                    for r, rep in enumerate(reports)], indent=1))
         else:
-            if watch and frames and click.get_text_stream("stdout").isatty():
+            if watch and frames and sys.stdout.isatty():
                 click.clear()
             elif frames:
                 click.echo("")
