@@ -269,3 +269,17 @@ selected_namespaces() {
         echo "$NETNS"
     fi
 }
+
+# Options of status.sh and reset.sh: --all (sets ALL=1), -h/--help (the script's usage), and
+# the options every script takes.
+parse_all_options() {
+    ALL=0
+    while [[ $# -gt 0 ]]; do
+        case $1 in
+            -h|--help) usage; exit 0 ;;
+            --all) ALL=1; shift ;;
+            -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
+            *) die "unexpected argument '$1' (see --help)" ;;
+        esac
+    done
+}

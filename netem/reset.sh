@@ -19,15 +19,7 @@ $COMMON_HELP
 HELP
 }
 
-ALL=0
-while [[ $# -gt 0 ]]; do
-    case $1 in
-        -h|--help) usage; exit 0 ;;
-        --all) ALL=1; shift ;;
-        -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
-        *) die "unexpected argument '$1' (see --help)" ;;
-    esac
-done
+parse_all_options "$@"
 need_root
 check_netns
 
