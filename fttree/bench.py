@@ -600,8 +600,12 @@ def render(summary: Summary) -> str:
         out.append(f"{'workers':>7} {'fttree':>8} {'plain':>8} {'gloo':>8} {'fttree/gloo':>12} {'fttree/plain':>13}"
                    f" {'cpu fttree':>11} {'cpu plain':>10} {'cpu gloo':>9}")
         for world in o.workers:
-            ft, plain, gloo = (summary.nofault(k, world, o.size) for k in ("fttree", "plain", "gloo"))
-            cpu = [summary.nofault_cpu(k, world, o.size) for k in ("fttree", "plain", "gloo")]
+            # fttree under the first policy that ran (static unless only adaptive was asked for)
+            pol = next((p for p in o.policies if summary.nofault("fttree", world, o.size, p) is not None), "static")
+            ft = summary.nofault("fttree", world, o.size, pol)
+            plain, gloo = (summary.nofault(k, world, o.size) for k in ("plain", "gloo"))
+            cpu = [summary.nofault_cpu("fttree", world, o.size, pol),
+                   *(summary.nofault_cpu(k, world, o.size) for k in ("plain", "gloo"))]
             rg = f"{ft / gloo:.2f}" if ft and gloo else "-"
             rp = f"{ft / plain:.2f}" if ft and plain else "-"
             cpus = " ".join(f"{c * 1000:>{w}.1f}" if c is not None else f"{'-':>{w}}"
