@@ -44,11 +44,7 @@ need_root
 check_netns
 default_dev
 if ((REMOVE)); then
-    if [[ $(drop_root "$DEV") -eq 1 ]]; then
-        echo "removed the fttree qdisc from $DEV${NETNS:+ in $NETNS}"
-    else
-        echo "$PROG: $DEV${NETNS:+ in $NETNS} has no fttree qdisc (nothing to remove)"
-    fi
+    remove_fttree_qdisc
     exit 0
 fi
 BYTES_PER_S=$(awk -v r="$RATE" 'BEGIN {

@@ -283,3 +283,12 @@ parse_all_options() {
         esac
     done
 }
+
+# --remove of bandwidth.sh and delay.sh: drop fttree's root qdisc from $DEV, saying what happened.
+remove_fttree_qdisc() {
+    if [[ $(drop_root "$DEV") -eq 1 ]]; then
+        echo "removed the fttree qdisc from $DEV${NETNS:+ in $NETNS}"
+    else
+        echo "$PROG: $DEV${NETNS:+ in $NETNS} has no fttree qdisc (nothing to remove)"
+    fi
+}
