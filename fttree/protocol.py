@@ -43,6 +43,7 @@ observer never hears "sent" for data that is not yet on the wire.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
@@ -257,7 +258,7 @@ class _Op:
     watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
     requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
-    relayed_children: set[int] = field(default_factory=set)  # children whose sum came around, this op
+    relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
 
 
 class TreeMachine:
@@ -270,6 +271,7 @@ class TreeMachine:
         self._subtrees = {c: subtree_of(c, config.world) for c in self.me.children}
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
+        self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
         self._retired_floor = -1  # ops of steps below this are retired too
         self._max_step_submitted = -1
         self.timeouts: TimeoutPolicy = config.make_timeouts()
@@ -293,6 +295,12 @@ class TreeMachine:
 
     def active_ops(self) -> list[OpId]:
         return sorted(k for k, op in self._ops.items() if not op.done)
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of everything this machine keeps between events: none may grow with the
+        number of ops run (tests check it over many thousands of ops)."""
+        return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
+                "retired": len(self._retired), "early": sum(len(op.early) for op in self._ops.values())}
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -329,13 +337,21 @@ class TreeMachine:
         return op
 
     def _retire(self, op: _Op) -> None:
+        """Forget a finished op but remember its id, so its late messages are dropped.
+
+        At most `retired_memory` ids are kept, oldest retired first out, in O(1) per op. An id
+        that falls out raises the floor to its step: every step below the floor was submitted
+        here (steps are submitted in order), so an op below it is active or retired."""
         op_id = (op.step, op.chunk)
         self._ops.pop(op_id, None)
+        if op_id in self._retired:
+            return
         self._retired.add(op_id)
-        if len(self._retired) > self.cfg.retired_memory:
-            newest = max(s for s, _ in self._retired)
-            self._retired_floor = newest - self.cfg.retired_memory // 2
-            self._retired = {k for k in self._retired if k[0] >= self._retired_floor}
+        self._retired_order.append(op_id)
+        while len(self._retired_order) > self.cfg.retired_memory:
+            oldest = self._retired_order.popleft()
+            self._retired.discard(oldest)
+            self._retired_floor = max(self._retired_floor, oldest[0])
 
     def _timer(self, kind: TimerKind, op: _Op, peer: int = -1) -> TimerKey:
         return TimerKey(kind, op.step, op.chunk, peer)
@@ -501,7 +517,7 @@ class TreeMachine:
             out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
                             text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
             self.down_failed.add(origin)
-            op.relayed_children.add(origin)
+            op.relayed_children[origin] = msg.src
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (self.me.brother, *self.me.children):
@@ -603,8 +619,13 @@ class TreeMachine:
         op.done = True
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in self.me.children:
-            if self._ft and self.cfg.link_memory and child in op.relayed_children:
-                continue  # this op's data from it came around a broken link: the relay pushes the result
+            if self._ft and self.cfg.link_memory and self.me.brother is not None \
+                    and op.relayed_children.get(child) == self.me.brother:
+                # This op's data from it came around a broken link through our brother (its
+                # uncle), who gets the result from our parent and pushes it on. A relay that is
+                # our own child gets the result only from us: never skip for that one, or two
+                # brothers relaying for each other would each wait for the other.
+                continue
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):

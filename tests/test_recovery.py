@@ -164,3 +164,20 @@ def test_flapping_links_keep_every_step_exact(case: tuple[int, str, int], policy
         net.at(t, lambda: net.cut(child, parent))
         net.at(t + 0.021, lambda: net.heal(child, parent))
     run_steps(net, 7, range(16), gap_s=0.01)
+
+
+def test_both_children_routing_around_through_each_other_still_get_the_result() -> None:
+    """Issue 10: once link memory had marked both of the root's links failed (under load, slow
+    loops made watches fire on healthy links), each child sent its data through its brother,
+    the root skipped the direct result to *both*, and each brother waited for the other to
+    push it: every later step timed out."""
+    net = SimNetwork(3, step_timeout_s=10.0)
+    for child in (1, 2):
+        net._apply(child, net.machines[child].handle(LinkDown(peer=0, reason="connection reset"), net.now))
+    data = contributions(3)
+    net.submit_all(0, data)
+    net.run(until=1.0)
+    for rank in range(3):
+        out = net.outcome(rank, 0)
+        assert isinstance(out, Complete), f"rank {rank}: {out}"
+        assert np.array_equal(out.result, sum(data))
