@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from fttree.protocol import Complete
 from fttree.testing import SimNetwork
 
 CHUNKS = 25
@@ -25,7 +26,8 @@ def run_steps(net: SimNetwork, first: int, steps: int) -> None:
         net.run()
         for rank in range(world):
             out = net.outcome(rank, step, CHUNKS - 1)
-            assert out is not None and np.array_equal(out.result, np.full(4, world * (world + 1) // 2))  # type: ignore[union-attr]
+            assert isinstance(out, Complete), f"rank {rank} step {step}: {out}"
+            assert np.array_equal(out.result, np.full(4, world * (world + 1) // 2))
         net.results.clear()  # the test's own record, not the machines'
         net.finished_at.clear()
         net.notes.clear()
