@@ -54,6 +54,19 @@ def _as_flat_array(tensor: Any) -> tuple[np.ndarray, str, Any]:
     return flat, sig, ("torch", src.shape, src.dtype, src.device)
 
 
+def check_flat(flat: Any) -> None:
+    """Raise TypeError/ValueError unless `flat` is what a step can carry: a 1-D, C-contiguous,
+    little-endian numpy array of a wire dtype."""
+    if not isinstance(flat, np.ndarray):
+        raise TypeError(f"submit_array takes a numpy array, not {type(flat).__name__} (allreduce() takes tensors)")
+    if flat.ndim != 1:
+        raise ValueError(f"submit_array takes a 1-D array, got shape {flat.shape}: pass array.reshape(-1)")
+    if flat.dtype.newbyteorder("<") not in _WIRE_DTYPES or flat.dtype.byteorder == ">":
+        raise TypeError(f"submit_array supports little-endian float16/32/64 and int32/64, not {flat.dtype}")
+    if not flat.flags.c_contiguous:
+        raise ValueError("submit_array needs a contiguous array: pass np.ascontiguousarray(array)")
+
+
 def _restore(data: np.ndarray, how: Any) -> Any:
     if how[0] == "numpy":
         return data.reshape(how[1]).astype(how[2], copy=False)
@@ -107,7 +120,7 @@ class FTTreeAllreduce:
                                  adaptive_ceiling_s=adaptive_ceiling, chunk_bytes=chunk_bytes,
                                  stall_timeout_s=stall_timeout, faults=faults)
         self.node: Node | None = None
-        self.last: StepResult | None = None
+        self.last: StepResult | None = None  # the newest completed step, whatever submitted it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._next_step = 0

@@ -164,6 +164,14 @@ class Node:
         assert self._loop is not None
         if future.cancelled() or not future.set_running_or_notify_cancel():
             return
+        try:
+            self._submit(step, data, signature, future)
+        except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
+            self._steps.pop(step, None)
+            if not future.done():
+                future.set_exception(exc)
+
+    def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         # Results land in the submitted buffer itself where that is safe: below the root the

@@ -148,3 +148,35 @@ def test_cli_rejects_bad_flags_with_a_message(tmp_path: Path) -> None:
         proc = _fttree(*args)
         assert proc.returncode != 0, args
         assert needle in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.parametrize(("flat", "needle"), [
+    (np.zeros((2, 3), np.float32), "1-D"),
+    (np.zeros(4, np.complex64), "complex64"),
+    (np.zeros(8, np.float32)[::2], "contiguous"),
+    ([1.0, 2.0], "numpy array"),
+])
+def test_a_misused_submit_raises_at_once_and_the_next_step_works(flat: object, needle: str) -> None:
+    """Issue 10: a 2-D array raised inside the loop thread and the Future stayed pending forever
+    (and the rank had used up a step number its peers were waiting for)."""
+    with cluster(3, step_timeout=5) as handles:
+        with pytest.raises((TypeError, ValueError)) as bad:
+            handles[0].submit_array(flat, "bad")  # type: ignore[arg-type]
+        assert needle in str(bad.value)
+        futures = [h.allreduce_async(np.full(3, h.rank + 1.0)) for h in handles]
+        assert all(np.array_equal(f.result(timeout=30), np.full(3, 6.0)) for f in futures)
+
+
+def test_an_error_on_the_loop_thread_completes_the_callers_future() -> None:
+    """Whatever goes wrong inside the node while it handles a submit reaches the caller."""
+    with cluster(1) as handles:
+        node = handles[0].node
+        assert node is not None
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected failure inside the protocol")
+
+        node.machine.handle = broken  # type: ignore[method-assign]
+        future = handles[0].submit_array(np.ones(3, np.float32), "float32[3]")
+        with pytest.raises(RuntimeError, match="injected failure"):
+            future.result(timeout=10)
