@@ -274,6 +274,7 @@ class TreeMachine:
         self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
         self._retired_floor = -1  # ops of steps below this are retired too
         self._max_step_submitted = -1
+        self._last_abort_at = -float("inf")
         self.timeouts: TimeoutPolicy = config.make_timeouts()
         self.up = _UpLink()
         self.down_failed: set[int] = set()  # children whose link to us is known broken
@@ -374,7 +375,11 @@ class TreeMachine:
             return
         out.append(SetTimer(key=self._timer(TimerKind.DEADLINE, op), at=now + self.cfg.step_timeout_s))
         if self.me.parent is None and self.me.children:
-            out.append(SetTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op), at=now + self.cfg.root_give_up_s))
+            # After an abort, a rank that never heard of it leaves that step only at its own
+            # deadline, up to step_timeout - root_give_up after us; wait for it as long as for
+            # anyone from then on, or one lost step would abort the next one too.
+            give_up = max(now + self.cfg.root_give_up_s, self._last_abort_at + self.cfg.step_timeout_s)
+            out.append(SetTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op), at=give_up))
         early, op.early = op.early, []
         for msg in early:
             if not self._matches(op, msg, now, out):
@@ -660,6 +665,7 @@ class TreeMachine:
         if op.aborted:
             return
         op.aborted = True
+        self._last_abort_at = now
         failure = Fail(step=op.step, chunk=op.chunk, code=code, reason=reason, peers=peers)
         if not op.done:
             if op.submitted:

@@ -261,3 +261,24 @@ def test_fraction_of_random_failure_sets_that_complete(capsys: pytest.CaptureFix
             assert done == len(cases)
     with capsys.disabled():
         print("\nrandom failure sets (worlds 7, 15, 31):\n  " + "\n  ".join(lines))
+
+
+def test_a_rank_cut_off_during_an_aborted_step_makes_the_next_step_in_time() -> None:
+    """Issue 10 (a test that failed under load): rank 2 hears nothing of step 0, so it leaves it
+    only at its own deadline (step_timeout), while the root gave up at step_timeout / 2. It then
+    submits step 1 about step_timeout / 2 after the others; the root must still be waiting for
+    it then (here rank 2 needs another 0.3 s of compute on top), not abort step 1 too."""
+    net = SimNetwork(7, step_timeout_s=2.0, faults=FaultSchedule("isolate 2 @0"))
+    d0, d1 = contributions(7, step=0), contributions(7, step=1)
+    net.submit_all(0, d0)
+    net.run(until=1.05)  # the root gave up at 1 s and its abort reached everyone but rank 2
+    assert [r for r in range(7) if isinstance(net.outcome(r, 0), Fail)] == [0, 1, 3, 4, 5, 6]
+    for r in range(7):
+        if r != 2:  # the others go on at once
+            net.submit(r, 1, d1[r])
+    net.run_until_finished(0)
+    left = net.finished_at[(2, 0, 0)]
+    assert left == pytest.approx(2.0, abs=0.01)
+    net.at(left + 0.3, lambda: net.submit(2, 1, d1[2]))
+    net.run_until_finished(1)
+    assert check_oracle(net, 7, sum(d1), step=1) == list(range(7))
