@@ -241,12 +241,23 @@ class FTTreeAllreduce:
         """Low-level: start a step on a flat array the caller hands over (not copied)."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
+        check_flat(flat)  # before a step number is used: peers would wait for it
         future: Future[StepResult] = Future()
+        future.add_done_callback(self._remember)  # first, so `last` is set before any user callback runs
         with self._lock:
             step = self._next_step
             self._next_step += 1
         self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
         return future
+
+    def _remember(self, done: Future[StepResult]) -> None:
+        """Keep the newest completed step in `last`, whichever path submitted it."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        res = done.result()
+        with self._lock:
+            if self.last is None or res.step > self.last.step:
+                self.last = res
 
     def allreduce_async(self, tensor: Any, *, average: bool = False) -> Future[Any]:
         """Start an allreduce; the Future gives the summed (or averaged) tensor."""
@@ -262,7 +273,6 @@ class FTTreeAllreduce:
             except BaseException as exc:
                 outer.set_exception(exc)
                 return
-            self.last = res
             data = res.data / len(res.contributors) if average else res.data
             try:
                 outer.set_result(_restore(np.asarray(data, dtype=res.data.dtype), how))

@@ -311,3 +311,21 @@ def test_a_failed_step_raises_on_every_worker_and_the_next_step_works() -> None:
         assert "step 3 aborted" in error, f"rank {rank}: {error}"
         assert "averaging gradient bucket 0" in error, f"rank {rank}: {error}"
         assert stepped
+
+
+def test_last_describes_the_last_step_whatever_submitted_it() -> None:
+    """Issue 10: `ar.last` was set by allreduce() only; DistributedOptimizer left it None."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[int, tuple[int, ...], int]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar)
+        x, y = data(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert ar.last is not None
+        return ar.last.step, ar.last.contributors, len(opt.sync.buckets)
+
+    results = ok(run_ranks(WORLD, body))
+    steps = {step for step, _, _ in results}
+    assert len(steps) == 1, f"ranks disagree on the last step: {results}"
+    for _, contributors, _ in results:
+        assert contributors == tuple(range(WORLD))
