@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fttree.launch import launch, local_peers
-from fttree.status_cli import HTTP_PORT_OFFSET
+from fttree.status.cli import HTTP_PORT_OFFSET
+from fttree.tools.launch import launch, local_peers
 
 _STEP_LINE = re.compile(r"^step\s+(\d+)\s")
 

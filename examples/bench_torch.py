@@ -55,7 +55,7 @@ def median(xs: list[float]) -> float:
 def hook_worker(args: argparse.Namespace) -> int:
     """One worker of part 1; rank 0 prints a JSON line."""
     import fttree
-    from fttree.optim import GradientSync
+    from fttree.training.optim import GradientSync
 
     torch.set_num_threads(args.threads)
     ar = fttree.FTTreeAllreduce.from_env().start()
@@ -91,12 +91,12 @@ def hook_worker(args: argparse.Namespace) -> int:
         summary = {k: median(v) for k, v in times.items()}
         summary["paired"] = median([h / f for h, f in zip(times["hook"], times["flat"], strict=True)])
         print(json.dumps(summary), flush=True)
-    fttree.optim.close_gracefully(ar)
+    fttree.training.optim.close_gracefully(ar)
     return 0
 
 
 def run_hook_part(args: argparse.Namespace) -> int:
-    from fttree.launch import local_peers
+    from fttree.tools.launch import local_peers
 
     peers = ",".join(local_peers(args.workers, port=free_port()))
     envs = {r: {"FTTREE_RANK": str(r), "FTTREE_PEERS": peers} for r in range(args.workers)}

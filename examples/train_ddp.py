@@ -1,5 +1,5 @@
 """Stock DistributedDataParallel training of the thesis's MLP over the "fttree"
-torch.distributed backend. The training code is plain torch; `import fttree.backend` and the
+torch.distributed backend. The training code is plain torch; `import fttree.training.backend` and the
 backend name are the only fttree-specific lines.
 
     torchrun --nproc-per-node 3 examples/train_ddp.py --steps 30
@@ -53,7 +53,7 @@ def train(args: argparse.Namespace) -> int:
         os.environ["FTTREE_TIMEOUT"] = str(args.timeout)
     torch.set_num_threads(args.threads)
     if args.backend == "fttree":
-        import fttree.backend  # registers the "fttree" backend
+        import fttree.training.backend  # registers the "fttree" backend
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,7 +82,7 @@ def train(args: argparse.Namespace) -> int:
     extra: dict[str, object] = {"backend": args.backend, "workers": world,
                                 "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
     if args.backend == "fttree":
-        node = fttree.backend.allreduce_of().node
+        node = fttree.training.backend.allreduce_of().node
         assert node is not None
         extra["recoveries"] = sum(n for kind, n in node.note_counts.items() if kind.value == "recovery")
     progress.summary(args.warmup, extra)

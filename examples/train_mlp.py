@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from fttree.launch import local_peers
+    from fttree.tools.launch import local_peers
 
     n = args.workers
     if args.comm == "fttree":
@@ -69,7 +69,7 @@ def train(args: argparse.Namespace) -> int:
     recoveries: list[str] = []
     if args.comm == "fttree":
         import fttree
-        from fttree.protocol import NoteKind
+        from fttree.core.protocol import NoteKind
 
         ar = fttree.FTTreeAllreduce.from_env(timeout=args.timeout, step_timeout=args.step_timeout,
                                              faults=args.faults or None).start()
@@ -83,7 +83,7 @@ def train(args: argparse.Namespace) -> int:
         net: nn.Module = model
 
         def close() -> None:
-            fttree.optim.close_gracefully(ar)  # let the last results reach the other ranks first
+            fttree.training.optim.close_gracefully(ar)  # let the last results reach the other ranks first
     else:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel

@@ -7,24 +7,32 @@ work: the backend registers itself when torch is imported (see _torch_hook.py).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._torch_hook import install as _install_torch_backend
-from .api import FTTreeAllreduce
 from .errors import ConfigError, FrameError, FTTreeError, PeerError, ProtocolError, StepAborted, TensorMismatch
+
+if TYPE_CHECKING:
+    from .api import FTTreeAllreduce
+    from .net.node import StepResult
+    from .training.ddp import comm_hook
+    from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
 
 __version__ = "0.1.0"
 
 _install_torch_backend()
 
-# Names served by optional modules, imported on first use so that `import fttree` stays light
-# (no torch import until a torch integration is asked for).
+# Public names served by other modules, imported on first use so that `import fttree` (and
+# `import fttree.core...`) stays light: no event loop or network stack until a handle is asked
+# for, no torch until a torch integration is.
 _LAZY = {
-    "DistributedOptimizer": "fttree.optim",
-    "attach": "fttree.optim",
-    "synchronize": "fttree.optim",
-    "comm_hook": "fttree.ddp",
-    "broadcast_parameters": "fttree.optim",
+    "FTTreeAllreduce": "fttree.api",
+    "StepResult": "fttree.net.node",
+    "DistributedOptimizer": "fttree.training.optim",
+    "attach": "fttree.training.optim",
+    "synchronize": "fttree.training.optim",
+    "comm_hook": "fttree.training.ddp",
+    "broadcast_parameters": "fttree.training.optim",
 }
 
 
@@ -37,11 +45,17 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ConfigError",
+    "DistributedOptimizer",
     "FTTreeAllreduce",
     "FTTreeError",
     "FrameError",
     "PeerError",
     "ProtocolError",
     "StepAborted",
+    "StepResult",
     "TensorMismatch",
+    "attach",
+    "broadcast_parameters",
+    "comm_hook",
+    "synchronize",
 ]

@@ -26,7 +26,7 @@ def register_backend() -> None:
 
     if not dist.is_available():
         return
-    from .backend import register
+    from .training.backend import register
 
     register()
 

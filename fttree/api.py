@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import uvloop
 
+from .core.faults import FaultSchedule
+from .core.topology import check_rank
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
-from .faults import FaultSchedule
-from .linkstate import Monitor
-from .node import Node, NodeConfig, StepResult
-from .topology import check_rank
-from .transport import Address, parse_address, parse_peers
+from .net.node import Node, NodeConfig, StepResult
+from .net.tcp import Address, parse_address, parse_peers
+from .status.monitor import Monitor
 
 if TYPE_CHECKING:
-    from .control import ControlServer
+    from .status.control import ControlServer
 
 _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
 
@@ -81,11 +81,11 @@ class FTTreeAllreduce:
 
     `peers` lists every rank's "host:port" (index = rank). `timeout` is the backup-link watch
     in seconds; `step_timeout` bounds a whole step, after which it raises StepAborted naming
-    what it waited for. `faults` is an in-process fault schedule (see fttree.faults).
+    what it waited for. `faults` is an in-process fault schedule (see fttree.core.faults).
     `timeout_policy="adaptive"` learns each backup watch's deadline from the link (between
     `adaptive_floor` and `adaptive_ceiling` seconds; `timeout` is the first guess);
     `link_memory` routes later steps around a primary link found failed until it heals.
-    `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.control).
+    `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.status.control).
     """
 
     def __init__(self, rank: int, peers: Sequence[str | Address], *, timeout: float = 0.5,
@@ -195,7 +195,7 @@ class FTTreeAllreduce:
             loop.close()
 
     async def _start_control(self) -> None:
-        from .control import ControlServer, default_http_host
+        from .status.control import ControlServer, default_http_host
 
         assert self.node is not None
         assert self.monitor is not None

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from fttree import ConfigError, FTTreeAllreduce, PeerError, StepAborted, TensorMismatch
-from fttree.messages import PREFIX, Kind, Message, encode
-from fttree.transport import parse_peers
+from fttree.core.messages import PREFIX, Kind, Message, encode
+from fttree.net.tcp import parse_peers
 
 from .conftest import cluster, free_port, local_peers
 

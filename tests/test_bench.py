@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fttree import analyze
-from fttree import bench as b
-from fttree.bench_cli import analyze as analyze_cmd
-from fttree.bench_cli import bench as bench_cmd
-from fttree.bench_worker import Payload
+from fttree.core.faults import FaultSchedule
 from fttree.errors import ConfigError
-from fttree.faults import FaultSchedule
+from fttree.tools import analyze
+from fttree.tools import bench as b
+from fttree.tools.bench_cli import analyze as analyze_cmd
+from fttree.tools.bench_cli import bench as bench_cmd
+from fttree.tools.bench_worker import Payload
 
 from .test_protocol_sim import bridgeable as protocol_bridgeable
 

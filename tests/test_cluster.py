@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fttree.demo import contribution, expected_sum
-from fttree.protocol import Note, NoteKind
+from fttree.core.protocol import Note, NoteKind
+from fttree.tools.demo import contribution, expected_sum
 
 from .conftest import cluster, free_port
 

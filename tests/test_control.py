@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fttree import FTTreeAllreduce, logs
-from fttree.control import ControlServer, is_loopback
-from fttree.demo import contribution, expected_sum
+from fttree.status.control import ControlServer, is_loopback
+from fttree.tools.demo import contribution, expected_sum
 
 from .conftest import cluster, free_port
 

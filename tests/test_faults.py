@@ -2,8 +2,8 @@
 
 import pytest
 
+from fttree.core.faults import FaultKind, FaultSchedule, parse
 from fttree.errors import ConfigError
-from fttree.faults import FaultKind, FaultSchedule, parse
 
 
 def test_parse_all_kinds_round_trip() -> None:

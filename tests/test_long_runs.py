@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from fttree.protocol import Complete
-from fttree.testing import SimNetwork
+from fttree.core.protocol import Complete
+from fttree.testing.sim import SimNetwork
 
 CHUNKS = 25
 

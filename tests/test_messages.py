@@ -6,8 +6,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from fttree.core.messages import PREFIX, Kind, Message, decode, encode
 from fttree.errors import FrameError
-from fttree.messages import PREFIX, Kind, Message, decode, encode
 
 
 def frame(msg: Message) -> bytes:

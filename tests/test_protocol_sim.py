@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fttree import topology as topo
-from fttree.faults import FaultSchedule
-from fttree.protocol import AbortCode, Complete, Fail, NoteKind
-from fttree.testing import SimNetwork
+from fttree.core import topology as topo
+from fttree.core.faults import FaultSchedule
+from fttree.core.protocol import AbortCode, Complete, Fail, NoteKind
+from fttree.testing.sim import SimNetwork
 
 Link = tuple[int, int]
 

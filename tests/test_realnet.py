@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fttree import realfaults as rf
+from fttree.core.faults import FaultSchedule
 from fttree.errors import ConfigError
-from fttree.faults import FaultSchedule
+from fttree.tools import realfaults as rf
 
 NETEM = Path(__file__).resolve().parent.parent / "netem"
 SCRIPTS = sorted(p for p in NETEM.glob("*.sh") if p.name != "lib.sh")
@@ -386,7 +386,7 @@ def test_cli_launch_real_faults_and_netem_status(netns: str) -> None:
 def test_cli_netem_path_and_scope_errors() -> None:
     from click.testing import CliRunner
 
-    from fttree.cli import main
+    from fttree.tools.cli import main
 
     runner = CliRunner()
     assert runner.invoke(main, ["netem", "path"]).output.strip() == str(NETEM)

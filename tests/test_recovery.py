@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fttree.faults import FaultSchedule
-from fttree.protocol import Complete, LinkDown, NoteKind
-from fttree.testing import SimNetwork
-from fttree.timeouts import AdaptiveTimeouts, Phase, StaticTimeouts
+from fttree.core.faults import FaultSchedule
+from fttree.core.protocol import Complete, LinkDown, NoteKind
+from fttree.core.timeouts import AdaptiveTimeouts, Phase, StaticTimeouts
+from fttree.testing.sim import SimNetwork
 
 from .test_protocol_sim import contributions
 

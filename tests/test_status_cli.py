@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from click.testing import CliRunner
 
-from fttree.demo import contribution, expected_sum
-from fttree.status_cli import HTTP_PORT_OFFSET, merge_link, status, targets_from
+from fttree.status.cli import HTTP_PORT_OFFSET, merge_link, status, targets_from
+from fttree.tools.demo import contribution, expected_sum
 
 from .conftest import cluster, free_port
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fttree import topology as topo
+from fttree.core import topology as topo
 
 
 def test_seven_worker_tree_matches_thesis_figure() -> None:

@@ -116,10 +116,10 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
     ar = None
     if scenario.startswith("backend"):
-        import fttree.backend
+        import fttree.training.backend
 
         dist.init_process_group("fttree", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-        ar = fttree.backend.allreduce_of()
+        ar = fttree.training.backend.allreduce_of()
         if scenario == "backend":
             result["collectives"] = collectives(rank)
     else:

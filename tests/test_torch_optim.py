@@ -13,8 +13,8 @@ from torch import nn
 
 import fttree
 from fttree import FTTreeAllreduce
-from fttree.optim import GradientSync, ModelMismatch
-from fttree.protocol import NoteKind
+from fttree.core.protocol import NoteKind
+from fttree.training.optim import GradientSync, ModelMismatch
 
 from .conftest import cluster
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .faults import FaultSchedule
-from .messages import Message, decode, encode
-from .protocol import (
+from ..core.faults import FaultSchedule
+from ..core.messages import Message, decode, encode
+from ..core.protocol import (
     Action,
     CancelTimer,
     Complete,

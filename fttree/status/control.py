@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from ..core.faults import FaultRule, FaultSchedule, parse
+from ..errors import ConfigError, PeerError
 from . import metrics
-from .errors import ConfigError, PeerError
-from .faults import FaultRule, FaultSchedule, parse
-from .linkstate import Monitor
+from .monitor import Monitor
 
 if TYPE_CHECKING:
-    from .node import Node
+    from ..net.node import Node
 
-log = logging.getLogger("fttree.control")
+log = logging.getLogger("fttree.status.control")
 
 MAX_BODY_BYTES = 64 * 1024
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

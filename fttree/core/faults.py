@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class FaultKind(Enum):

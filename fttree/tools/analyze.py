@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import topology as topo
+from ..core import topology as topo
 
 Link = tuple[int, int]
 

@@ -30,8 +30,9 @@ from types import FrameType
 
 import click
 
-from .errors import ConfigError, FTTreeError
-from .faults import FaultKind, FaultRule, FaultSchedule
+from ..core.faults import FaultKind, FaultRule, FaultSchedule
+from ..errors import ConfigError, FTTreeError
+from . import SOURCE_ROOT
 from .launch import LaunchResult, launch
 
 SCRIPT_TIMEOUT_S = 30.0
@@ -48,7 +49,7 @@ class RealFaultError(FTTreeError):
 def netem_dir() -> Path:
     """The netem/ scripts: FTTREE_NETEM_DIR, else the netem/ folder next to the package."""
     env = os.environ.get("FTTREE_NETEM_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parent.parent / "netem"
+    path = Path(env) if env else SOURCE_ROOT / "netem"
     if not (path / "cut.sh").is_file():
         where = "FTTREE_NETEM_DIR" if env else "the source tree"
         raise RealFaultError(f"netem scripts not found in {path} ({where}); set FTTREE_NETEM_DIR to the netem/ folder "

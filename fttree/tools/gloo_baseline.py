@@ -3,7 +3,7 @@
 One process per rank, like the fttree workers, with the same checked payload and the same
 records (see bench_worker.py), so both sides pay the same work outside the timed region:
 
-    python -m fttree.gloo_baseline --rank R --world N --port P --steps K --size ELEMENTS
+    python -m fttree.tools.gloo_baseline --rank R --world N --port P --steps K --size ELEMENTS
 
 Gloo's CPU allreduce is a ring: each rank sends and receives 2(N-1)/N of the tensor, which is
 what a tree (the root moves 2x the tensor each way) loses to on large tensors.
@@ -22,7 +22,7 @@ from .bench_worker import Payload, emit, wait_for_release
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fttree.gloo_baseline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fttree.tools.gloo_baseline", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="TCP store port on --host")

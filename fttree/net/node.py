@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import StepAborted, TensorMismatch
-from .faults import FaultSchedule
-from .messages import DEFAULT_MAX_PAYLOAD_BYTES, Kind, Message
-from .protocol import (
+from ..core.faults import FaultSchedule
+from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, Kind, Message
+from ..core.protocol import (
     AbortCode,
     Action,
     CancelTimer,
@@ -42,10 +41,11 @@ from .protocol import (
     TimerKind,
     TreeMachine,
 )
-from .topology import neighbours
-from .transport import Address, TcpTransport
+from ..core.topology import neighbours
+from ..errors import StepAborted, TensorMismatch
+from .tcp import Address, TcpTransport
 
-log = logging.getLogger("fttree.node")
+log = logging.getLogger("fttree.net.node")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,7 +7,7 @@
 or `sync = fttree.attach(model, ar)` then `fttree.synchronize(model)` before any optimizer.
 
 How a step goes. Every parameter gets a post-accumulate-grad hook. When the last gradient of
-a bucket (fttree.buckets) arrives during backward, the bucket's gradients are copied into a
+a bucket (fttree.training.buckets) arrives during backward, the bucket's gradients are copied into a
 fresh flat buffer and submitted at once, so its allreduce runs on the fttree loop thread while
 backward goes on. Buckets are submitted strictly in index order, so every worker gives them the
 same step numbers. When backward ends (an autograd engine callback) the buckets still waiting
@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .api import FTTreeAllreduce
+from ..api import FTTreeAllreduce
+from ..errors import ConfigError, FTTreeError, StepAborted, TensorMismatch
+from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
-from .errors import ConfigError, FTTreeError, StepAborted, TensorMismatch
-from .node import StepResult
 
 __all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "attach", "broadcast_parameters",
            "check_same_layout", "close_gracefully", "synchronize"]

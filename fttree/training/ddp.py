@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from .api import FTTreeAllreduce, _as_flat_array
+from ..api import FTTreeAllreduce, _as_flat_array
+from ..errors import FTTreeError
+from ..net.node import StepResult
 from .buckets import copy_divided, digest
-from .errors import FTTreeError
-from .node import StepResult
 
 __all__ = ["CommHookError", "HookState", "comm_hook"]
 

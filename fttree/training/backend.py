@@ -1,6 +1,6 @@
 """fttree as a torch.distributed backend, so unmodified DistributedDataParallel code runs on it.
 
-    import fttree.backend  # registers the "fttree" backend
+    import fttree.training.backend  # registers the "fttree" backend
     dist.init_process_group("fttree")  # under torchrun, or with an explicit store/rank/world_size
 
 Each rank picks an address (FTTREE_HOST or the interface that reaches MASTER_ADDR, port
@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from .api import FTTreeAllreduce
+from ..api import FTTreeAllreduce
+from ..errors import ConfigError
+from ..net.node import StepResult
 from .buckets import copy_divided, digest, wire_dtype
 from .ddp import pending_future
-from .errors import ConfigError
-from .node import StepResult
 from .optim import close_gracefully
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]

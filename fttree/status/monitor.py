@@ -34,15 +34,15 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from . import logs
+from .. import logs
+from ..core.protocol import Note, NoteKind
+from ..core.topology import brother_of, parent_of, uncle_of
 from .metrics import Histogram, HistogramView
-from .protocol import Note, NoteKind
-from .topology import brother_of, parent_of, uncle_of
 
 if TYPE_CHECKING:
-    from .node import Node
+    from ..net.node import Node
 
-log = logging.getLogger("fttree.linkstate")
+log = logging.getLogger("fttree.status.monitor")
 
 LinkKey = tuple[int, int]  # (higher rank, lower rank): for a primary link (child, parent)
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from .demo import StepRecord
-from .errors import ConfigError
 
 
 def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list[str]:

@@ -11,14 +11,14 @@ from typing import Any, TypeVar
 
 import click
 
-from . import logs
-from . import topology as topo
+from .. import logs
+from ..core import topology as topo
+from ..core.faults import FaultSchedule
+from ..errors import FTTreeError
+from ..net.tcp import parse_peers
+from ..status.cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
 from .demo import THESIS_MLP_PARAMS, run_steps
-from .errors import FTTreeError
-from .faults import FaultSchedule
 from .launch import launch as run_launch
-from .status_cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
-from .transport import parse_peers
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,7 +77,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            timeout_policy: str, no_link_memory: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum."""
-    from .api import FTTreeAllreduce
+    from ..api import FTTreeAllreduce
 
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
@@ -166,10 +166,10 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
 # Subcommands that live in their own modules (bench, status, ...) register here, so each
 # feature keeps its CLI next to its code. A module that is missing is simply not offered.
 _PLUGIN_COMMANDS = {
-    "bench": "fttree.bench_cli",
-    "analyze": "fttree.bench_cli",
-    "status": "fttree.status_cli",
-    "netem": "fttree.realfaults",
+    "bench": "fttree.tools.bench_cli",
+    "analyze": "fttree.tools.bench_cli",
+    "status": "fttree.status.cli",
+    "netem": "fttree.tools.realfaults",
 }
 
 

@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+from . import SOURCE_ROOT
 from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
-from .errors import ConfigError
 from .launch import local_peers
 
 # ---- what the thesis reports ---------------------------------------------------------------
@@ -234,7 +235,7 @@ def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
     py = [sys.executable, "-m"]
     if spec.kind == "gloo":
         port = free_port()
-        return [[*py, "fttree.gloo_baseline", "--rank", str(r), "--world", str(spec.world), "--port", str(port),
+        return [[*py, "fttree.tools.gloo_baseline", "--rank", str(r), "--world", str(spec.world), "--port", str(port),
                  "--steps", str(spec.steps), "--size", str(spec.size)] for r in range(spec.world)]
     hosts = [f"127.0.0.{r + 1}" for r in range(spec.world)]
     peers = local_peers(spec.world, "127.0.0.1", free_port(hosts))
@@ -252,7 +253,7 @@ def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
         args += ["--chunk-bytes", str(spec.chunk_bytes)]
     if spec.kind == "fttree" and not spec.link_memory:
         args.append("--no-link-memory")
-    return [[*py, "fttree.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
+    return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
             for r in range(spec.world)]
 
 
@@ -747,7 +748,7 @@ def machine_info() -> dict[str, Any]:
     except Exception:
         pass
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = SOURCE_ROOT
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],

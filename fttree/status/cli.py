@@ -19,9 +19,9 @@ from typing import Any
 
 import click
 
-from . import logs
-from .errors import ConfigError
-from .transport import Address, parse_address, parse_peers
+from .. import logs
+from ..errors import ConfigError
+from ..net.tcp import Address, parse_address, parse_peers
 
 HTTP_PORT_OFFSET = 1000  # a worker's default control port: its data port + this
 _OPTS = "fttree.observability"
@@ -105,7 +105,7 @@ def launch_linger_s() -> float:
 
 def launch_worker_args(world: int, host_base: str, port: int, launch_dir: Path) -> list[str]:
     """Worker flags for `fttree launch`; writes the control addresses to launch_dir/http.txt."""
-    from .launch import local_peers
+    from ..tools.launch import local_peers
 
     o = _opts()
     args = ["--log-json"] if o.get("log_json") else []
@@ -225,7 +225,7 @@ def _first_clause(error: str, limit: int = 160) -> str:
 
 def render(reports: Sequence[Report], *, now: float | None = None, max_events: int = 8) -> list[str]:
     """The tree of workers with their links' health, as lines (styled with click.style)."""
-    from .topology import backup_links, children_of
+    from ..core.topology import backup_links, children_of
 
     world = len(reports)
     docs = {r: rep for r, rep in enumerate(reports) if isinstance(rep, dict)}

@@ -5,7 +5,7 @@ exactness check) is the same as in the gloo baseline (gloo_baseline.py), so both
 CPU tax on a shared machine. And the worker does not close until the bench tells it to (stdin
 EOF): closing right after its last step could abort frames still queued for a slower peer.
 
-    python -m fttree.bench_worker --rank R --peers FILE --steps K --size N [--faults ...]
+    python -m fttree.tools.bench_worker --rank R --peers FILE --steps K --size N [--faults ...]
 
 Records (stdout, one JSON object per line): {"kind": "ready"}, then per step {"kind": "step",
 "rank", "step", "start", "end", "duration_s", "exact", "error", "events"}, then {"kind": "done"}.
@@ -67,7 +67,7 @@ def wait_for_release() -> None:
 
 
 def _accepts(name: str) -> bool:
-    from .api import FTTreeAllreduce
+    from ..api import FTTreeAllreduce
 
     return name in inspect.signature(FTTreeAllreduce.__init__).parameters
 
@@ -99,7 +99,7 @@ async def _call(fn: Any) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fttree.bench_worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fttree.tools.bench_worker", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--peers", type=Path, required=True, help="file with one host:port per line")
     p.add_argument("--steps", type=int, required=True)
@@ -118,10 +118,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from .api import FTTreeAllreduce
-    from .errors import FTTreeError
-    from .protocol import Note, NoteKind
-    from .transport import parse_peers
+    from ..api import FTTreeAllreduce
+    from ..core.protocol import Note, NoteKind
+    from ..errors import FTTreeError
+    from ..net.tcp import parse_peers
 
     peers = parse_peers(args.peers.read_text().splitlines())
     kwargs: dict[str, Any] = {}

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .api import FTTreeAllreduce
-from .errors import FTTreeError
-from .protocol import Note, NoteKind
+from ..api import FTTreeAllreduce
+from ..core.protocol import Note, NoteKind
+from ..errors import FTTreeError
 
 THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from .errors import ConfigError, FrameError, PeerError
-from .faults import FaultSchedule
-from .messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
+from ..core.faults import FaultSchedule
+from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
+from ..errors import ConfigError, FrameError, PeerError
 
-log = logging.getLogger("fttree.transport")
+log = logging.getLogger("fttree.net.tcp")
 
 STREAM_LIMIT = 16 * 1024 * 1024
 DRAIN_ABOVE_BYTES = 256 * 1024  # wait for the socket only when this much is buffered

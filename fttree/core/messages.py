@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import FrameError
+from ..errors import FrameError
 
 MAGIC = b"FT"
 VERSION = 1

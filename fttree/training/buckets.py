@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEFAULT_BUCKET_MB = 25.0
 
