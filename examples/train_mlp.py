@@ -71,7 +71,7 @@ def train(args: argparse.Namespace) -> int:
         import fttree
         from fttree.core.protocol import NoteKind
 
-        ar = fttree.FTTreeAllreduce.from_env(timeout=args.timeout, step_timeout=args.step_timeout,
+        ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
                                              faults=args.faults or None).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None

@@ -1,7 +1,7 @@
 """FTTreeAllreduce: the user-facing handle. Runs one rank's Node on a background asyncio loop
 (uvloop when available) and turns tensors into steps and steps back into tensors.
 
-    with FTTreeAllreduce(rank=r, peers=[...], timeout=0.5) as ar:
+    with FTTreeAllreduce(rank=r, peers=[...], timeout_s=0.5) as ar:
         out = ar.allreduce(tensor)
 """
 
@@ -20,11 +20,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import uvloop
 
+from .core.config import Config
 from .core.faults import FaultSchedule
 from .core.topology import check_rank
+from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
-from .net.node import Node, NodeConfig, StepResult
-from .net.tcp import Address, parse_address, parse_peers
+from .net.address import Address, parse_address, parse_peers
+from .net.faulty import FaultyTransport
+from .net.node import Node, StepResult
+from .net.scheduler import AsyncioScheduler
+from .net.tcp import TcpTransport
 from .status.monitor import Monitor
 
 if TYPE_CHECKING:
@@ -79,22 +84,17 @@ def _restore(data: np.ndarray, how: Any) -> Any:
 class FTTreeAllreduce:
     """Fault-tolerant tree allreduce for one rank.
 
-    `peers` lists every rank's "host:port" (index = rank). `timeout` is the backup-link watch
-    in seconds; `step_timeout` bounds a whole step, after which it raises StepAborted naming
-    what it waited for. `faults` is an in-process fault schedule (see fttree.core.faults).
-    `timeout_policy="adaptive"` learns each backup watch's deadline from the link (between
-    `adaptive_floor` and `adaptive_ceiling` seconds; `timeout` is the first guess);
-    `link_memory` routes later steps around a primary link found failed until it heals.
+    `peers` lists every rank's "host:port" (index = rank). Settings are the fields of
+    `fttree.Config` (durations in seconds, named `*_s`), given as keywords or as `config`:
+    `timeout_s` is the backup-link watch (the first guess of the adaptive policy),
+    `step_timeout_s` bounds a whole step, after which it raises StepAborted naming what it
+    waited for. `faults` is an in-process fault schedule (see fttree.core.faults).
     `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.status.control).
     """
 
-    def __init__(self, rank: int, peers: Sequence[str | Address], *, timeout: float = 0.5,
-                 step_timeout: float = 30.0, root_timeout: float | None = None,
-                 startup_timeout: float = 60.0, faults: str | FaultSchedule | None = None,
-                 fault_tolerant: bool = True, timeout_policy: str = "adaptive", link_memory: bool = True,
-                 adaptive_floor: float = 0.08, adaptive_ceiling: float = 2.0, chunk_bytes: int = 4 * 1024 * 1024,
-                 stall_timeout: float = 5.0, http_port: int | None = None, http_host: str | None = None,
-                 http_token: str | None = None) -> None:
+    def __init__(self, rank: int, peers: Sequence[str | Address], *, config: Config | None = None,
+                 faults: str | FaultSchedule | None = None, http_port: int | None = None,
+                 http_host: str | None = None, http_token: str | None = None, **settings: Any) -> None:
         addresses = [p if isinstance(p, Address) else parse_address(p) for p in peers]
         if not addresses:
             raise ConfigError("peers is empty: list one host:port per rank")
@@ -103,22 +103,13 @@ class FTTreeAllreduce:
             check_rank(rank, len(addresses))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        for name, value in (("timeout", timeout), ("step_timeout", step_timeout), ("startup_timeout", startup_timeout)):
-            if not value > 0:
-                raise ConfigError(f"{name} must be positive, got {value}")
-        if timeout_policy not in ("static", "adaptive"):
-            raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {timeout_policy!r}")
-        if not 0 < adaptive_floor <= adaptive_ceiling:
-            raise ConfigError(f"need 0 < adaptive_floor <= adaptive_ceiling, got {adaptive_floor}, {adaptive_ceiling}")
+        self.config = Config.build(config, **settings)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)
         self.rank, self.world = rank, len(addresses)
-        self.config = NodeConfig(rank=rank, peers=addresses, timeout_s=timeout, step_timeout_s=step_timeout,
-                                 root_timeout_s=root_timeout, startup_timeout_s=startup_timeout,
-                                 fault_tolerant=fault_tolerant, timeout_policy=timeout_policy,
-                                 link_memory=link_memory, adaptive_floor_s=adaptive_floor,
-                                 adaptive_ceiling_s=adaptive_ceiling, chunk_bytes=chunk_bytes,
-                                 stall_timeout_s=stall_timeout, faults=faults)
+        self.peers = addresses
+        self.faults = faults
+        self.transport: FaultyTransport | None = None
         self.node: Node | None = None
         self.last: StepResult | None = None  # the newest completed step, whatever submitted it
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,7 +163,12 @@ class FTTreeAllreduce:
         loop = uvloop.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
-        self.node = Node(self.config)
+        scheduler = AsyncioScheduler(loop)
+        cfg = self.config
+        tcp = TcpTransport(self.rank, self.peers, connect_timeout_s=cfg.connect_timeout_s,
+                           stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
+        self.transport = FaultyTransport(tcp, self.faults, scheduler)
+        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler)
         self.monitor = Monitor(self.node)
         try:
             loop.run_until_complete(self.node.start())
@@ -200,8 +196,10 @@ class FTTreeAllreduce:
         assert self.node is not None
         assert self.monitor is not None
         assert self.http_port is not None
-        host = self.http_host or default_http_host(self.config.peers[self.rank].host)
-        control = ControlServer(self.node, self.monitor, host=host, port=self.http_port, token=self.http_token)
+        host = self.http_host or default_http_host(self.peers[self.rank].host)
+        assert self.transport is not None
+        control = ControlServer(self.node, self.monitor, self.transport, world=self.world, host=host,
+                                port=self.http_port, token=self.http_token)
         await control.start()
         self.control = control
 
@@ -219,8 +217,8 @@ class FTTreeAllreduce:
         """Stop this rank. It first stays (up to the protocol's linger time, at most 10 s)
         while a peer may still need its relay or result for a finished step."""
         loop = self._loop
-        if loop is not None and not loop.is_closed() and self.node is not None and self.node._started:
-            limit = min(self.node.machine.cfg.linger_s, 10.0)
+        if loop is not None and not loop.is_closed() and self.node is not None and self.node.started:
+            limit = min(self.config.linger_s, 10.0)
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(self.node.quiesce(limit), loop).result(limit + 2)
         if loop is not None and not loop.is_closed():

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from fttree import ConfigError, FTTreeAllreduce, PeerError, StepAborted, TensorMismatch
-from fttree.core.messages import PREFIX, Kind, Message, encode
-from fttree.net.tcp import parse_peers
+from fttree.core.messages import PREFIX, VERSION, Kind, Message, encode
+from fttree.net.address import parse_peers
 
 from .conftest import cluster, free_port, local_peers
 
@@ -36,37 +36,39 @@ def _hello(rank: int, world: int) -> bytes:
 
 def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
     head = msgpack.packb(header)
-    return PREFIX.pack(b"FT", 1, len(head), payload_len) + head
+    return PREFIX.pack(b"FT", VERSION, len(head), payload_len) + head
 
 
 @pytest.mark.parametrize(("make", "needle"), [
     (lambda: b"GET / HTTP/1.1\r\n\r\n", "bad frame magic"),
-    (lambda: PREFIX.pack(b"FT", 1, 5, 1 << 40), "exceeds the limit"),
+    (lambda: PREFIX.pack(b"FT", VERSION, 5, 1 << 40), "exceeds the limit"),
     (lambda: _hello(1, 3)[:-1] + b"\xc1", "not valid msgpack"),
     (lambda: _hello(1, 9), "world of 9 workers"),
     (lambda: _hello(7, 3), "claims rank 7"),
     (lambda: _hello(1, 3), "claims rank 1, whose address is 127.0.0.2"),  # sent from 127.0.0.100
 ])
 def test_garbage_on_the_wire_is_named_and_the_node_keeps_serving(make, needle: str) -> None:  # type: ignore[no-untyped-def]
-    with cluster(3, timeout=0.3) as handles:
+    with cluster(3, timeout_s=0.3) as handles:
         node = handles[0].node
         assert node is not None
-        addr = handles[0].config.peers[0]
+        addr = handles[0].peers[0]
         _send_and_wait_closed(addr.host, addr.port, make())
-        assert node.transport.frame_errors == 1
-        assert needle in node.transport.last_frame_error
+        status = node.status().transport
+        assert status.frame_errors == 1
+        assert needle in status.last_frame_error
         futures = [h.allreduce_async(np.full(3, h.rank + 1.0)) for h in handles]
         assert all(np.array_equal(f.result(timeout=30), np.full(3, 6.0)) for f in futures)
 
 
 def test_unknown_kind_after_a_valid_hello_is_refused() -> None:
-    with cluster(3, timeout=0.3) as handles:
+    with cluster(3, timeout_s=0.3) as handles:
         node = handles[0].node
         assert node is not None
-        addr = handles[0].config.peers[0]
+        addr = handles[0].peers[0]
         _send_and_wait_closed(addr.host, addr.port, _hello(1, 3) + _raw({"k": 77, "f": 1}), source="127.0.0.2")
-        assert "unknown message kind 77" in node.transport.last_frame_error
-        assert "rank 1" in node.transport.last_frame_error
+        last = node.status().transport.last_frame_error
+        assert "unknown message kind 77" in last
+        assert "rank 1" in last
 
 
 @pytest.mark.parametrize(("shapes", "dtypes", "needle"), [
@@ -75,7 +77,7 @@ def test_unknown_kind_after_a_valid_hello_is_refused() -> None:
     ([(4,), (4,), (4,)], ["float32", "float64", "float32"], "float64[4]"),
 ])
 def test_mismatched_tensors_fail_on_every_worker(shapes, dtypes, needle: str) -> None:  # type: ignore[no-untyped-def]
-    with cluster(3, timeout=0.3, step_timeout=20) as handles:
+    with cluster(3, timeout_s=0.3, step_timeout_s=20) as handles:
         futures = [h.allreduce_async(np.ones(s, dtype=d)) for h, s, d in zip(handles, shapes, dtypes, strict=True)]
         for h, fut in zip(handles, futures, strict=True):
             with pytest.raises(TensorMismatch, match="tensor mismatch") as info:
@@ -87,7 +89,7 @@ def test_mismatched_tensors_fail_on_every_worker(shapes, dtypes, needle: str) ->
 
 
 def test_a_dead_peer_ends_the_step_by_its_deadline_naming_it() -> None:
-    with cluster(3, timeout=0.2, step_timeout=2.0) as handles:
+    with cluster(3, timeout_s=0.2, step_timeout_s=2.0) as handles:
         handles[2].close()
         futures = [h.allreduce_async(np.ones(3)) for h in handles[:2]]
         for fut in futures:
@@ -105,15 +107,23 @@ def test_rank_outside_world_and_bad_peers_are_config_errors() -> None:
         FTTreeAllreduce(0, [peers[0], peers[1], peers[0]])
     with pytest.raises(ConfigError, match="expected host:port"):
         parse_peers(["127.0.0.1"])
-    with pytest.raises(ConfigError, match="timeout must be positive"):
-        FTTreeAllreduce(0, peers, timeout=0)
+    with pytest.raises(ConfigError, match="timeout_s must be a positive number of seconds, got 0"):
+        FTTreeAllreduce(0, peers, timeout_s=0)
     with pytest.raises(ConfigError, match="unknown fault"):
         FTTreeAllreduce(0, peers, faults="snip 0-1")
+    with pytest.raises(ConfigError, match="unknown setting timeout; known: "):
+        FTTreeAllreduce(0, peers, timeout=0.5)  # every duration ends in _s
+    with pytest.raises(ConfigError, match="timeout_policy must be 'static' or 'adaptive'"):
+        FTTreeAllreduce(0, peers, timeout_policy="fast")
+    with pytest.raises(ConfigError, match=r"partition 0,1,2.*every rank on one side"):
+        FTTreeAllreduce(0, peers, faults="partition 0,1,2")
+    with pytest.raises(ConfigError, match="crash happens at one step"):
+        FTTreeAllreduce(0, peers, faults="crash 1 @2..4")
 
 
 def test_unreachable_peers_are_named_after_the_startup_deadline() -> None:
     peers = local_peers(3)
-    ar = FTTreeAllreduce(0, peers, startup_timeout=1.0)
+    ar = FTTreeAllreduce(0, peers, startup_timeout_s=1.0)
     with pytest.raises(PeerError, match="could not reach peers") as info:
         ar.start()
     assert info.value.peers == (1, 2)
@@ -122,8 +132,8 @@ def test_unreachable_peers_are_named_after_the_startup_deadline() -> None:
 
 
 def test_a_second_worker_with_the_same_rank_is_refused() -> None:
-    with cluster(2, timeout=0.3) as handles:
-        twin = FTTreeAllreduce(0, [str(a) for a in handles[0].config.peers], startup_timeout=1.0)
+    with cluster(2, timeout_s=0.3) as handles:
+        twin = FTTreeAllreduce(0, [str(a) for a in handles[0].peers], startup_timeout_s=1.0)
         with pytest.raises(PeerError, match="already running as this rank"):
             twin.start()
 
@@ -159,7 +169,7 @@ def test_cli_rejects_bad_flags_with_a_message(tmp_path: Path) -> None:
 def test_a_misused_submit_raises_at_once_and_the_next_step_works(flat: object, needle: str) -> None:
     """Issue 10: a 2-D array raised inside the loop thread and the Future stayed pending forever
     (and the rank had used up a step number its peers were waiting for)."""
-    with cluster(3, step_timeout=5) as handles:
+    with cluster(3, step_timeout_s=5) as handles:
         with pytest.raises((TypeError, ValueError)) as bad:
             handles[0].submit_array(flat, "bad")  # type: ignore[arg-type]
         assert needle in str(bad.value)

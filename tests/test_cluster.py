@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fttree.core.protocol import Note, NoteKind
+from fttree.core.protocol import Cause, Note
 from fttree.tools.demo import contribution, expected_sum
 
 from .conftest import cluster, free_port
@@ -19,22 +19,23 @@ from .conftest import cluster, free_port
 
 def test_seven_workers_exact_through_a_cut_link_in_process() -> None:
     size = 20_000
-    with cluster(7, timeout=0.3, faults="cut 1-0 @5..10", link_memory=False) as handles:
+    with cluster(7, timeout_s=0.3, faults="cut 1-0 @5..10", link_memory=False) as handles:
         recovered = []
         for h in handles:
             assert h.node is not None
-            h.node.note_listeners.append(lambda n, rank=h.rank: recovered.append((rank, n.step, n.text)))
+            h.node.note_listeners.append(lambda n, rank=h.rank: recovered.append((rank, n.step, n.cause, n.link)))
         for step in range(14):
             futures = [h.allreduce_async(contribution(h.rank, step, size)) for h in handles]
             for h, fut in zip(handles, futures, strict=True):
                 out = fut.result(timeout=30)
                 assert np.array_equal(out, expected_sum(7, step, size)), f"rank {h.rank} step {step}"
-    relayed_steps = {step for rank, step, text in recovered if rank == 0 and "forwarded by" in text}
+    relayed_steps = {step for rank, step, cause, link in recovered
+                     if rank == 0 and cause is Cause.DATA_CAME_AROUND and link == (1, 0)}
     assert relayed_steps == set(range(5, 11))
 
 
 def test_torch_tensors_keep_shape_dtype_and_average() -> None:
-    with cluster(3, timeout=0.3) as handles:
+    with cluster(3, timeout_s=0.3) as handles:
         tensors = [torch.full((4, 5), float(r + 1), dtype=torch.bfloat16) for r in range(3)]
         futures = [h.allreduce_async(t, average=True) for h, t in zip(handles, tensors, strict=True)]
         for fut in futures:
@@ -54,7 +55,7 @@ def test_torch_tensors_keep_shape_dtype_and_average() -> None:
 
 def test_large_tensor_is_chunked_and_exact() -> None:
     size = 300_000
-    with cluster(3, timeout=0.5, chunk_bytes=256 * 1024) as handles:
+    with cluster(3, timeout_s=0.5, chunk_bytes=256 * 1024) as handles:
         futures = [h.allreduce_async(contribution(h.rank, 0, size)) for h in handles]
         for fut in futures:
             assert np.array_equal(fut.result(timeout=30), expected_sum(3, 0, size))
@@ -79,15 +80,15 @@ def test_launch_seven_processes_with_a_cut_link() -> None:
 def test_link_memory_routes_around_then_returns_after_healing() -> None:
     """Only the first step of a failure pays the timeout; the healed link is used again."""
     size = 5_000
-    notes: list[tuple[int, str, int, str]] = []
+    notes: list[tuple[int, Cause, int, tuple[int, int] | None]] = []
     healed = threading.Event()
 
     def listen(rank: int, note: Note) -> None:
-        notes.append((rank, note.kind.value, note.step, note.text))
-        if note.kind is NoteKind.LINK and "back in use" in note.text:
+        notes.append((rank, note.cause, note.step, note.link))
+        if note.cause is Cause.LINK_BACK_IN_USE:
             healed.set()
 
-    with cluster(7, timeout=0.3, faults="cut 1-0 @3..6") as handles:
+    with cluster(7, timeout_s=0.3, faults="cut 1-0 @3..6") as handles:
         for h in handles:
             assert h.node is not None
             h.node.note_listeners.append(functools.partial(listen, h.rank))
@@ -99,9 +100,9 @@ def test_link_memory_routes_around_then_returns_after_healing() -> None:
 
         for s in range(7):
             step(s)
-        timeouts = {s for _, kind, s, text in notes if kind == "timeout" and "rank 1's data" in text}
+        timeouts = {s for _, cause, s, link in notes if cause is Cause.WATCH_EXPIRED and link == (1, 0)}
         assert timeouts == {3}, "later steps of the failure must route around without waiting"
-        assert any(kind == "link" and "link 1->0 marked failed" in text for _, kind, _, text in notes)
+        assert (1, Cause.LINK_MARKED_FAILED) in {(r, cause) for r, cause, _, link in notes if link == (1, 0)}
         s = 7
         while not healed.is_set():  # probes ride on the current step, so keep stepping
             assert s < 500, "link 1-0 never came back into use"
@@ -109,9 +110,12 @@ def test_link_memory_routes_around_then_returns_after_healing() -> None:
             s += 1
         last = s
         step(last)
-    relayed = {s for rank, _, s, text in notes if rank == 0 and "forwarded by" in text}
-    assert set(range(3, 7)) <= relayed
-    assert last not in relayed
+    around = {s: cause for rank, cause, s, link in notes
+              if rank == 0 and link == (1, 0) and cause in (Cause.DATA_CAME_AROUND, Cause.DETOUR)}
+    assert set(range(3, 7)) <= set(around)
+    assert around[3] is Cause.DATA_CAME_AROUND
+    assert around[4] is Cause.DETOUR  # planned by link memory: reported as a detour, not a loss
+    assert last not in around
 
 
 @pytest.mark.slow
@@ -126,7 +130,7 @@ def test_a_cut_through_the_last_step_still_finishes_everywhere() -> None:
 
 def test_changing_a_result_in_place_never_reaches_other_workers() -> None:
     """The root's result is also what it is sending down: users must get their own copy."""
-    with cluster(3, timeout=0.3) as handles:
+    with cluster(3, timeout_s=0.3) as handles:
         for step in range(5):
             futures = [h.allreduce_async(np.full(200_000, float(h.rank + 1), np.float32)) for h in handles]
             root_out = futures[0].result(timeout=30)

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from fttree.core.messages import PREFIX, Kind, Message, decode, encode
+from fttree.core.messages import PREFIX, VERSION, Kind, Message, decode, encode
 from fttree.errors import FrameError
 
 
@@ -36,7 +36,7 @@ def test_every_kind_round_trips() -> None:
         assert out.src == 1
 
 
-def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = 1) -> bytes:
+def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = VERSION) -> bytes:
     head = msgpack.packb(header)
     return PREFIX.pack(magic, version, len(head), len(payload)) + head + payload
 
@@ -50,9 +50,13 @@ def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int 
     (_raw({"k": 2, "f": 0}, b"\0" * 4), "must not carry a payload"),
     (_raw({"k": "one", "f": 0}), "kind must be an integer"),
     (_raw({"k": 2, "f": 0, "n": ["a"]}), "contributors"),
-    (PREFIX.pack(b"FT", 1, 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
-    (PREFIX.pack(b"FT", 1, 1, 0) + b"\x05", "not a map"),
-    (PREFIX.pack(b"FT", 1, 10**6, 0), "header length"),
+    (_raw({"k": 2, "f": 0, "ep": "x"}), "epoch"),
+    (_raw({"k": 9, "f": 0, "ab": 1.5}), "abort code"),
+    (_raw({"k": 2, "f": 0, "pl": 1}), "planned"),
+    (_raw({"k": 2, "f": 0, "e": 4}), "must not carry a payload"),
+    (PREFIX.pack(b"FT", VERSION, 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
+    (PREFIX.pack(b"FT", VERSION, 1, 0) + b"\x05", "not a map"),
+    (PREFIX.pack(b"FT", VERSION, 10**6, 0), "header length"),
     (b"FT", "shorter than"),
 ])
 def test_broken_frames_raise_frame_error(raw: bytes, needle: str) -> None:
@@ -60,8 +64,22 @@ def test_broken_frames_raise_frame_error(raw: bytes, needle: str) -> None:
         decode(raw)
 
 
+def test_every_field_has_its_own_meaning_on_the_wire() -> None:
+    """The epoch, an ABORT's code and a META's queued bytes each travel in a field of their own
+    (no field is reused to mean something else for some kinds)."""
+    abort = decode(frame(Message(kind=Kind.ABORT, src=2, epoch=3, step=7, code=2, reason="why", missing=(4,))))
+    assert (abort.epoch, abort.code, abort.target, abort.reason, abort.missing) == (3, 2, -1, "why", (4,))
+    meta = decode(frame(Message(kind=Kind.META_REDUCE_SENT, src=1, step=7, origin=1, target=0, queued_bytes=9000)))
+    assert (meta.queued_bytes, meta.numel, meta.target) == (9000, 0, 0)
+    data = np.ones(3, np.float32)
+    relay = decode(frame(Message(kind=Kind.DATA_REDUCE, src=2, step=1, origin=3, planned=True, dtype="<f4",
+                                 numel=3, payload=data.tobytes())))
+    assert relay.planned
+    assert relay.numel == 3
+
+
 def test_oversized_payload_is_refused_before_reading_it() -> None:
-    raw = PREFIX.pack(b"FT", 1, 5, 1 << 40)
+    raw = PREFIX.pack(b"FT", VERSION, 5, 1 << 40)
     with pytest.raises(FrameError, match="exceeds the limit"):
         decode(raw + b"x" * 5)
     assert struct.calcsize(">2sBIQ") == PREFIX.size

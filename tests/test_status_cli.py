@@ -36,7 +36,7 @@ def _line(output: str, *needles: str) -> str:
 
 def test_status_draws_the_tree_with_the_cut_link_and_the_recovery(tmp_path: Path) -> None:
     runner = CliRunner()
-    with cluster(3, timeout=0.1, http_port=0, faults="cut 1-0 @1") as hs:
+    with cluster(3, timeout_s=0.1, http_port=0, faults="cut 1-0 @1") as hs:
         _steps(hs, range(2))
         (tmp_path / "http.txt").write_text("".join(f"{h.http_address}\n" for h in hs))
         result = runner.invoke(status, ["--launch-dir", str(tmp_path)])

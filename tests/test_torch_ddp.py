@@ -124,8 +124,8 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
             result["collectives"] = collectives(rank)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-        ar = fttree.FTTreeAllreduce(rank, peers, timeout=0.2, faults=os.environ.get("FTTREE_FAULTS") or None,
-                                    step_timeout=float(os.environ.get("FTTREE_STEP_TIMEOUT", "30"))).start()
+        ar = fttree.FTTreeAllreduce(rank, peers, timeout_s=0.2, faults=os.environ.get("FTTREE_FAULTS") or None,
+                                    step_timeout_s=float(os.environ.get("FTTREE_STEP_TIMEOUT", "30"))).start()
     hidden_mismatch = scenario == "backend_mismatch" and rank == 2
     model = mlp(seed=0 if rank == 0 else 50 + rank)  # DDP must broadcast rank 0's start
     if hidden_mismatch:

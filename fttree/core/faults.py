@@ -2,22 +2,28 @@
 
 A schedule is rules separated by ';', each optionally limited to a window of steps::
 
-    cut 1-0 @5..10        link 1<->0 drops every frame of steps 5 to 10 (silently)
-    drop 3-1 20% @2..     link 3<->1 drops each frame with probability 0.2 from step 2 on
-    loss 3 20% @12..15    every link of rank 3 drops frames with probability 0.2
-    delay 2-0 50ms        link 2<->0 delays every frame by 50 ms
-    isolate 4 @7          every link of rank 4 drops everything in step 7
+    cut 1-0 @5..10            link 1<->0 drops every frame of steps 5 to 10 (silently)
+    drop 3-1 20% @2..         link 3<->1 drops each frame with probability 0.2 from step 2 on
+    loss 3 20% @12..15        every link of rank 3 drops frames with probability 0.2
+    delay 2-0 50ms            link 2<->0 delays every frame by 50 ms
+    isolate 4 @7              every link of rank 4 drops everything in step 7
+    partition 1,3,4 @8..12    every link between {1, 3, 4} and the other ranks drops everything
+    crash 4 @12               rank 4 dies when it reaches step 12 (a SIGKILL: its sockets reset)
+    hang 2 @12..14            rank 2 stops when it reaches step 12 (a SIGSTOP: sockets stay open,
+                              nothing comes) and goes on once the others have finished step 14
 
-Links are undirected (a rule on 1-0 hits 1->0 and 0->1), as a firewall cut between two
-hosts would. Steps are the allreduce step numbers, so a schedule is deterministic in-process;
-the real-fault runner maps the same windows to wall-clock by watching step progress.
+Links are undirected (a rule on 1-0 hits 1->0 and 0->1), as a firewall cut between two hosts
+would. Steps are the numbers the user sees: allreduce steps for `fttree worker`, training steps
+in the examples (which map them onto their allreduce steps, see `rebase`). Link rules are applied
+frame by frame (`verdict`, `blocks`); crash and hang are node faults, carried out by whoever runs
+the node (the simulator, `fttree launch`), found with `node_faults`.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from ..errors import ConfigError
@@ -29,13 +35,33 @@ class FaultKind(Enum):
     LOSS = "loss"
     DELAY = "delay"
     ISOLATE = "isolate"
+    PARTITION = "partition"
+    CRASH = "crash"
+    HANG = "hang"
+
+
+LINK_KINDS = frozenset({FaultKind.CUT, FaultKind.DROP, FaultKind.DELAY})  # name one link A-B
+NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG})  # happen to a worker, not to frames
+CERTAIN_DROPS = frozenset({FaultKind.CUT, FaultKind.ISOLATE, FaultKind.PARTITION})
+
+USAGE = {
+    FaultKind.CUT: "cut A-B [@S..E]",
+    FaultKind.DROP: "drop A-B P% [@S..E]",
+    FaultKind.LOSS: "loss R P% [@S..E]",
+    FaultKind.DELAY: "delay A-B 50ms [@S..E]",
+    FaultKind.ISOLATE: "isolate R [@S..E]",
+    FaultKind.PARTITION: "partition R,R,.. [@S..E]",
+    FaultKind.CRASH: "crash R @S",
+    FaultKind.HANG: "hang R @S[..E]",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FaultRule:
     kind: FaultKind
-    a: int  # rank (a link's one end, or the worker for loss/isolate)
+    a: int  # rank (a link's one end, or the worker of loss/isolate/crash/hang; the group's first)
     b: int | None = None  # the link's other end; None for worker-wide rules
+    group: tuple[int, ...] = ()  # partition: the ranks cut off from all others
     probability: float = 1.0
     delay_s: float = 0.0
     first_step: int | None = None  # inclusive; None: from the start
@@ -47,15 +73,24 @@ class FaultRule:
         return self.last_step is None or step <= self.last_step
 
     def touches(self, src: int, dst: int) -> bool:
+        if self.kind is FaultKind.PARTITION:
+            return (src in self.group) != (dst in self.group)
+        if self.kind in NODE_KINDS:
+            return False
         if self.b is None:
             return self.a in (src, dst)
         return {self.a, self.b} == {src, dst}
 
     def ranks(self) -> tuple[int, ...]:
+        if self.group:
+            return self.group
         return (self.a,) if self.b is None else (self.a, self.b)
 
     def __str__(self) -> str:
-        where = str(self.a) if self.b is None else f"{self.a}-{self.b}"
+        if self.kind is FaultKind.PARTITION:
+            where = ",".join(map(str, self.group))
+        else:
+            where = str(self.a) if self.b is None else f"{self.a}-{self.b}"
         arg = ""
         if self.kind in (FaultKind.DROP, FaultKind.LOSS):
             arg = f" {self.probability * 100:g}%"
@@ -71,6 +106,7 @@ class FaultRule:
 
 _LINK = re.compile(r"^(\d+)-(\d+)$")
 _RANK = re.compile(r"^(\d+)$")
+_GROUP = re.compile(r"^\d+(,\d+)*$")
 _PERCENT = re.compile(r"^(\d+(?:\.\d+)?)%$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _WINDOW = re.compile(r"^@(\d*)(?:\.\.(\d*))?$")
@@ -101,24 +137,26 @@ def parse_rule(text: str) -> FaultRule:
         known = ", ".join(k.value for k in FaultKind)
         raise ConfigError(f"unknown fault {tokens[0]!r} in {text!r}: known faults are {known}") from None
     args = tokens[1:]
-    link_kinds = (FaultKind.CUT, FaultKind.DROP, FaultKind.DELAY)
-    want = {FaultKind.CUT: 1, FaultKind.ISOLATE: 1, FaultKind.DROP: 2, FaultKind.LOSS: 2, FaultKind.DELAY: 2}[kind]
+    want = 2 if kind in (FaultKind.DROP, FaultKind.LOSS, FaultKind.DELAY) else 1
     if len(args) != want:
-        usage = {
-            FaultKind.CUT: "cut A-B [@S..E]",
-            FaultKind.ISOLATE: "isolate R [@S..E]",
-            FaultKind.DROP: "drop A-B P% [@S..E]",
-            FaultKind.LOSS: "loss R P% [@S..E]",
-            FaultKind.DELAY: "delay A-B 50ms [@S..E]",
-        }[kind]
-        raise ConfigError(f"fault {text!r} has the wrong arguments: use {usage}")
-    if kind in link_kinds:
+        raise ConfigError(f"fault {text!r} has the wrong arguments: use {USAGE[kind]}")
+    if kind in NODE_KINDS and first_step is None:
+        raise ConfigError(f"fault {text!r} needs the step it happens at: use {USAGE[kind]}")
+    if kind is FaultKind.CRASH and last_step != first_step:
+        raise ConfigError(f"fault {text!r}: a crash happens at one step; use {USAGE[kind]}")
+    group: tuple[int, ...] = ()
+    if kind in LINK_KINDS:
         m = _LINK.match(args[0])
         if not m:
             raise ConfigError(f"fault {text!r} needs a link A-B, got {args[0]!r}")
         a, b = int(m.group(1)), int(m.group(2))
         if a == b:
             raise ConfigError(f"fault {text!r} names a link from rank {a} to itself")
+    elif kind is FaultKind.PARTITION:
+        if not _GROUP.match(args[0]):
+            raise ConfigError(f"fault {text!r} needs ranks like 1,3,4, got {args[0]!r}")
+        group = tuple(sorted({int(r) for r in args[0].split(",")}))
+        a, b = group[0], None
     else:
         m = _RANK.match(args[0])
         if not m:
@@ -135,7 +173,7 @@ def parse_rule(text: str) -> FaultRule:
         if not m:
             raise ConfigError(f"fault {text!r} needs a delay like 50ms or 0.2s, got {args[1]!r}")
         delay_s = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
-    return FaultRule(kind=kind, a=a, b=b, probability=probability, delay_s=delay_s,
+    return FaultRule(kind=kind, a=a, b=b, group=group, probability=probability, delay_s=delay_s,
                      first_step=first_step, last_step=last_step)
 
 
@@ -166,17 +204,21 @@ class FaultSchedule:
                 for r in rule.ranks():
                     if not 0 <= r < world:
                         raise ConfigError(f"fault {str(rule)!r} names rank {r}, outside the world of {world}")
+                if rule.kind is FaultKind.PARTITION and len(rule.group) >= world:
+                    raise ConfigError(f"fault {str(rule)!r} puts every rank on one side: nothing is cut")
+        self._link_rules = [r for r in self.rules if r.kind not in NODE_KINDS]
         self._rng = random.Random(seed)
 
     def __bool__(self) -> bool:
-        return bool(self.rules)
+        return bool(self._link_rules)
 
     def verdict(self, src: int, dst: int, step: int) -> Verdict:
+        """What happens to one frame from `src` to `dst` that belongs to `step`."""
         delay = 0.0
-        for rule in self.rules:
+        for rule in self._link_rules:
             if not rule.touches(src, dst) or not rule.active(step):
                 continue
-            if rule.kind in (FaultKind.CUT, FaultKind.ISOLATE):
+            if rule.kind in CERTAIN_DROPS:
                 return Verdict(drop=True)
             if rule.kind in (FaultKind.DROP, FaultKind.LOSS):
                 if self._rng.random() < rule.probability:
@@ -184,6 +226,30 @@ class FaultSchedule:
             elif rule.kind is FaultKind.DELAY:
                 delay += rule.delay_s
         return Verdict(delay_s=delay) if delay else PASS
+
+    def blocks(self, src: int, dst: int, step: int) -> bool:
+        """Does a rule drop *every* frame from `src` to `dst` in `step` (cut, isolate, partition)?"""
+        return any(r.kind in CERTAIN_DROPS and r.touches(src, dst) and r.active(step) for r in self._link_rules)
+
+    def node_faults(self, rank: int | None = None) -> list[FaultRule]:
+        """The crash and hang rules (of one rank, or all), for whoever runs the nodes."""
+        return [r for r in self.rules if r.kind in NODE_KINDS and (rank is None or r.a == rank)]
+
+    def rebase(self, first: int, per_step: int = 1) -> FaultSchedule:
+        """The same schedule with user-visible step S meaning steps first + S * per_step ..
+        first + (S + 1) * per_step - 1 of the allreduce (setup collectives come first; a
+        training step may take several allreduce steps, one per gradient bucket)."""
+
+        def lo(step: int | None) -> int | None:
+            return None if step is None else first + step * per_step
+
+        def hi(step: int | None) -> int | None:
+            return None if step is None else first + (step + 1) * per_step - 1
+
+        rules = [replace(r, first_step=lo(r.first_step), last_step=hi(r.last_step)) for r in self.rules]
+        out = FaultSchedule(rules)
+        out._rng = self._rng
+        return out
 
     def __str__(self) -> str:
         return "; ".join(str(r) for r in self.rules)

@@ -22,7 +22,7 @@ import msgpack
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 1
+VERSION = 2  # 2: epoch in every header; ABORT code and queued bytes in fields of their own
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -59,16 +59,20 @@ class Message:
 
     kind: Kind
     src: int
+    epoch: int = 0  # the membership view the message belongs to (view.py)
     step: int = -1
     chunk: int = 0
     origin: int = -1
     target: int = -1
     contributors: tuple[int, ...] = ()
     dtype: str = ""
-    numel: int = 0  # elements of the payload; on META_*_SENT the bytes queued ahead of it
+    numel: int = 0  # elements of the payload
     signature: str = ""  # full tensor's dtype and shape, to catch mismatched workers
-    reason: str = ""
-    missing: tuple[int, ...] = ()
+    reason: str = ""  # ABORT: why, for the user
+    missing: tuple[int, ...] = ()  # ABORT: ranks whose contributions never arrived
+    code: int = 0  # ABORT: an AbortCode
+    queued_bytes: int = 0  # META_*_SENT: bytes the sender had queued ahead on that link (timeouts.py)
+    planned: bool = False  # DATA_REDUCE(_REQUEST): sent around a link marked failed, not after a loss
     world: int = 0  # HELLO only
     payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
 
@@ -82,6 +86,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     header: dict[str, Any] = {"k": int(msg.kind), "f": msg.src}
     if msg.kind != Kind.HELLO:
         header.update(s=msg.step, c=msg.chunk)
+    if msg.epoch:
+        header["ep"] = msg.epoch
     if msg.origin >= 0:
         header["o"] = msg.origin
     if msg.target >= 0:
@@ -90,8 +96,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header["n"] = list(msg.contributors)
     if msg.payload is not None:
         header.update(d=msg.dtype, e=msg.numel, g=msg.signature)
-    elif msg.numel:
-        header["e"] = msg.numel  # metadata: bytes the sender had queued (see timeouts.py)
+    if msg.queued_bytes:
+        header["qb"] = msg.queued_bytes
+    if msg.code:
+        header["ab"] = msg.code
+    if msg.planned:
+        header["pl"] = True
     if msg.reason:
         header["r"] = msg.reason
     if msg.missing:
@@ -132,6 +142,13 @@ def _ints(header: dict[Any, Any], key: str, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _bool(header: dict[Any, Any], key: str, name: str) -> bool:
+    value = header.get(key, False)
+    if not isinstance(value, bool):
+        raise FrameError(f"frame field {name} must be true or false, got {value!r}")
+    return value
+
+
 def _str(header: dict[Any, Any], key: str, name: str) -> str:
     value = header.get(key, "")
     if not isinstance(value, str):
@@ -160,11 +177,12 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
         if numel < 0 or numel * int(dtype[-1]) != payload_len:
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
-    elif payload_len:
-        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes)")
+    elif payload_len or numel:
+        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
     return Message(
         kind=kind,
         src=_int(header, "f", -1, "src"),
+        epoch=_int(header, "ep", 0, "epoch"),
         step=_int(header, "s", -1, "step"),
         chunk=_int(header, "c", 0, "chunk"),
         origin=_int(header, "o", -1, "origin"),
@@ -175,6 +193,9 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         signature=_str(header, "g", "signature"),
         reason=_str(header, "r", "reason"),
         missing=_ints(header, "m", "missing"),
+        code=_int(header, "ab", 0, "abort code"),
+        queued_bytes=_int(header, "qb", 0, "queued bytes"),
+        planned=_bool(header, "pl", "planned"),
         world=_int(header, "w", 0, "world"),
         payload=payload if payload_len else None,
     )

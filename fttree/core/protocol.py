@@ -46,12 +46,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from typing import Any
 
 import numpy as np
 
+from .config import Config
 from .messages import Kind, Message
-from .timeouts import AdaptiveTimeouts, Phase, StaticTimeouts, TimeoutPolicy
-from .topology import Neighbours, neighbours, subtree_of
+from .timeouts import Phase, TimeoutPolicy
+from .topology import Neighbours
+from .view import View
 
 OpId = tuple[int, int]  # (step, chunk)
 
@@ -80,12 +83,46 @@ class AbortCode(IntEnum):
 
 
 class NoteKind(Enum):
+    """What a note is counted as (metrics, /status)."""
+
     TIMEOUT = "timeout"  # a backup watch expired: a primary link looks broken
-    RECOVERY = "recovery"  # data went around a broken link
+    RECOVERY = "recovery"  # data went around a link that lost it
+    DETOUR = "detour"  # data took the way around a link that link memory marked failed
     DUPLICATE = "duplicate"  # a copy was dropped (exactly-once at work)
     STALE = "stale"  # a message of a retired op was dropped
     PROTOCOL = "protocol"  # a message broke the protocol and was dropped
     LINK = "link"  # a primary link was marked failed, or put back into use
+
+
+class Cause(Enum):
+    """Exactly what happened; `Note.link` names the primary link (child, parent) it is about."""
+
+    WATCH_EXPIRED = "watch_expired"  # an observer heard no confirmation in time
+    DATA_CAME_AROUND = "data_came_around"  # (parent) a child's lost sum arrived through a relay
+    DATA_RELAYED = "data_relayed"  # (observer) carried a child's sum to its parent
+    RESULT_CAME_AROUND = "result_came_around"  # the result reached this rank through a backup
+    RESULT_PUSHED = "result_pushed"  # (backup) sent the result to a rank directly
+    DETOUR = "detour"  # data or result went the planned way around a link marked failed
+    LINK_MARKED_FAILED = "link_marked_failed"  # link memory: later steps route around our uplink
+    LINK_BACK_IN_USE = "link_back_in_use"  # probes answered long enough: the uplink is used again
+    DUPLICATE_DROPPED = "duplicate_dropped"
+    STALE_DROPPED = "stale_dropped"
+    PROTOCOL_VIOLATION = "protocol_violation"
+
+    @property
+    def kind(self) -> NoteKind:
+        return _KIND_OF[self]
+
+
+_KIND_OF = {
+    Cause.WATCH_EXPIRED: NoteKind.TIMEOUT,
+    Cause.DATA_CAME_AROUND: NoteKind.RECOVERY, Cause.DATA_RELAYED: NoteKind.RECOVERY,
+    Cause.RESULT_CAME_AROUND: NoteKind.RECOVERY, Cause.RESULT_PUSHED: NoteKind.RECOVERY,
+    Cause.DETOUR: NoteKind.DETOUR,
+    Cause.LINK_MARKED_FAILED: NoteKind.LINK, Cause.LINK_BACK_IN_USE: NoteKind.LINK,
+    Cause.DUPLICATE_DROPPED: NoteKind.DUPLICATE, Cause.STALE_DROPPED: NoteKind.STALE,
+    Cause.PROTOCOL_VIOLATION: NoteKind.PROTOCOL,
+}
 
 
 # ---- events -------------------------------------------------------------------------------
@@ -161,56 +198,69 @@ class Fail:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Note:
-    """Something worth counting or showing (recoveries, timeouts, dropped copies)."""
+    """Something worth counting or showing (recoveries, timeouts, dropped copies): structured
+    fields for status and metrics, and a sentence for people."""
 
     step: int
-    kind: NoteKind
+    cause: Cause
     text: str
-    peer: int = -1
+    peer: int = -1  # the other rank it concerns
+    link: tuple[int, int] | None = None  # the primary link (child, parent) it is about
+
+    @property
+    def kind(self) -> NoteKind:
+        return self.cause.kind
+
+    def as_record(self) -> dict[str, Any]:
+        """A JSON-ready form, for step records and logs."""
+        return {"step": self.step, "kind": self.kind.value, "cause": self.cause.value, "peer": self.peer,
+                "link": None if self.link is None else f"{self.link[0]}-{self.link[1]}", "text": self.text}
 
 
 Action = Send | SetTimer | CancelTimer | Complete | Fail | Note
 
 
+# ---- the machine's public state (status pages read this, never the private fields) ----------
+
+
+class OpPhase(Enum):
+    WAITING = "waiting"  # peers' messages arrived; not submitted here yet
+    REDUCE = "reduce"  # waiting for children's subtree sums, or sending ours up
+    BROADCAST = "broadcast"  # our sum is sent; waiting for the result
+    DONE = "done"
+    FAILED = "failed"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MachineConfig:
+class OpStatus:
+    step: int
+    chunk: int
+    phase: OpPhase
+    contributors: tuple[int, ...]  # summed here so far
+    waiting_for: tuple[int, ...]  # children whose subtree sums have not arrived
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UplinkStatus:
+    """Link memory about this rank's link to its parent."""
+
+    parent: int | None
+    failed: bool  # later steps go around it, through `relays`
+    relays: tuple[int, ...]
+    failures: int  # times it was marked failed (each doubles the hold before reuse)
+    probing: bool  # failed, and probes are answered again: waiting `hold_s` to trust it
+    hold_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MachineStatus:
     rank: int
-    world: int
-    timeout_s: float = 0.5  # backup watch: how long a confirmation may take
-    step_timeout_s: float = 30.0  # a node gives up on an op this long after submitting it
-    root_timeout_s: float | None = None  # root gives up on contributions (default: half)
-    fault_tolerant: bool = True  # False: plain tree, no metadata, no backup links
-    watch_retries: int = 2  # re-arm a backup watch this many times after acting on it
-    max_ops_ahead: int = 4096  # ops a peer may run ahead of our last submit
-    retired_memory: int = 8192  # retired op ids remembered to drop their late messages
-    timeout_policy: str = "static"  # "static": always timeout_s; "adaptive": learnt per link (timeouts.py)
-    adaptive_floor_s: float = 0.08
-    adaptive_ceiling_s: float = 2.0
-    link_memory: bool = True  # route later steps around a primary link found failed
-    probe_interval_s: float = 0.1  # how often a failed primary link is probed
-    heal_after_s: float = 0.5  # healthy this long before reuse; doubled each time it fails again
-    max_heal_after_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.timeout_policy not in ("static", "adaptive"):
-            raise ValueError(f"timeout policy must be 'static' or 'adaptive', not {self.timeout_policy!r}")
-
-    @property
-    def root_give_up_s(self) -> float:
-        return self.root_timeout_s if self.root_timeout_s is not None else self.step_timeout_s / 2
-
-    @property
-    def linger_s(self) -> float:
-        # Long enough for the watches of a finished op to settle at the first-guess timeout.
-        # Not the adaptive ceiling: finished ops hold tensor buffers, and keeping 100 MB steps
-        # for 8 s measurably slowed big allreduces (allocation and page faults).
-        return (self.watch_retries + 2) * self.timeout_s
-
-    def make_timeouts(self) -> TimeoutPolicy:
-        if self.timeout_policy == "adaptive":
-            return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
-                                    ceiling_s=self.adaptive_ceiling_s)
-        return StaticTimeouts(self.timeout_s)
+    view: View
+    neighbours: Neighbours
+    ops: tuple[OpStatus, ...]  # the ops not finished here, oldest first
+    uplink: UplinkStatus
+    relayed_children: tuple[int, ...]  # children whose data last came around a broken link
+    footprint: dict[str, int]
 
 
 @dataclass(slots=True)
@@ -251,12 +301,14 @@ class _Op:
     reduce_confirmed: set[int] = field(default_factory=set)
     reduce_tries: dict[int, int] = field(default_factory=dict)
     relayed_for: set[int] = field(default_factory=set)
+    detoured_for: set[int] = field(default_factory=set)  # of those, relayed on a planned detour
     bcast_confirmed: set[int] = field(default_factory=set)
     bcast_tries: dict[int, int] = field(default_factory=dict)
     bcast_pending: set[int] = field(default_factory=set)
     watch_started: dict[tuple[Phase, int], tuple[float, int]] = field(default_factory=dict)  # (at, bytes)
     watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
+    rerouted_planned: bool = False  # ... because link memory had marked our uplink failed (a detour)
     requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
     relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
 
@@ -265,17 +317,19 @@ class TreeMachine:
     """One rank's protocol state for all ops in flight. Deterministic: the same events at the
     same times give the same actions."""
 
-    def __init__(self, config: MachineConfig) -> None:
-        self.cfg = config
-        self.me: Neighbours = neighbours(config.rank, config.world)
-        self._subtrees = {c: subtree_of(c, config.world) for c in self.me.children}
+    def __init__(self, rank: int, view: View, config: Config | None = None) -> None:
+        self.rank = rank
+        self.view = view
+        self.cfg = config or Config()
+        self.me: Neighbours = view.neighbours(rank)
+        self._subtrees = {c: view.subtree(c) for c in self.me.children}
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
         self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
         self._retired_floor = -1  # ops of steps below this are retired too
         self._max_step_submitted = -1
         self._last_abort_at = -float("inf")
-        self.timeouts: TimeoutPolicy = config.make_timeouts()
+        self.timeouts: TimeoutPolicy = self.cfg.make_timeouts()
         self.up = _UpLink()
         self.down_failed: set[int] = set()  # children whose link to us is known broken
 
@@ -297,6 +351,22 @@ class TreeMachine:
     def active_ops(self) -> list[OpId]:
         return sorted(k for k, op in self._ops.items() if not op.done)
 
+    def status(self) -> MachineStatus:
+        ops = []
+        for (step, chunk), op in sorted(self._ops.items()):
+            if op.done:
+                continue
+            phase = (OpPhase.WAITING if not op.submitted else OpPhase.BROADCAST if op.reduce_sent
+                     else OpPhase.REDUCE)
+            ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(op.contributors)),
+                                waiting_for=tuple(c for c in self.me.children if c not in op.got_children)))
+        up = self.up
+        return MachineStatus(
+            rank=self.rank, view=self.view, neighbours=self.me, ops=tuple(ops),
+            uplink=UplinkStatus(parent=self.me.parent, failed=up.failed, relays=up.relays, failures=up.failures,
+                                probing=up.failed and up.healthy_since is not None, hold_s=self._heal_hold_s()),
+            relayed_children=tuple(sorted(self.down_failed)), footprint=self.footprint())
+
     def footprint(self) -> dict[str, int]:
         """Sizes of everything this machine keeps between events: none may grow with the
         number of ops run (tests check it over many thousands of ops)."""
@@ -310,7 +380,7 @@ class TreeMachine:
         return self.cfg.fault_tolerant
 
     def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
-        return Message(kind=kind, src=self.cfg.rank, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
+        return Message(kind=kind, src=self.rank, epoch=self.view.epoch, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
 
     def _data_msg(self, op: _Op, kind: Kind, array: np.ndarray, contributors: tuple[int, ...],
                   **kw: object) -> Message:
@@ -318,7 +388,8 @@ class TreeMachine:
                          numel=int(array.size), signature=op.signature,
                          contributors=contributors, **kw)
 
-    def _is_retired(self, op_id: OpId) -> bool:
+    def is_retired(self, op_id: OpId) -> bool:
+        """Has this op finished here long enough ago that its messages are dropped?"""
         return op_id[0] < self._retired_floor or op_id in self._retired
 
     def _get_op(self, step: int, chunk: int, out: list[Action], src: int) -> _Op | None:
@@ -326,12 +397,12 @@ class TreeMachine:
         op = self._ops.get(op_id)
         if op is not None:
             return op
-        if self._is_retired(op_id):
-            out.append(Note(step=step, kind=NoteKind.STALE, peer=src,
+        if self.is_retired(op_id):
+            out.append(Note(step=step, cause=Cause.STALE_DROPPED, peer=src,
                             text=f"dropped a late message of retired step {step} chunk {chunk}"))
             return None
         if step < 0 or chunk < 0 or step > self._max_step_submitted + self.cfg.max_ops_ahead:
-            out.append(Note(step=step, kind=NoteKind.PROTOCOL, peer=src,
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
         op = self._ops[op_id] = _Op(step=step, chunk=chunk)
@@ -361,15 +432,15 @@ class TreeMachine:
 
     def _on_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
         op_id = (ev.step, ev.chunk)
-        if self._is_retired(op_id) or (op_id in self._ops and self._ops[op_id].submitted):
-            raise ValueError(f"step {ev.step} chunk {ev.chunk} was already submitted on rank {self.cfg.rank}")
+        if self.is_retired(op_id) or (op_id in self._ops and self._ops[op_id].submitted):
+            raise ValueError(f"step {ev.step} chunk {ev.chunk} was already submitted on rank {self.rank}")
         if ev.data.ndim != 1:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
         op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk))
         op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
         op.acc = ev.data
-        op.contributors.add(self.cfg.rank)
+        op.contributors.add(self.rank)
         if op.failure is not None:  # an ABORT arrived before our submit
             self._emit_failure(op, op.failure, now, out)
             return
@@ -394,7 +465,7 @@ class TreeMachine:
         if msg.signature == op.signature and msg.dtype == op.dtype and msg.numel == op.acc.size:  # type: ignore[union-attr]
             return True
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
-                  f"for chunk {op.chunk}, rank {self.cfg.rank} has {op.signature} "
+                  f"for chunk {op.chunk}, rank {self.rank} has {op.signature} "
                   f"({op.acc.size} x {op.dtype})")  # type: ignore[union-attr]
         self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out)
         return False
@@ -421,29 +492,30 @@ class TreeMachine:
         if self._ft and self.up.failed and self.up.relays:
             # link memory: straight to every backup, no timeout to pay. Both, because we cannot
             # tell which of them still reaches our parent; the parent adds the first copy only.
-            op.rerouted = True
+            op.rerouted = op.rerouted_planned = True
             for relay in self.up.relays:
                 out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
-                                                              origin=self.cfg.rank, target=parent)))
+                                                              origin=self.rank, target=parent, planned=True)))
         else:
             out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
-                                                           origin=self.cfg.rank)))
+                                                           origin=self.rank)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
                 if observer is not None:
                     out.append(Send(dst=observer, msg=self._msg(op, Kind.META_REDUCE_SENT,
-                                                                origin=self.cfg.rank, target=parent)))
+                                                                origin=self.rank, target=parent)))
 
     # ---- messages ----------------------------------------------------------------------
 
     def _on_message(self, msg: Message, now: float, out: list[Action]) -> None:
         if msg.src not in self.me.all:
-            out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+            out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                             text=f"dropped {msg.kind.name} from rank {msg.src}, not a tree neighbour"))
             return
         if msg.kind is Kind.PROBE:
             if msg.src in self.me.children:
-                out.append(Send(dst=msg.src, msg=Message(kind=Kind.PROBE_ACK, src=self.cfg.rank, step=msg.step)))
+                ack = Message(kind=Kind.PROBE_ACK, src=self.rank, epoch=self.view.epoch, step=msg.step)
+                out.append(Send(dst=msg.src, msg=ack))
             return
         if msg.kind is Kind.PROBE_ACK:
             if msg.src == self.me.parent:
@@ -476,27 +548,27 @@ class TreeMachine:
                 self._sample(op, Phase.BCAST, msg.src, now)
             case Kind.ABORT:
                 codes = {c.value for c in AbortCode}
-                code = AbortCode(msg.target) if msg.target in codes else AbortCode.UNREACHABLE
+                code = AbortCode(msg.code) if msg.code in codes else AbortCode.UNREACHABLE
                 reason, peers = msg.reason, msg.missing
                 waiting = sorted(set(self.me.children) - op.got_children)
                 if op.submitted and not op.reduce_sent and waiting:
-                    reason += f"; rank {self.cfg.rank} was still waiting for children {waiting}"
+                    reason += f"; rank {self.rank} was still waiting for children {waiting}"
                     peers = tuple(waiting)
                 elif op.reduce_sent and self.me.parent is not None and op.result is None:
-                    reason += f"; rank {self.cfg.rank} had sent its subtree sum to rank {self.me.parent}"
+                    reason += f"; rank {self.rank} had sent its subtree sum to rank {self.me.parent}"
                 self._abort(op, code, reason, peers, now, out, remote=msg.src)
             case _:
-                out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+                out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
 
     def _protocol(self, out: list[Action], msg: Message, why: str) -> None:
-        out.append(Note(step=msg.step, kind=NoteKind.PROTOCOL, peer=msg.src,
+        out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                         text=f"dropped {msg.kind.name} from rank {msg.src}: {why}"))
 
     def _on_data_reduce(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
         origin = msg.origin
         if origin not in self._subtrees:
-            return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.cfg.rank}")
+            return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.rank}")
         if msg.src != origin and msg.src not in (self.me.brother, *self.me.children):
             return self._protocol(out, msg, f"rank {msg.src} cannot relay for rank {origin}")
         if msg.src == origin:  # any direct copy, even a late duplicate, proves the link works
@@ -504,7 +576,7 @@ class TreeMachine:
         if op.done:
             return
         if origin in op.got_children:
-            out.append(Note(step=op.step, kind=NoteKind.DUPLICATE, peer=msg.src,
+            out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
             return
         contributors = set(msg.contributors)
@@ -519,8 +591,14 @@ class TreeMachine:
         else:
             op.early.append(msg)
         if msg.src != origin:
-            out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
-                            text=f"step {op.step}: data {origin}->{self.cfg.rank} lost, forwarded by {msg.src}"))
+            if msg.planned:
+                out.append(Note(step=op.step, cause=Cause.DETOUR, peer=origin, link=(origin, self.rank),
+                                text=f"step {op.step}: rank {origin}'s data came around its link to rank "
+                                     f"{self.rank} through rank {msg.src} (link memory: {origin}->{self.rank} "
+                                     f"is marked failed)"))
+            else:
+                out.append(Note(step=op.step, cause=Cause.DATA_CAME_AROUND, peer=origin, link=(origin, self.rank),
+                                text=f"step {op.step}: data {origin}->{self.rank} lost, forwarded by {msg.src}"))
             self.down_failed.add(origin)
             op.relayed_children[origin] = msg.src
         if self._ft:
@@ -533,14 +611,14 @@ class TreeMachine:
 
     def _on_meta_reduce_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
         origin = msg.src
-        watched = neighbours(origin, self.cfg.world)
-        if self.cfg.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
+        watched = self.view.neighbours(origin)
+        if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
         if origin in op.reduce_confirmed or not self._ft:
             return None
         op.reduce_tries.setdefault(origin, 0)
-        op.watch_started[(Phase.REDUCE, origin)] = (now, msg.numel)
-        wait = self.timeouts.deadline_s((origin, msg.target, Phase.REDUCE), msg.numel)
+        op.watch_started[(Phase.REDUCE, origin)] = (now, msg.queued_bytes)
+        wait = self.timeouts.deadline_s((origin, msg.target, Phase.REDUCE), msg.queued_bytes)
         out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
         return None
 
@@ -553,21 +631,28 @@ class TreeMachine:
             op.requested_by.append(msg.src)
         out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
                                                         tuple(sorted(op.contributors)),
-                                                        origin=self.cfg.rank, target=self.me.parent)))
+                                                        origin=self.rank, target=self.me.parent)))
         return None
 
     def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
         origin = msg.src
-        watched = neighbours(origin, self.cfg.world)
-        if self.cfg.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
+        watched = self.view.neighbours(origin)
+        if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
         op.relayed_for.add(origin)
+        if msg.planned:
+            op.detoured_for.add(origin)
         out.append(Send(dst=msg.target, msg=Message(
-            kind=Kind.DATA_REDUCE, src=self.cfg.rank, step=op.step, chunk=op.chunk, origin=origin,
+            kind=Kind.DATA_REDUCE, src=self.rank, epoch=msg.epoch, step=op.step, chunk=op.chunk, origin=origin,
             contributors=msg.contributors, dtype=msg.dtype, numel=msg.numel,
-            signature=msg.signature, payload=msg.payload)))
-        out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=origin,
-                        text=f"step {op.step}: relayed rank {origin}'s data to rank {msg.target}"))
+            signature=msg.signature, planned=msg.planned, payload=msg.payload)))
+        if msg.planned:
+            out.append(Note(step=op.step, cause=Cause.DETOUR, peer=origin, link=(origin, msg.target),
+                            text=f"step {op.step}: carried rank {origin}'s data around its link to rank "
+                                 f"{msg.target} (marked failed)"))
+        else:
+            out.append(Note(step=op.step, cause=Cause.DATA_RELAYED, peer=origin, link=(origin, msg.target),
+                            text=f"step {op.step}: relayed rank {origin}'s data to rank {msg.target}"))
         if op.result is not None and origin not in op.bcast_confirmed:
             self._push_result(op, origin, out, "its reduce link failed")
         return None
@@ -576,7 +661,7 @@ class TreeMachine:
         if msg.src not in (self.me.parent, self.me.brother, self.me.uncle):
             return self._protocol(out, msg, "only parent, brother or uncle send results")
         if op.result is not None or op.done:
-            out.append(Note(step=op.step, kind=NoteKind.DUPLICATE, peer=msg.src,
+            out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of the result"))
             return None
         if not op.submitted:  # the result holds our contribution, so it cannot come first
@@ -592,21 +677,28 @@ class TreeMachine:
             # asks in vain), so only both together make later steps route around it.
             self._mark_up_failed(f"step {op.step} needed relays both ways", now, out)
         if msg.src != self.me.parent:
-            out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=msg.src,
-                            text=f"step {op.step}: result reached rank {self.cfg.rank} through rank {msg.src}"))
+            parent = self.me.parent
+            uplink = None if parent is None else (self.rank, parent)
+            if op.rerouted_planned:
+                out.append(Note(step=op.step, cause=Cause.DETOUR, peer=msg.src, link=uplink,
+                                text=f"step {op.step}: result came around link {self.rank}->{parent} through "
+                                     f"rank {msg.src} (marked failed)"))
+            else:
+                out.append(Note(step=op.step, cause=Cause.RESULT_CAME_AROUND, peer=msg.src, link=uplink,
+                                text=f"step {op.step}: result reached rank {self.rank} through rank {msg.src}"))
         self._finish(op, now, out)
         return None
 
     def _on_meta_bcast_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
         target = msg.target
-        watched = neighbours(target, self.cfg.world) if 0 <= target < self.cfg.world else None
-        if watched is None or msg.src != watched.parent or self.cfg.rank not in (watched.brother, watched.uncle):
+        watched = self.view.neighbours(target) if target in self.view else None
+        if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
             return self._protocol(out, msg, "not an observer of that link")
         if target in op.bcast_confirmed or not self._ft:
             return None
         op.bcast_tries.setdefault(target, 0)
-        op.watch_started[(Phase.BCAST, target)] = (now, msg.numel)
-        wait = self.timeouts.deadline_s((msg.src, target, Phase.BCAST), msg.numel)
+        op.watch_started[(Phase.BCAST, target)] = (now, msg.queued_bytes)
+        wait = self.timeouts.deadline_s((msg.src, target, Phase.BCAST), msg.queued_bytes)
         out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
         return None
 
@@ -615,8 +707,15 @@ class TreeMachine:
     def _push_result(self, op: _Op, dst: int, out: list[Action], why: str) -> None:
         assert op.result is not None
         out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
-        out.append(Note(step=op.step, kind=NoteKind.RECOVERY, peer=dst,
-                        text=f"step {op.step}: sent the result to rank {dst} directly ({why})"))
+        parent = self.view.neighbours(dst).parent
+        link = None if parent is None else (dst, parent)
+        if dst in op.detoured_for:
+            out.append(Note(step=op.step, cause=Cause.DETOUR, peer=dst, link=link,
+                            text=f"step {op.step}: sent the result to rank {dst} around its link to rank "
+                                 f"{parent} (marked failed)"))
+        else:
+            out.append(Note(step=op.step, cause=Cause.RESULT_PUSHED, peer=dst, link=link,
+                            text=f"step {op.step}: sent the result to rank {dst} directly ({why})"))
 
     def _finish(self, op: _Op, now: float, out: list[Action]) -> None:
         """We hold the result: hand it up to the user and pass it down the tree."""
@@ -672,7 +771,7 @@ class TreeMachine:
                 self._emit_failure(op, failure, now, out)
             else:
                 op.failure = failure
-        abort = self._msg(op, Kind.ABORT, reason=reason, missing=peers, target=int(code))
+        abort = self._msg(op, Kind.ABORT, reason=reason, missing=peers, code=int(code))
         for peer in self.me.all:
             if peer != remote:
                 out.append(Send(dst=peer, msg=abort))
@@ -696,7 +795,7 @@ class TreeMachine:
                     self._deadline(op, now, out)
             case TimerKind.ROOT_DEADLINE:
                 if not op.done and not op.reduce_sent:
-                    missing = tuple(sorted(set(range(self.cfg.world)) - op.contributors
+                    missing = tuple(sorted(set(self.view.members) - op.contributors
                                            - {r for m in op.early for r in m.contributors}))
                     waiting = sorted(set(self.me.children) - op.got_children)
                     reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
@@ -709,13 +808,13 @@ class TreeMachine:
         if origin in op.reduce_confirmed or op.result is not None or op.done:
             return  # holding the result proves every subtree sum reached the root
         tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
-        parent = neighbours(origin, self.cfg.world).parent
+        parent = self.view.neighbours(origin).parent
         assert parent is not None
         op.watch_fired.add((Phase.REDUCE, origin))
         self.timeouts.timed_out((origin, parent, Phase.REDUCE))
         wait = self.timeouts.deadline_s((origin, parent, Phase.REDUCE), op.watch_started.get((Phase.REDUCE, origin),
                                                                                              (0.0, 0))[1])
-        out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=origin,
+        out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, parent),
                         text=f"step {op.step}: no sign that rank {parent} got rank {origin}'s data "
                              f"in time; asking rank {origin} for it (try {tries})"))
         out.append(Send(dst=origin, msg=self._msg(op, Kind.META_REDUCE_REQUEST, target=parent)))
@@ -726,13 +825,13 @@ class TreeMachine:
         if target in op.bcast_confirmed:
             return
         tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
-        parent = neighbours(target, self.cfg.world).parent
+        parent = self.view.neighbours(target).parent
         assert parent is not None
         op.watch_fired.add((Phase.BCAST, target))
         self.timeouts.timed_out((parent, target, Phase.BCAST))
         wait = self.timeouts.deadline_s((parent, target, Phase.BCAST), op.watch_started.get((Phase.BCAST, target),
                                                                                             (0.0, 0))[1])
-        out.append(Note(step=op.step, kind=NoteKind.TIMEOUT, peer=target,
+        out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, parent),
                         text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
                              f"in time (try {tries})"))
         if op.result is not None:
@@ -746,12 +845,12 @@ class TreeMachine:
         me = self.me
         if not op.reduce_sent:
             waiting = tuple(sorted(set(me.children) - op.got_children))
-            reason = (f"rank {self.cfg.rank} got no subtree sum from children {list(waiting)} "
+            reason = (f"rank {self.rank} got no subtree sum from children {list(waiting)} "
                       f"within {self.cfg.step_timeout_s:g} s")
             peers = waiting
         else:
             relays = [r for r in (me.brother, me.uncle) if r is not None]
-            reason = (f"rank {self.cfg.rank} got no result from parent {me.parent} or backups {relays} "
+            reason = (f"rank {self.rank} got no result from parent {me.parent} or backups {relays} "
                       f"within {self.cfg.step_timeout_s:g} s")
             peers = tuple(r for r in (me.parent, *relays) if r is not None)
         self._emit_failure(op, Fail(step=op.step, chunk=op.chunk, code=AbortCode.TIMEOUT,
@@ -765,7 +864,7 @@ class TreeMachine:
         started = op.watch_started.pop((phase, peer), None)
         if started is None or (phase, peer) in op.watch_fired:
             return
-        parent = neighbours(peer, self.cfg.world).parent
+        parent = self.view.neighbours(peer).parent
         if parent is not None:
             self.timeouts.observe((peer, parent, phase), now - started[0], started[1])
 
@@ -783,8 +882,9 @@ class TreeMachine:
         if not relays:
             return
         self.up = _UpLink(failed=True, relays=relays, failures=self.up.failures + 1)
-        out.append(Note(step=self._max_step_submitted, kind=NoteKind.LINK, peer=parent,
-                        text=f"link {self.cfg.rank}->{parent} marked failed ({why}); routing through "
+        out.append(Note(step=self._max_step_submitted, cause=Cause.LINK_MARKED_FAILED, peer=parent,
+                        link=(self.rank, parent),
+                        text=f"link {self.rank}->{parent} marked failed ({why}); routing through "
                              f"rank {self.up.via} "
                              f"until it answers probes for {self._heal_hold_s():g} s"))
         out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
@@ -797,7 +897,7 @@ class TreeMachine:
             self.up.healthy_since = None
         self.up.probe_sent_at = now
         step = max(self._max_step_submitted, 0)  # so step-windowed faults apply to probes too
-        out.append(Send(dst=parent, msg=Message(kind=Kind.PROBE, src=self.cfg.rank, step=step)))
+        out.append(Send(dst=parent, msg=Message(kind=Kind.PROBE, src=self.rank, epoch=self.view.epoch, step=step)))
         out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
 
     def _on_probe_ack(self, now: float, out: list[Action]) -> None:
@@ -809,8 +909,10 @@ class TreeMachine:
         elif now - self.up.healthy_since >= self._heal_hold_s():
             held = now - self.up.healthy_since
             self.up = _UpLink(failures=self.up.failures)
-            out.append(Note(step=self._max_step_submitted, kind=NoteKind.LINK, peer=self.me.parent or 0,
-                            text=f"link {self.cfg.rank}->{self.me.parent} answered probes for {held:.2f} s: "
+            parent = self.me.parent
+            out.append(Note(step=self._max_step_submitted, cause=Cause.LINK_BACK_IN_USE,
+                            peer=-1 if parent is None else parent, link=None if parent is None else (self.rank, parent),
+                            text=f"link {self.rank}->{parent} answered probes for {held:.2f} s: "
                                  f"back in use"))
 
     def _on_link_down(self, peer: int, reason: str, now: float, out: list[Action]) -> None:
@@ -832,4 +934,4 @@ class TreeMachine:
                 for relay in relays:
                     out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
                                                                   tuple(sorted(op.contributors)),
-                                                                  origin=self.cfg.rank, target=peer)))
+                                                                  origin=self.rank, target=peer)))

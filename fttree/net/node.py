@@ -1,8 +1,10 @@
-"""The asyncio driver of one rank: feeds events to the TreeMachine and carries out its actions.
+"""Node: one rank's driver. Feeds events to the TreeMachine and carries out its actions.
 
 I/O only: frames from the transport and fired timers go into `TreeMachine.handle`; the actions
-that come back become frames, `loop.call_at` timers and completed steps. A step is split into
-chunks (each its own op in the machine) and reassembled here.
+that come back become frames, timers and completed steps. A step is split into chunks (each its
+own op in the machine) and reassembled here. The transport and the clock are injected (the
+seam): `TcpTransport` on an asyncio loop for real runs, an in-memory transport on a fake clock
+in the simulator (fttree.testing), so both run this same code.
 """
 
 from __future__ import annotations
@@ -11,16 +13,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.faults import FaultSchedule
-from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, Kind, Message
+from ..core.config import Config
+from ..core.messages import Kind, Message
 from ..core.protocol import (
     AbortCode,
     Action,
@@ -29,7 +30,7 @@ from ..core.protocol import (
     Event,
     Fail,
     LinkDown,
-    MachineConfig,
+    MachineStatus,
     Note,
     NoteKind,
     Received,
@@ -41,35 +42,14 @@ from ..core.protocol import (
     TimerKind,
     TreeMachine,
 )
-from ..core.topology import neighbours
+from ..core.view import View
 from ..errors import StepAborted, TensorMismatch
-from .tcp import Address, TcpTransport
+from .scheduler import Handle, Scheduler
+from .transport import Transport, TransportStatus
 
 log = logging.getLogger("fttree.net.node")
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeConfig:
-    rank: int
-    peers: list[Address]
-    timeout_s: float = 0.5
-    step_timeout_s: float = 30.0
-    root_timeout_s: float | None = None
-    startup_timeout_s: float = 60.0
-    connect_timeout_s: float = 2.0
-    stall_timeout_s: float = 5.0
-    fault_tolerant: bool = True
-    timeout_policy: str = "adaptive"
-    adaptive_floor_s: float = 0.08
-    adaptive_ceiling_s: float = 2.0
-    link_memory: bool = True
-    chunk_bytes: int = 4 * 1024 * 1024
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-    faults: FaultSchedule = field(default_factory=FaultSchedule)
-
-    @property
-    def world(self) -> int:
-        return len(self.peers)
+_LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,57 +62,64 @@ class StepResult:
     duration_s: float
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeStatus:
+    """Everything status pages need about a node, frozen at one moment (see fttree.status)."""
+
+    rank: int
+    machine: MachineStatus
+    transport: TransportStatus
+    steps_in_flight: tuple[int, ...]
+    last_steps: tuple[tuple[int, float], ...]  # (step, duration_s), oldest first
+    note_counts: dict[NoteKind, int]
+
+
 @dataclass(slots=True)
 class _Step:
     step: int
     future: Future[StepResult]
-    out: np.ndarray
     submitted: np.ndarray
     offsets: dict[int, int]
     remaining: set[int]
     started: float
+    out: np.ndarray | None = None  # where results go: the submitted buffer, or a copy at the root
     contributors: tuple[int, ...] | None = None
 
 
 class Node:
-    """One rank's protocol driver on an asyncio loop. Methods run on that loop only."""
+    """One rank's protocol driver. Every method runs on the scheduler's thread (the node's loop)."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, rank: int, view: View, config: Config, transport: Transport, scheduler: Scheduler) -> None:
+        self.rank = rank
         self.cfg = config
-        self.rank = config.rank
-        self.machine = TreeMachine(MachineConfig(
-            rank=config.rank, world=config.world, timeout_s=config.timeout_s,
-            step_timeout_s=config.step_timeout_s, root_timeout_s=config.root_timeout_s,
-            fault_tolerant=config.fault_tolerant, timeout_policy=config.timeout_policy,
-            adaptive_floor_s=config.adaptive_floor_s, adaptive_ceiling_s=config.adaptive_ceiling_s,
-            link_memory=config.link_memory))
-        self.transport = TcpTransport(
-            config.rank, config.peers, on_message=self._on_message, is_stale=self._is_stale,
-            on_link_down=self._on_link_down,
-            faults=config.faults, connect_timeout_s=config.connect_timeout_s,
-            stall_timeout_s=config.stall_timeout_s, max_payload_bytes=config.max_payload_bytes)
-        self.neighbours = neighbours(config.rank, config.world)
-        self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
+        self.machine = TreeMachine(rank, view, config)
+        self.transport = transport
+        self.scheduler = scheduler
+        self._timers: dict[TimerKey, Handle] = {}
         self._steps: dict[int, _Step] = {}
         self.note_counts: Counter[NoteKind] = Counter()
-        self.recent_notes: deque[str] = deque(maxlen=50)
         self.step_durations: deque[tuple[int, float]] = deque(maxlen=100)
-        self.note_listeners: list[Callable[[Note], None]] = []  # called on the loop thread
-        # (step, duration_s, error or None) when a step finishes here; called on the loop thread
+        self.note_listeners: list[Callable[[Note], None]] = []
+        # (step, duration_s, error or None) when a step finishes here
         self.step_listeners: list[Callable[[int, float, str | None], None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = False
+        self.started = False  # hard failures before this are peers still starting up
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
+        transport.bind(self)
+
+    @property
+    def neighbours(self) -> tuple[int, ...]:
+        return self.machine.me.all
+
+    # ---- lifecycle (asyncio) ---------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         await self.transport.start()
-        peers = sorted(self.neighbours.all)
-        log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.cfg.peers[self.rank], peers)
+        peers = sorted(self.neighbours)
+        log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.transport.status().address, peers)
         await self.transport.wait_for_peers(peers, self.cfg.startup_timeout_s)
-        self._started = True
+        self.started = True
 
-    def _owes_peers(self) -> bool:
+    def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
         watches = (TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH)
         return bool(self._steps) or any(key.kind in watches for key in self._timers)
@@ -140,28 +127,30 @@ class Node:
     async def quiesce(self, limit_s: float) -> None:
         """Before closing: wait (bounded) until no peer can still need us for a finished step,
         so a rank that finishes first does not leave before relaying for a slower one."""
-        assert self._loop is not None
-        end = self._loop.time() + limit_s
-        while self._owes_peers() and self._loop.time() < end:
+        end = self.scheduler.now() + limit_s
+        while self.owes_peers() and self.scheduler.now() < end:
             self._quiet.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._quiet.wait(), end - self._loop.time())
+                await asyncio.wait_for(self._quiet.wait(), end - self.scheduler.now())
 
-    async def close(self) -> None:
+    def stop(self, reason: str) -> None:
+        """Cancel every timer and fail every step still in flight with `reason`."""
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        for st in self._steps.values():
+        steps, self._steps = self._steps, {}
+        for st in steps.values():
             if not st.future.done():
-                st.future.set_exception(StepAborted(st.step, f"rank {self.rank} was closed"))
-        self._steps.clear()
+                st.future.set_exception(StepAborted(st.step, reason))
+
+    async def close(self) -> None:
+        self.stop(f"rank {self.rank} was closed")
         await self.transport.close()
 
-    # ---- steps -------------------------------------------------------------------------
+    # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error."""
-        assert self._loop is not None
         if future.cancelled() or not future.set_running_or_notify_cancel():
             return
         try:
@@ -174,62 +163,73 @@ class Node:
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
-        # Results land in the submitted buffer itself where that is safe: below the root the
-        # accumulator is no longer needed once the result exists (any copy of it still queued
-        # is a duplicate the parent drops).
-        st = _Step(step=step, future=future, out=data, submitted=data,
-                   offsets=dict(enumerate(starts)), remaining=set(range(len(starts))),
-                   started=time.perf_counter())  # loop.time() ticks in whole ms
+        st = _Step(step=step, future=future, submitted=data, offsets=dict(enumerate(starts)),
+                   remaining=set(range(len(starts))), started=self.scheduler.monotonic())
         self._steps[step] = st
         for chunk, start in enumerate(starts):
             piece = data[start:start + per_chunk]
-            self._handle(Submit(step=step, chunk=chunk, data=piece, signature=signature))
+            self._handle(Submit(step=step, chunk=chunk, data=piece, signature=signature), raise_errors=True)
 
     def active_steps(self) -> list[int]:
         """Steps submitted here and not finished yet, oldest first."""
         return sorted(self._steps)
 
-    def _on_message(self, msg: Message) -> None:
+    def status(self) -> NodeStatus:
+        return NodeStatus(rank=self.rank, machine=self.machine.status(), transport=self.transport.status(),
+                          steps_in_flight=tuple(sorted(self._steps)), last_steps=tuple(self.step_durations),
+                          note_counts=dict(self.note_counts))
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of what the node and its machine keep: none may grow with the steps run."""
+        return {**self.machine.footprint(), "steps": len(self._steps), "timers": len(self._timers)}
+
+    # ---- transport events ------------------------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
         self._handle(Received(msg=msg))
 
-    def _is_stale(self, msg: Message) -> bool:
+    def is_stale(self, msg: Message) -> bool:
         if msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK):
             return False  # about links, not ops
-        return self.machine._is_retired(msg.op)
+        return self.machine.is_retired(msg.op)
 
-    def _on_link_down(self, peer: int, reason: str) -> None:
-        if self._started:  # refusals while peers start up are expected
+    def on_link_down(self, peer: int, reason: str) -> None:
+        if self.started:  # refusals while peers start up are expected
             self._handle(LinkDown(peer=peer, reason=reason))
+
+    # ---- the machine's actions ---------------------------------------------------------------
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
         self._handle(TimerFired(key=key))
 
-    def _handle(self, event: Event) -> None:
-        assert self._loop is not None
+    def _handle(self, event: Event, *, raise_errors: bool = False) -> None:
         try:
-            actions = self.machine.handle(event, self._loop.time())
+            actions = self.machine.handle(event, self.scheduler.now())
         except Exception:
+            if raise_errors:
+                raise
+            # A bug: say so loudly, but keep serving the other steps and peers.
             log.exception("rank %d: protocol bug while handling %s", self.rank, type(event).__name__)
-            raise
+            return
         for action in actions:
             self._do(action)
-        if not self._owes_peers():
+        if not self.owes_peers():
             self._quiet.set()
 
     def _do(self, action: Action) -> None:
-        assert self._loop is not None
         match action:
             case Send(dst=dst, msg=msg):
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
-                    # tell observers how much was queued ahead, so adaptive deadlines scale with it
-                    msg = dataclasses.replace(msg, numel=self.transport.backlog_bytes(msg.target))
+                    # tell observers how much was queued ahead, so their deadlines scale with it
+                    msg = dataclasses.replace(msg, queued_bytes=self.transport.backlog_bytes(msg.target))
                 self.transport.send(dst, msg)
             case SetTimer(key=key, at=at):
                 old = self._timers.pop(key, None)
                 if old is not None:
                     old.cancel()
-                self._timers[key] = self._loop.call_at(at, self._fire, key)
+                self._timers[key] = self.scheduler.call_at(at, lambda: self._fire(key),
+                                                           background=key.kind is TimerKind.PROBE)
             case CancelTimer(key=key):
                 handle = self._timers.pop(key, None)
                 if handle is not None:
@@ -240,8 +240,7 @@ class Node:
                 self._on_fail(action)
             case Note():
                 self.note_counts[action.kind] += 1
-                if action.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL):
-                    self.recent_notes.append(action.text)
+                if action.kind in _LOGGED:
                     log.info("rank %d: %s", self.rank, action.text)
                 for listener in self.note_listeners:
                     listener(action)
@@ -250,21 +249,24 @@ class Node:
         st = self._steps.get(done.step)
         if st is None:
             return
-        start = st.offsets[done.chunk]
-        if np.may_share_memory(st.out, done.result) and st.out is st.submitted:
+        if st.out is None:
             # At the root a chunk's result is its accumulator, and that memory is still queued
-            # for the children: the user gets a copy, never the buffer on the wire.
-            st.out = np.empty_like(st.out)
+            # for the children: the user gets a copy, never the buffer on the wire. Below the
+            # root the result lands in the submitted buffer itself.
+            root = np.may_share_memory(st.submitted, done.result)
+            st.out = np.empty_like(st.submitted) if root else st.submitted
+        start = st.offsets[done.chunk]
         st.out[start:start + done.result.size] = done.result
         st.contributors = done.contributors if st.contributors is None else st.contributors
         st.remaining.discard(done.chunk)
-        if not st.remaining:
-            del self._steps[done.step]
-            assert self._loop is not None
-            duration = time.perf_counter() - st.started
-            self.step_durations.append((done.step, duration))
-            for step_listener in self.step_listeners:
-                step_listener(done.step, duration, None)
+        if st.remaining:
+            return
+        del self._steps[done.step]
+        duration = self.scheduler.monotonic() - st.started
+        self.step_durations.append((done.step, duration))
+        for listener in self.step_listeners:
+            listener(done.step, duration, None)
+        if not st.future.done():
             st.future.set_result(StepResult(step=done.step, data=st.out, contributors=st.contributors,
                                             duration_s=duration))
 
@@ -273,9 +275,7 @@ class Node:
         log.warning("rank %d: step %d chunk %d failed: %s", self.rank, fail.step, fail.chunk, fail.reason)
         if st is None or st.future.done():
             return
-        assert self._loop is not None
-        for step_listener in self.step_listeners:
-            step_listener(fail.step, self._loop.time() - st.started, fail.reason)
+        for listener in self.step_listeners:
+            listener(fail.step, self.scheduler.monotonic() - st.started, fail.reason)
         cls = TensorMismatch if fail.code == AbortCode.MISMATCH else StepAborted
         st.future.set_exception(cls(fail.step, fail.reason, peers=fail.peers))
-

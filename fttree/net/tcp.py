@@ -1,4 +1,4 @@
-"""TCP links between workers: framing, per-link send queues, and the in-process fault layer.
+"""TcpTransport: frames between workers over TCP, with a send queue and writer per link.
 
 Each worker listens on its own host:port and opens one outgoing connection per peer it talks
 to, bound to its own host address, so a firewall rule between two addresses cuts exactly one
@@ -6,7 +6,8 @@ link. Every outgoing link has its own queue and writer task: a peer that silentl
 packets stalls only its own writer, never the other links. A writer whose drain stalls past
 `stall_timeout_s` drops the connection and reconnects, so a healed link comes back without
 waiting for TCP's exponential retransmission backoff. Frames lost with a dropped connection are
-the protocol's business (it recovers them through backup links).
+the protocol's business (it recovers them through backup links). The in-process fault layer
+wraps this transport from outside (faulty.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
-from ..core.faults import FaultSchedule
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
-from ..errors import ConfigError, FrameError, PeerError
+from ..errors import FrameError, PeerError
+from .address import Address, is_ip
+from .transport import LinkStatus, TransportEvents, TransportStatus
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -41,53 +44,32 @@ def _bound_retransmissions(sock: socket.socket, stall_timeout_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(stall_timeout_s * 1000))
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, 1000)
+
+
+def tcp_rtt_s(writer: Any) -> float | None:
+    """The kernel's smoothed RTT of a connected TCP stream (Linux TCP_INFO), or None."""
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    sock = None if writer is None else writer.get_extra_info("socket")
+    if sock is None or tcp_info is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+    except OSError:
+        return None
+    if len(info) < 72:
+        return None
+    return float(struct.unpack_from("<I", info, 68)[0]) / 1e6  # tcpi_rtt, microseconds
+
+
 HELLO_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class Address:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def parse_address(text: str) -> Address:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"bad peer address {text.strip()!r}: expected host:port")
-    return Address(host.strip("[]"), int(port))
-
-
-def parse_peers(lines: list[str]) -> list[Address]:
-    """Peer addresses, line i for rank i; blank lines and '#' comments are skipped."""
-    peers = [parse_address(line.split("#")[0]) for line in lines if line.split("#")[0].strip()]
-    if not peers:
-        raise ConfigError("the peers list is empty")
-    seen: dict[Address, int] = {}
-    for rank, addr in enumerate(peers):
-        if addr in seen:
-            raise ConfigError(f"ranks {seen[addr]} and {rank} share the address {addr}: each rank needs its own")
-        seen[addr] = rank
-    return peers
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 @dataclass
-class LinkStats:
+class _LinkStats:
     frames_sent: int = 0
     bytes_sent: int = 0
     frames_received: int = 0
     bytes_received: int = 0
-    injected_drops: int = 0
     stale_dropped: int = 0
     connects: int = 0
     errors: int = 0
@@ -129,7 +111,7 @@ class _OutLink:
         except (OSError, TimeoutError) as exc:
             t.stats[self.peer].last_error = f"connect to {addr}: {exc or type(exc).__name__}"
             if isinstance(exc, ConnectionRefusedError):
-                t.on_link_down(self.peer, f"connection to {addr} refused")
+                t.events.on_link_down(self.peer, f"connection to {addr} refused")
             return False
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -153,7 +135,7 @@ class _OutLink:
         self.connected.clear()
 
     def _drop_stale(self) -> None:
-        kept = deque(m for m in self.queue if not self.t.is_stale(m))
+        kept = deque(m for m in self.queue if not self.t.events.is_stale(m))
         self.t.stats[self.peer].stale_dropped += len(self.queue) - len(kept)
         self.queue = kept
 
@@ -172,7 +154,7 @@ class _OutLink:
                 why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 self._drop_connection(why)
                 if isinstance(exc, ConnectionError):  # reset or closed, not merely slow
-                    self.t.on_link_down(self.peer, why)
+                    self.t.events.on_link_down(self.peer, why)
                 continue
             self.wake.clear()
             if not self.queue:
@@ -191,7 +173,7 @@ class _OutLink:
             batch_bytes = 0
             while self.queue and batch_bytes <= DRAIN_ABOVE_BYTES:
                 msg = self.queue.popleft()
-                if self.t.is_stale(msg):
+                if self.t.events.is_stale(msg):
                     stats.stale_dropped += 1
                     continue
                 for buf in encode(msg):
@@ -205,32 +187,34 @@ class _OutLink:
 
 
 class TcpTransport:
-    """Frames over TCP for one rank; calls `on_message` on the event loop for each frame."""
+    """Frames over TCP for one rank; calls its events' `on_message` on the event loop per frame."""
 
-    def __init__(self, rank: int, addresses: list[Address], *,
-                 on_message: Callable[[Message], None],
-                 is_stale: Callable[[Message], bool] = lambda m: False,
-                 on_link_down: Callable[[int, str], None] = lambda peer, why: None,
-                 faults: FaultSchedule | None = None,
+    def __init__(self, rank: int, addresses: Sequence[Address], *,
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        self.rank, self.world, self.addresses = rank, len(addresses), addresses
+        self.rank, self.world, self.addresses = rank, len(addresses), list(addresses)
         self.me = addresses[rank]
-        self.on_message = on_message
-        self.is_stale = is_stale
-        self.on_link_down = on_link_down
-        self.faults = faults or FaultSchedule()
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.max_payload_bytes = max_payload_bytes
-        self.stats = {p: LinkStats() for p in range(self.world) if p != rank}
+        self.stats = {p: _LinkStats() for p in range(self.world) if p != rank}
         self.closed = False
         self.frame_errors = 0
         self.last_frame_error = ""
+        self._events: TransportEvents | None = None
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
         self._inbound: set[asyncio.Transport] = set()
+
+    def bind(self, events: TransportEvents) -> None:
+        self._events = events
+
+    @property
+    def events(self) -> TransportEvents:
+        if self._events is None:
+            raise RuntimeError("TcpTransport used before bind()")
+        return self._events
 
     async def start(self) -> None:
         try:
@@ -248,21 +232,27 @@ class TcpTransport:
         return link
 
     def send(self, dst: int, msg: Message) -> None:
-        """Queue a frame for `dst`; never blocks. The fault layer may drop or delay it."""
-        verdict = self.faults.verdict(self.rank, dst, msg.step) if self.faults else None
-        if verdict is not None and verdict.drop:
-            self.stats[dst].injected_drops += 1
-            return
-        if verdict is not None and verdict.delay_s:
-            asyncio.get_running_loop().call_later(verdict.delay_s, self._link(dst).push, msg)
-            return
+        """Queue a frame for `dst`; never blocks."""
         self._link(dst).push(msg)
 
     def backlog_bytes(self, dst: int) -> int:
         link = self._out.get(dst)
         return 0 if link is None else link.backlog_bytes()
 
-    async def wait_for_peers(self, peers: list[int], deadline_s: float) -> None:
+    def status(self) -> TransportStatus:
+        links = []
+        for peer, st in sorted(self.stats.items()):
+            out = self._out.get(peer)
+            writer = None if out is None else out.writer
+            links.append(LinkStatus(
+                peer=peer, connected=None if out is None else writer is not None,
+                frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
+                bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
+                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
+        return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
+                               frame_errors=self.frame_errors, last_frame_error=self.last_frame_error)
+
+    async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable."""
         links = {p: self._link(p) for p in peers}
         waits = {p: asyncio.ensure_future(link.connected.wait()) for p, link in links.items()}
@@ -310,7 +300,7 @@ class TcpTransport:
         if not 0 <= src < self.world or src == self.rank:
             raise FrameError(f"peer claims rank {src}, which is not another rank of 0..{self.world - 1}")
         expected = self.addresses[src].host
-        if _is_ip(expected) and _is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
+        if is_ip(expected) and is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
             raise FrameError(f"connection from {peer_host} claims rank {src}, whose address is {expected} "
                              f"(two workers with the same rank, or a wrong --rank?)")
         return src
@@ -424,7 +414,4 @@ class _Inbound(asyncio.BufferedProtocol):
         stats = t.stats[self.src]
         stats.frames_received += 1
         stats.bytes_received += PREFIX.size + len(head) + (0 if payload is None else len(payload))
-        if t.faults and t.faults.verdict(self.src, t.rank, msg.step).drop:
-            stats.injected_drops += 1
-            return
-        t.on_message(msg)
+        t.events.on_message(msg)

@@ -21,7 +21,7 @@ import click
 
 from .. import logs
 from ..errors import ConfigError
-from ..net.tcp import Address, parse_address, parse_peers
+from ..net.address import Address, parse_address, parse_peers
 
 HTTP_PORT_OFFSET = 1000  # a worker's default control port: its data port + this
 _OPTS = "fttree.observability"

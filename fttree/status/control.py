@@ -29,6 +29,7 @@ from . import metrics
 from .monitor import Monitor
 
 if TYPE_CHECKING:
+    from ..net.faulty import FaultyTransport
     from ..net.node import Node
 
 log = logging.getLogger("fttree.status.control")
@@ -57,8 +58,10 @@ def _error(status: int, message: str) -> web.Response:
 class ControlServer:
     """Serves one node. `start()` and `close()` run on the node's loop."""
 
-    def __init__(self, node: Node, monitor: Monitor, *, host: str, port: int, token: str | None = None) -> None:
-        self.node, self.monitor = node, monitor
+    def __init__(self, node: Node, monitor: Monitor, faults: FaultyTransport, *, world: int, host: str, port: int,
+                 token: str | None = None) -> None:
+        self.node, self.monitor, self.faults = node, monitor, faults
+        self.world = world
         self.host, self.port = host, port
         self.token = token or None
         self.admin_open = self.token is not None or is_loopback(host)
@@ -146,7 +149,7 @@ class ControlServer:
                 return _error(400, 'JSON body must be an object with a "faults" string, e.g. {"faults": "cut 1-0"}')
         try:
             rules = parse(text)
-            FaultSchedule(rules, world=self.node.cfg.world)  # ranks inside the world
+            FaultSchedule(rules, world=self.world)  # ranks inside the world
         except ConfigError as exc:
             return _error(400, str(exc))
         if not rules:
@@ -163,8 +166,7 @@ class ControlServer:
         me = self.node.rank
         applied = [r for r in rules if me in r.ranks()]
         ignored = [r for r in rules if me not in r.ranks()]
-        transport = self.node.transport
-        transport.faults = FaultSchedule([*transport.faults.rules, *applied], world=self.node.cfg.world, seed=me)
+        self.faults.schedule = FaultSchedule([*self.faults.schedule.rules, *applied], world=self.world, seed=me)
         log.warning("rank %d: fault injection from %s: %s", me, request.remote, "; ".join(map(str, applied)) or "-")
         doc = self._faults_doc()
         doc["applied"] = [str(r) for r in applied]
@@ -175,15 +177,14 @@ class ControlServer:
         refused = self._refusal(request)
         if refused is not None:
             return refused
-        transport = self.node.transport
-        cleared = [str(r) for r in transport.faults.rules]
-        transport.faults = FaultSchedule(seed=self.node.rank)
+        cleared = [str(r) for r in self.faults.schedule.rules]
+        self.faults.schedule = FaultSchedule(seed=self.node.rank)
         log.warning("rank %d: faults cleared from %s: %s", self.node.rank, request.remote, "; ".join(cleared) or "-")
         doc = self._faults_doc()
         doc["cleared"] = cleared
         return web.json_response(doc)
 
     def _faults_doc(self) -> dict[str, Any]:
-        faults = self.node.transport.faults
+        faults = self.faults.schedule
         return {"rank": self.node.rank, "step": self.monitor.current_step(), "faults": str(faults),
                 "rules": [str(r) for r in faults.rules]}

@@ -6,17 +6,18 @@ note names (an observer hears about its brother's link to their parent). Link st
 
     up       no fault seen, or the last finished step used the link without trouble
     suspect  a backup watch timed out on it, or the transport saw errors or injected drops
-    failed   data went around it (a recovery note at one of its ends), every frame was dropped,
-             or the protocol's link memory marked it failed (probes unanswered)
+    failed   data went around it (seen at one of its ends), every frame was dropped, or the
+             protocol's link memory marked it failed (probes unanswered)
     probing  failed, and the transport is reconnecting, or its probes are answered again and the
              protocol waits before trusting it
 
-Every note the protocol emits about a link concerns a primary link `x -> parent(x)`: watches and
-relays name the child end in `note.peer`; only "result reached rank R through rank B" names the
-backup sender, and then the link is R's own link to its parent. Only the two ends of a link can
-say it failed: an observer that relayed may itself have missed a confirmation on another link,
-so on links of other workers it records a suspicion. A link goes back to up when a step
-finishes here with no note about it (counted by its two ends and its observers).
+Everything here is read from structured data: each protocol Note names its `cause` and the
+primary link (child, parent) it is about, and `Node.status()` gives the link memory, the ops in
+flight and the transport's per-link counters. Only the two ends of a link can say it failed: an
+observer that relayed may itself have missed a confirmation on another link, so on links of
+other workers it records a suspicion. A detour planned by link memory is not news: the link's
+state then comes from link memory itself (failed, or probing once probes are answered). A link
+goes back to up when a step finishes here with no note about it.
 
 `Monitor.snapshot()` must run on the node's loop; it returns frozen dataclasses that any thread
 may read, format or serialise.
@@ -25,8 +26,6 @@ may read, format or serialise.
 from __future__ import annotations
 
 import logging
-import socket
-import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,16 +34,16 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from .. import logs
-from ..core.protocol import Note, NoteKind
-from ..core.topology import brother_of, parent_of, uncle_of
+from ..core.protocol import Cause, Note, NoteKind, OpPhase
 from .metrics import Histogram, HistogramView
 
 if TYPE_CHECKING:
-    from ..net.node import Node
+    from ..net.node import Node, NodeStatus
+    from ..net.transport import LinkStatus
 
 log = logging.getLogger("fttree.status.monitor")
 
-LinkKey = tuple[int, int]  # (higher rank, lower rank): for a primary link (child, parent)
+LinkKey = tuple[int, int]  # (higher rank, lower rank): the spelling of the fault language
 
 
 class LinkState(Enum):
@@ -63,43 +62,16 @@ def link_name(key: LinkKey) -> str:
     return f"{key[0]}-{key[1]}"
 
 
-_RESULT_VIA = "result reached rank"
-_RESENDS = ("relayed rank", "sent the result to rank")
-_BACK_IN_USE = "back in use"
-_LINK_NOTE = getattr(NoteKind, "LINK", None)  # link memory: "link 1->0 marked failed" / "... back in use"
+#: causes that say data or a result had to go around this link because it lost them
+_LOST_ON_LINK = frozenset({Cause.DATA_CAME_AROUND, Cause.DATA_RELAYED, Cause.RESULT_CAME_AROUND,
+                           Cause.RESULT_PUSHED})
+#: causes where this worker sent data a second time over a backup link
+_RESENDS = frozenset({Cause.DATA_RELAYED, Cause.RESULT_PUSHED})
 
 
-def note_link(note: Note, rank: int) -> LinkKey | None:
-    """The primary link a timeout, recovery or link note is about (see the module docstring)."""
-    if note.peer < 0:
-        return None
-    if _LINK_NOTE is not None and note.kind is _LINK_NOTE:
-        return link_key(rank, note.peer) if note.peer != rank else None
-    if note.kind not in (NoteKind.TIMEOUT, NoteKind.RECOVERY):
-        return None
-    end = rank if note.kind is NoteKind.RECOVERY and _RESULT_VIA in note.text else note.peer
-    parent = parent_of(end)
-    return None if parent is None else link_key(end, parent)
-
-
-def is_resend(note: Note) -> bool:
-    """Recovery notes where this worker sent data a second time, over a backup link."""
-    return note.kind is NoteKind.RECOVERY and any(s in note.text for s in _RESENDS)
-
-
-def tcp_rtt_s(writer: Any) -> float | None:
-    """The kernel's smoothed RTT of a connected TCP stream (Linux TCP_INFO), or None."""
-    tcp_info = getattr(socket, "TCP_INFO", None)
-    sock = None if writer is None else writer.get_extra_info("socket")
-    if sock is None or tcp_info is None:
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
-    except OSError:
-        return None
-    if len(info) < 72:
-        return None
-    return float(struct.unpack_from("<I", info, 68)[0]) / 1e6  # tcpi_rtt, microseconds
+def note_link(note: Note) -> LinkKey | None:
+    """The link a note is about, as a link key."""
+    return None if note.link is None else link_key(*note.link)
 
 
 # ---- snapshot types -------------------------------------------------------------------------
@@ -131,6 +103,7 @@ class LinkView:
 class EventView:
     step: int
     kind: str
+    cause: str
     link: str | None
     text: str
     at: float
@@ -140,6 +113,8 @@ class EventView:
 class Snapshot:
     rank: int
     world: int
+    epoch: int
+    members: tuple[int, ...]
     address: str
     started_at: float
     at: float
@@ -149,7 +124,7 @@ class Snapshot:
     uncle: int | None
     nephews: tuple[int, ...]
     step: int | None  # the newest step in flight, else the last finished one
-    phase: str  # idle, reduce, broadcast, done
+    phase: str  # idle, starting, reduce, broadcast, done
     in_flight: tuple[int, ...]
     steps_ok: int
     steps_failed: int
@@ -157,6 +132,7 @@ class Snapshot:
     last_steps: tuple[tuple[int, float], ...]  # (step, duration_s), oldest first
     timeouts: int
     recoveries: int
+    detours: int
     retransmissions: int
     duplicates: int
     stale: int
@@ -179,6 +155,7 @@ class Snapshot:
         return {
             "rank": self.rank,
             "world": self.world,
+            "view": {"epoch": self.epoch, "members": list(self.members)},
             "address": self.address,
             "uptime_s": round(self.at - self.started_at, 3),
             "time": self.at,
@@ -187,7 +164,7 @@ class Snapshot:
             "step": {"current": self.step, "phase": self.phase, "in_flight": list(self.in_flight),
                      "completed": self.steps_ok, "failed": self.steps_failed, "last_error": self.last_error},
             "last_steps": [{"step": s, "duration_s": round(d, 6)} for s, d in self.last_steps],
-            "counts": {"timeouts": self.timeouts, "recoveries": self.recoveries,
+            "counts": {"timeouts": self.timeouts, "recoveries": self.recoveries, "detours": self.detours,
                        "retransmissions": self.retransmissions, "duplicates": self.duplicates,
                        "stale": self.stale, "protocol_errors": self.protocol_errors,
                        "frame_errors": self.frame_errors},
@@ -215,6 +192,7 @@ class _Link:
     seen_drops: int = 0
     seen_errors: int = 0
     seen_sent: int = 0
+    primary: tuple[int, int] | None = None  # (child, parent), for links of other workers
 
 
 class Monitor:
@@ -222,7 +200,7 @@ class Monitor:
 
     def __init__(self, node: Node, *, history: int = 10, clock: Callable[[], float] = time.time) -> None:
         self.node = node
-        self.rank, self.world = node.rank, node.cfg.world
+        self.rank = node.rank
         self.clock = clock
         self.started_at = clock()
         self.histogram = Histogram()
@@ -230,7 +208,7 @@ class Monitor:
         self.last_error = ""
         self.last_step: int | None = None
         self.events: deque[EventView] = deque(maxlen=history)
-        nb = node.neighbours
+        nb = node.machine.me
         self._links: dict[LinkKey, _Link] = {}
         roles = (("parent", (nb.parent,)), ("child", nb.children), ("brother", (nb.brother,)),
                  ("uncle", (nb.uncle,)), ("nephew", nb.nephews))
@@ -263,32 +241,37 @@ class Monitor:
                      state.value, reason)
         link.state, link.reason, link.since_step, link.changed_at = state, reason, step, self.clock()
 
+    def _event(self, link: _Link, note: Note) -> None:
+        link.recent.append(note.text)
+        self.events.append(EventView(step=note.step, kind=note.kind.value, cause=note.cause.value,
+                                     link=link_name(link.key), text=note.text, at=self.clock()))
+
     def _on_note(self, note: Note) -> None:
-        if is_resend(note):
+        if note.cause in _RESENDS:
             self.retransmissions += 1
-        key = note_link(note, self.rank)
+        key = note_link(note)
         if key is None:
             return
         link = self._links.get(key) or self._observed.get(key)
         if link is None:
-            link = self._observed[key] = _Link(key=key, role="observed", peer=None, changed_at=self.clock())
+            link = self._observed[key] = _Link(key=key, role="observed", peer=None, changed_at=self.clock(),
+                                               primary=note.link)
         link.noted_step = max(link.noted_step, note.step)
-        if _LINK_NOTE is not None and note.kind is _LINK_NOTE:
-            state = LinkState.UP if _BACK_IN_USE in note.text else LinkState.FAILED
-            self._set(link, state, note.text, note.step)
-            link.recent.append(note.text)
-            self.events.append(EventView(step=note.step, kind=note.kind.value, link=link_name(key), text=note.text,
-                                         at=self.clock()))
-        elif note.kind is NoteKind.RECOVERY:
+        if note.cause is Cause.LINK_MARKED_FAILED:
+            self._set(link, LinkState.FAILED, note.text, note.step)
+            self._event(link, note)
+        elif note.cause is Cause.LINK_BACK_IN_USE:
+            self._set(link, LinkState.UP, note.text, note.step)
+            self._event(link, note)
+        elif note.cause in _LOST_ON_LINK:
             # Only an end of the link knows that data went around it; an observer's relay may
             # also come from a lost confirmation on another link, so there it is a suspicion.
             state = LinkState.SUSPECT if link.peer is None else LinkState.FAILED
             self._set(link, state, note.text, note.step)
-            link.recent.append(note.text)
-            self.events.append(EventView(step=note.step, kind=note.kind.value, link=link_name(key), text=note.text,
-                                         at=self.clock()))
-        elif link.state is not LinkState.FAILED:
+            self._event(link, note)
+        elif note.kind is NoteKind.TIMEOUT and link.state is not LinkState.FAILED:
             self._set(link, LinkState.SUSPECT, note.text, note.step)
+        # Cause.DETOUR: routine while link memory holds the link failed; its state says so.
 
     def _on_step(self, step: int, duration_s: float, error: str | None) -> None:
         self.last_step = step if self.last_step is None else max(self.last_step, step)
@@ -298,10 +281,10 @@ class Monitor:
         else:
             self.steps_failed += 1
             self.last_error = f"step {step}: {error}"
-        stats = self.node.transport.stats
+        status = self.node.status()
         for link in self._links.values():
             assert link.peer is not None
-            s = stats[link.peer]
+            s = status.transport.link(link.peer)
             drops, errors, sent = (s.injected_drops - link.seen_drops, s.errors - link.seen_errors,
                                    s.frames_sent - link.seen_sent)
             link.seen_drops, link.seen_errors, link.seen_sent = s.injected_drops, s.errors, s.frames_sent
@@ -316,64 +299,65 @@ class Monitor:
             elif errors:
                 self._set(link, LinkState.SUSPECT, f"step {step}: connection to rank {link.peer} broke "
                                                    f"{errors} time(s): {s.last_error}", step)
-            elif link.state is not LinkState.UP and error is None and self._protocol_view(link) is None:
+            elif link.state is not LinkState.UP and error is None and self._remembered(link, status) is None:
                 self._set(link, LinkState.UP, f"step {step}: finished with no fault on this link", step)
         if error is None:
             for link in self._observed.values():
-                if link.noted_step < step and link.state is not LinkState.UP and self._observes(link.key):
+                if link.noted_step < step and link.state is not LinkState.UP and self._observes(link, status):
                     self._set(link, LinkState.UP, f"step {step}: finished with no fault on this link", step)
 
-    def _protocol_view(self, link: _Link) -> tuple[LinkState, str] | None:
+    def _remembered(self, link: _Link, status: NodeStatus) -> tuple[LinkState, str] | None:
         """What the protocol's link memory says about one of our primary links, if anything:
         our uplink marked failed (probes unanswered) or probing (answered, waiting to be trusted
-        again), or a child whose data last came through a relay. Read defensively: link memory
-        is optional in TreeMachine."""
-        machine = self.node.machine
-        up = getattr(machine, "up", None)
-        if link.role == "parent" and up is not None and getattr(up, "failed", False):
-            via = getattr(up, "via", None)
-            if getattr(up, "healthy_since", None) is not None:
-                return LinkState.PROBING, f"probes to rank {link.peer} are answered; routing through rank {via} " \
-                                          f"until the link has been healthy long enough"
+        again), or a child whose data last came through a relay."""
+        up = status.machine.uplink
+        if link.role == "parent" and up.failed:
+            via = " and ".join(map(str, up.relays))
+            if up.probing:
+                return LinkState.PROBING, (f"probes to rank {link.peer} are answered; routing through rank {via} "
+                                           f"until the link has been healthy for {up.hold_s:g} s")
             return LinkState.FAILED, f"marked failed; routing through rank {via} and probing rank {link.peer}"
-        if link.role == "child" and link.peer in getattr(machine, "down_failed", ()):
+        if link.role == "child" and link.peer in status.machine.relayed_children:
             return LinkState.FAILED, f"rank {link.peer}'s data last came through a relay"
         return None
 
-    def _observes(self, key: LinkKey) -> bool:
-        child = key[0]
-        return self.rank in (brother_of(child, self.world), uncle_of(child, self.world))
+    @staticmethod
+    def _observes(link: _Link, status: NodeStatus) -> bool:
+        """Do we watch this primary link as its child's brother or uncle?"""
+        if link.primary is None:
+            return False
+        child = link.primary[0]
+        view = status.machine.view
+        if child not in view:
+            return False
+        n = view.neighbours(child)
+        return status.rank in (n.brother, n.uncle)
 
     # ---- output --------------------------------------------------------------------------
 
-    def _phase(self, step: int) -> str:
-        # TreeMachine has no public per-op view yet; read its op table defensively.
-        ops = [op for (s, _c), op in getattr(self.node.machine, "_ops", {}).items() if s == step]
-        if not ops:
-            return "starting"
-        if all(getattr(op, "done", False) for op in ops):
-            return "done"
-        if any(not getattr(op, "reduce_sent", True) for op in ops):
+    @staticmethod
+    def _phase(status: NodeStatus, step: int) -> str:
+        phases = {op.phase for op in status.machine.ops if op.step == step}
+        if not phases:
+            return "starting" if step in status.steps_in_flight else "done"
+        if OpPhase.REDUCE in phases or OpPhase.WAITING in phases:
             return "reduce"
         return "broadcast"
 
-    def _view(self, link: _Link, current: int | None) -> LinkView:
+    def _view(self, link: _Link, current: int | None, status: NodeStatus) -> LinkView:
         state, reason, since = link.state, link.reason, link.since_step
         rtt = connected = None
         extra: dict[str, Any] = {}
         if link.peer is not None:
-            remembered = self._protocol_view(link)
+            remembered = self._remembered(link, status)
             if remembered is not None and remembered[0] is not state:
                 state, reason = remembered
-            s = self.node.transport.stats[link.peer]
-            out = getattr(self.node.transport, "_out", {}).get(link.peer)  # no public accessor yet
-            writer = None if out is None else out.writer
-            connected = writer is not None
-            rtt = tcp_rtt_s(writer)
+            s: LinkStatus = status.transport.link(link.peer)
+            connected, rtt = s.connected, s.rtt_s
             extra = {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "frames_sent": s.frames_sent,
                      "frames_received": s.frames_received, "injected_drops": s.injected_drops,
                      "errors": s.errors}
-            if out is not None and not connected:
+            if connected is False:
                 state = LinkState.PROBING
                 reason = f"reconnecting to rank {link.peer}: {s.last_error or 'connection lost'}"
                 since = current
@@ -382,24 +366,27 @@ class Monitor:
                         rtt_s=rtt, connected=connected, recent=tuple(link.recent), **extra)
 
     def snapshot(self) -> Snapshot:
-        node, nb = self.node, self.node.neighbours
-        in_flight = tuple(node.active_steps())
+        status = self.node.status()
+        nb = status.machine.neighbours
+        in_flight = status.steps_in_flight
         current = max(in_flight, default=self.last_step)
-        phase = self._phase(in_flight[-1]) if in_flight else "idle"
-        counts = node.note_counts
+        phase = self._phase(status, in_flight[-1]) if in_flight else "idle"
+        counts = status.note_counts
+        view = status.machine.view
         return Snapshot(
-            rank=self.rank, world=self.world, address=str(node.cfg.peers[self.rank]),
-            started_at=self.started_at, at=self.clock(),
+            rank=self.rank, world=view.size, epoch=view.epoch, members=view.members,
+            address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
             step=current, phase=phase, in_flight=in_flight,
             steps_ok=self.steps_ok, steps_failed=self.steps_failed, last_error=self.last_error,
-            last_steps=tuple(node.step_durations)[-10:],
-            timeouts=counts[NoteKind.TIMEOUT], recoveries=counts[NoteKind.RECOVERY],
-            retransmissions=self.retransmissions, duplicates=counts[NoteKind.DUPLICATE],
-            stale=counts[NoteKind.STALE], protocol_errors=counts[NoteKind.PROTOCOL],
-            frame_errors=node.transport.frame_errors, faults=str(node.transport.faults),
-            links=tuple(self._view(lk, current) for lk in self._links.values()),
-            observed=tuple(self._view(lk, current) for _, lk in sorted(self._observed.items())),
+            last_steps=status.last_steps[-10:],
+            timeouts=counts.get(NoteKind.TIMEOUT, 0), recoveries=counts.get(NoteKind.RECOVERY, 0),
+            detours=counts.get(NoteKind.DETOUR, 0), retransmissions=self.retransmissions,
+            duplicates=counts.get(NoteKind.DUPLICATE, 0), stale=counts.get(NoteKind.STALE, 0),
+            protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
+            faults=status.transport.faults,
+            links=tuple(self._view(lk, current, status) for lk in self._links.values()),
+            observed=tuple(self._view(lk, current, status) for _, lk in sorted(self._observed.items())),
             events=tuple(self.events),
             histogram=self.histogram.view(),
         )

@@ -1,211 +1,212 @@
-"""A simulated network with a fake clock for driving TreeMachines in tests.
+"""SimNetwork: `world` real Nodes on an in-memory network with a fake clock, for tests.
 
-It speaks the fault language of the netem scripts and `--faults`: `cut(a, b)`, `drop(a, b, p)`,
-`delay(a, b, s)`, `isolate(a)`, `heal(...)`, plus a step-windowed FaultSchedule, so a scenario
-reads the same in simulation, in-process injection and real iptables runs. Everything is
+The Nodes are the ones that run over TCP (chunking, reassembly, timers, the protocol), driven
+through the transport seam: each gets a `MemoryTransport`, wrapped in the in-process fault layer
+when a fault schedule is given, and a clock that is the shared `SimClock` seen through that
+rank's eyes (a hung rank's timers wait; a crashed rank's never fire). The network speaks the
+fault language of the netem scripts and `--faults`: `cut`, `drop`, `delay`, `isolate`,
+`partition`, `heal`, `crash`, `hang`, `resume`, plus step-windowed schedules. Everything is
 seeded: a failing seed reproduces exactly.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
-import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
-from ..core.faults import FaultSchedule
-from ..core.messages import Message, decode, encode
-from ..core.protocol import (
-    Action,
-    CancelTimer,
-    Complete,
-    Fail,
-    MachineConfig,
-    Note,
-    Received,
-    Send,
-    SetTimer,
-    Submit,
-    TimerFired,
-    TimerKey,
-    TimerKind,
-    TreeMachine,
-)
+from ..core.config import Config
+from ..core.faults import FaultKind, FaultRule, FaultSchedule
+from ..core.protocol import Note, TreeMachine
+from ..core.view import View
+from ..net.faulty import FaultyTransport
+from ..net.node import Node, StepResult
+from ..net.scheduler import Handle
+from ..net.transport import Transport
+from .clock import SimClock
+from .memory import MemoryNetwork, WireStats
+
+Outcome = StepResult | BaseException
 
 
-def _pair(a: int, b: int) -> tuple[int, int]:
-    return (min(a, b), max(a, b))
+class _RankClock:
+    """The shared clock as one rank sees it: its callbacks wait while it hangs and are dropped
+    once it crashed, like the timers of a stopped or killed process."""
+
+    def __init__(self, sim: SimNetwork, rank: int) -> None:
+        self.sim, self.rank = sim, rank
+
+    def now(self) -> float:
+        return self.sim.clock.now()
+
+    def monotonic(self) -> float:
+        return self.sim.clock.monotonic()
+
+    def call_at(self, when: float, fn: Callable[[], None], *, background: bool = False) -> Handle:
+        return self.sim.clock.call_at(when, lambda: self.sim.run_as(self.rank, fn), background=background)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Handle:
+        return self.call_at(self.now() + delay_s, fn)
 
 
-@dataclass
-class SimStats:
-    sent: int = 0
-    dropped: int = 0
-    duplicated: int = 0
-    data_bytes: int = 0
-
-
-@dataclass
 class SimNetwork:
-    """Deterministic discrete-event network of `world` TreeMachines."""
+    """Deterministic discrete-event network of `world` Nodes. Settings are `Config` fields."""
 
-    world: int
-    timeout_s: float = 0.5
-    step_timeout_s: float = 10.0
-    root_timeout_s: float | None = None
-    latency_s: float = 0.001
-    jitter_s: float = 0.0  # uniform extra latency per frame: reorders messages
-    duplicate_p: float = 0.0  # each frame is delivered twice with this probability
-    fault_tolerant: bool = True
-    seed: int = 0
-    wire: bool = True  # round-trip every message through the codec
-    faults: FaultSchedule = field(default_factory=FaultSchedule)
-    now: float = 0.0
-    machines: list[TreeMachine] = field(init=False)
-    results: dict[tuple[int, int, int], Complete | Fail] = field(init=False, default_factory=dict)
-    finished_at: dict[tuple[int, int, int], float] = field(init=False, default_factory=dict)
-    notes: list[tuple[int, Note]] = field(init=False, default_factory=list)
-    stats: SimStats = field(init=False, default_factory=SimStats)
+    def __init__(self, world: int, *, config: Config | None = None, latency_s: float = 0.001,
+                 jitter_s: float = 0.0, duplicate_p: float = 0.0, seed: int = 0, wire: bool = True,
+                 faults: FaultSchedule | str | None = None, **settings: Any) -> None:
+        self.world = world
+        self.config = Config.build(config, **settings)
+        self.clock = SimClock()
+        self.wire = MemoryNetwork(self.clock, latency_s=latency_s, jitter_s=jitter_s, duplicate_p=duplicate_p,
+                                  seed=seed, wire=wire)
+        self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults, world=world, seed=seed)
+        view = View.initial(world)
+        self.nodes: list[Node] = []
+        self.notes: list[tuple[int, Note]] = []
+        self.results: dict[tuple[int, int], Outcome] = {}
+        self.finished_at: dict[tuple[int, int], float] = {}
+        self._futures: dict[tuple[int, int], Future[StepResult]] = {}
+        self._hung: dict[int, list[Callable[[], None]]] = {}
+        self._resume_after: dict[int, int] = {}  # hung rank -> the step the others must finish first
+        for rank in range(world):
+            clock = _RankClock(self, rank)
+            transport: Transport = self.wire.transport(rank)
+            if self.faults:
+                transport = FaultyTransport(transport, self.faults, clock)
+            node = Node(rank, view, self.config, transport, clock)
+            node.started = True
+            node.note_listeners.append(functools.partial(self._note, rank))
+            self.nodes.append(node)
 
-    def __post_init__(self) -> None:
-        self.machines = [
-            TreeMachine(MachineConfig(rank=r, world=self.world, timeout_s=self.timeout_s,
-                                      step_timeout_s=self.step_timeout_s,
-                                      root_timeout_s=self.root_timeout_s,
-                                      fault_tolerant=self.fault_tolerant))
-            for r in range(self.world)
-        ]
-        self._rng = random.Random(self.seed)
-        self._queue: list[tuple[float, int, bool, Callable[[], None]]] = []
-        self._essential = 0  # queued events other than background probes
-        self._seq = itertools.count()
-        self._timers: dict[tuple[int, TimerKey], int] = {}
-        self._cut: set[tuple[int, int]] = set()
-        self._drop: dict[tuple[int, int], float] = {}
-        self._delay: dict[tuple[int, int], float] = {}
+    def _note(self, rank: int, note: Note) -> None:
+        self.notes.append((rank, note))
 
-    # ---- fault language ----------------------------------------------------------------
+    @property
+    def machines(self) -> list[TreeMachine]:
+        return [n.machine for n in self.nodes]
+
+    @property
+    def now(self) -> float:
+        return self.clock.now()
+
+    @property
+    def stats(self) -> WireStats:
+        return self.wire.stats
+
+    # ---- the fault language ----------------------------------------------------------------
 
     def cut(self, a: int, b: int) -> None:
-        self._cut.add(_pair(a, b))
-
-    def heal(self, a: int | None = None, b: int | None = None) -> None:
-        """Heal one link, every link of rank `a`, or (no arguments) everything."""
-        if a is None:
-            self._cut.clear()
-            self._drop.clear()
-            self._delay.clear()
-            return
-        keep = (lambda p: p != _pair(a, b)) if b is not None else (lambda p: a not in p)
-        self._cut = {p for p in self._cut if keep(p)}
-        self._drop = {p: v for p, v in self._drop.items() if keep(p)}
-        self._delay = {p: v for p, v in self._delay.items() if keep(p)}
+        self.wire.cut(a, b)
 
     def drop(self, a: int, b: int, p: float) -> None:
-        self._drop[_pair(a, b)] = p
+        self.wire.drop(a, b, p)
 
     def delay(self, a: int, b: int, s: float) -> None:
-        self._delay[_pair(a, b)] = s
+        self.wire.delay(a, b, s)
 
     def isolate(self, a: int) -> None:
-        for r in range(self.world):
-            if r != a:
-                self.cut(a, r)
+        self.wire.isolate(a)
 
-    def at(self, when: float, fn: Callable[[], None], *, essential: bool = True) -> None:
+    def partition(self, group: Sequence[int]) -> None:
+        self.wire.partition(group)
+
+    def heal(self, a: int | None = None, b: int | None = None) -> None:
+        self.wire.heal(a, b)
+
+    def crash(self, rank: int) -> None:
+        """The rank's process dies: its timers never fire, its sockets are gone (peers that send
+        to it see a refused connection), its own steps never finish."""
+        self.wire.crash(rank)
+        self._hung.pop(rank, None)
+
+    def hang(self, rank: int) -> None:
+        """The rank stops (SIGSTOP): frames to it wait, its timers wait, nothing comes from it."""
+        self.wire.hang(rank)
+        self._hung.setdefault(rank, [])
+
+    def resume(self, rank: int) -> None:
+        for fn in self._hung.pop(rank, []):
+            fn()
+        self.wire.resume(rank)
+
+    def link_down(self, rank: int, peer: int, reason: str = "connection reset") -> None:
+        """Tell `rank` its link to `peer` failed hard (what its transport would report)."""
+        self.run_as(rank, lambda: self.nodes[rank].on_link_down(peer, reason))
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
         """Run `fn` (a fault change, a submit) at simulated time `when`."""
-        heapq.heappush(self._queue, (when, next(self._seq), essential, fn))
-        self._essential += essential
+        self.clock.call_at(when, fn)
 
-    # ---- driving -----------------------------------------------------------------------
+    def run_as(self, rank: int, fn: Callable[[], None]) -> None:
+        """Run `fn` as `rank`'s process would: not at all once it crashed, later if it hangs."""
+        if rank in self.wire.crashed:
+            return
+        held = self._hung.get(rank)
+        if held is not None:
+            held.append(fn)
+            return
+        fn()
 
-    def submit(self, rank: int, step: int, data: np.ndarray, *, chunk: int = 0,
-               signature: str | None = None) -> None:
+    # ---- driving -----------------------------------------------------------------------------
+
+    def submit(self, rank: int, step: int, data: np.ndarray, *, signature: str | None = None) -> Future[StepResult]:
+        """Rank `rank` starts `step` with its contribution `data` (copied). Node faults of the
+        schedule (crash R @S, hang R @S..E) strike when the rank reaches their step."""
+        for rule in self.faults.node_faults(rank):
+            if rule.first_step == step:
+                self._strike(rule)
         sig = signature if signature is not None else f"{data.dtype.name}{list(data.shape)}"
-        self._apply(rank, self.machines[rank].handle(
-            Submit(step=step, chunk=chunk, data=np.array(data, copy=True).ravel(), signature=sig), self.now))
+        future: Future[StepResult] = Future()
+        key = (rank, step)
+        self._futures[key] = future
+        future.add_done_callback(functools.partial(self._record, key))
+        flat = np.array(data, copy=True).ravel()
+        self.run_as(rank, lambda: self.nodes[rank].submit(step, flat, sig, future))
+        return future
 
-    def submit_all(self, step: int, contributions: list[np.ndarray], *, chunk: int = 0) -> None:
+    def submit_all(self, step: int, contributions: Sequence[np.ndarray]) -> None:
         for rank, data in enumerate(contributions):
-            self.submit(rank, step, data, chunk=chunk)
+            self.submit(rank, step, data)
+
+    def _strike(self, rule: FaultRule) -> None:
+        if rule.kind is FaultKind.CRASH:
+            self.crash(rule.a)
+        elif rule.kind is FaultKind.HANG:
+            self.hang(rule.a)
+            if rule.last_step is not None:
+                self._resume_after[rule.a] = rule.last_step
+
+    def _record(self, key: tuple[int, int], future: Future[StepResult]) -> None:
+        exc = future.exception()
+        self.results[key] = exc if exc is not None else future.result()
+        self.finished_at[key] = self.clock.now()
+        for hung, step in list(self._resume_after.items()):
+            others = [r for r in range(self.world) if r != hung and r not in self.wire.crashed]
+            if all((r, step) in self.results for r in others):
+                del self._resume_after[hung]
+                self.resume(hung)
 
     def run(self, until: float | None = None) -> None:
-        """Process events until only background probes are left (or time passes `until`).
+        """Process events until only background probes are left (or until simulated time
+        `until`). Probes of failed links go on forever in a real node; here they run while
+        anything else is pending, so a run always ends."""
+        self.clock.run(until)
 
-        Probes of failed links go on forever in a real node; here they run while anything
-        else is pending, so a run always ends."""
-        while self._queue and (self._essential or until is not None):
-            when, _, essential, fn = self._queue[0]
-            if until is not None and when > until:
-                self.now = until
-                return
-            heapq.heappop(self._queue)
-            self._essential -= essential
-            self.now = max(self.now, when)
-            fn()
-
-    def run_until_finished(self, step: int, *, chunk: int = 0, limit_s: float = 60.0) -> None:
-        """Process events until every rank has an outcome for (step, chunk)."""
-        end = self.now + limit_s
-        while any((r, step, chunk) not in self.results for r in range(self.world)):
-            if not self._queue or self.now >= end:
-                missing = [r for r in range(self.world) if (r, step, chunk) not in self.results]
+    def run_until_finished(self, step: int, *, limit_s: float = 60.0, ranks: Sequence[int] | None = None) -> None:
+        """Process events until every rank (alive, or of `ranks`) has an outcome for `step`."""
+        end = self.clock.now() + limit_s
+        wanted = [r for r in range(self.world) if r not in self.wire.crashed] if ranks is None else list(ranks)
+        while any((r, step) not in self.results for r in wanted):
+            nxt = self.clock.next_at
+            if nxt is None or self.clock.now() >= end:
+                missing = [r for r in wanted if (r, step) not in self.results]
                 raise AssertionError(f"ranks {missing} have no outcome for step {step} after {limit_s:g} s")
-            self.run(until=min(end, self._queue[0][0]))
+            self.clock.run(until=min(end, nxt))
 
-    def outcome(self, rank: int, step: int, chunk: int = 0) -> Complete | Fail | None:
-        return self.results.get((rank, step, chunk))
-
-    # ---- internals ---------------------------------------------------------------------
-
-    def _apply(self, rank: int, actions: list[Action]) -> None:
-        for action in actions:
-            match action:
-                case Send(dst=dst, msg=msg):
-                    self._transmit(rank, dst, msg)
-                case SetTimer(key=key, at=at):
-                    token = next(self._seq)
-                    self._timers[(rank, key)] = token
-                    self.at(at, functools.partial(self._fire, rank, key, token),
-                            essential=key.kind is not TimerKind.PROBE)
-                case CancelTimer(key=key):
-                    self._timers.pop((rank, key), None)
-                case Complete() | Fail():
-                    key3 = (rank, action.step, action.chunk)
-                    assert key3 not in self.results, f"rank {rank} finished {key3} twice"
-                    self.results[key3] = action
-                    self.finished_at[key3] = self.now
-                case Note():
-                    self.notes.append((rank, action))
-
-    def _fire(self, rank: int, key: TimerKey, token: int) -> None:
-        if self._timers.get((rank, key)) != token:
-            return  # cancelled or re-armed since
-        del self._timers[(rank, key)]
-        self._apply(rank, self.machines[rank].handle(TimerFired(key=key), self.now))
-
-    def _transmit(self, src: int, dst: int, msg: Message) -> None:
-        self.stats.sent += 1
-        pair = _pair(src, dst)
-        verdict = self.faults.verdict(src, dst, msg.step)
-        if pair in self._cut or verdict.drop or self._rng.random() < self._drop.get(pair, 0.0):
-            self.stats.dropped += 1
-            return
-        if msg.payload is not None:
-            self.stats.data_bytes += len(memoryview(msg.payload).cast("B"))
-        if self.wire:
-            msg = decode(b"".join(bytes(b) for b in encode(msg)))
-        copies = 2 if self._rng.random() < self.duplicate_p else 1
-        self.stats.duplicated += copies - 1
-        for _ in range(copies):
-            delay = self.latency_s + self._delay.get(pair, 0.0) + verdict.delay_s
-            if self.jitter_s:
-                delay += self._rng.uniform(0, self.jitter_s)
-            self.at(self.now + delay, functools.partial(self._deliver, dst, msg))
-
-    def _deliver(self, dst: int, msg: Message) -> None:
-        self._apply(dst, self.machines[dst].handle(Received(msg=msg), self.now))
+    def outcome(self, rank: int, step: int) -> Outcome | None:
+        """The StepResult or the exception rank `rank` got for `step`, or None if none yet."""
+        return self.results.get((rank, step))

@@ -409,9 +409,6 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
     """Every run the options ask for, and notes on what is left out and why."""
     notes: list[str] = []
     policies = list(opts.policies)
-    if "adaptive" in policies and not timeout_policy_available():
-        policies.remove("adaptive")
-        notes.append("adaptive timeouts: skipped (FTTreeAllreduce has no timeout_policy argument yet)")
     runs: list[RunSpec] = []
     common = {"step_timeout_s": opts.step_timeout_s, "chunk_bytes": opts.chunk_bytes}
     ft_common = {**common, "link_memory": opts.link_memory}
@@ -444,12 +441,6 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
                                     purpose="sweep"))
     return runs, notes
-
-
-def timeout_policy_available() -> bool:
-    from .bench_worker import supports_timeout_policy
-
-    return supports_timeout_policy()
 
 
 # ---- summary -----------------------------------------------------------------------------------

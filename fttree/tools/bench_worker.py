@@ -15,11 +15,9 @@ Records (stdout, one JSON object per line): {"kind": "ready"}, then per step {"k
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,17 +64,6 @@ def wait_for_release() -> None:
         pass
 
 
-def _accepts(name: str) -> bool:
-    from ..api import FTTreeAllreduce
-
-    return name in inspect.signature(FTTreeAllreduce.__init__).parameters
-
-
-def supports_timeout_policy() -> bool:
-    """True once FTTreeAllreduce takes a `timeout_policy` argument (the adaptive-timeout issue)."""
-    return _accepts("timeout_policy")
-
-
 def _start_profile(ar: Any) -> Any:
     """cProfile the loop thread, where the transport, node and protocol run (3.11: per thread)."""
     import asyncio
@@ -119,41 +106,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from ..api import FTTreeAllreduce
-    from ..core.protocol import Note, NoteKind
     from ..errors import FTTreeError
-    from ..net.tcp import parse_peers
+    from ..net.address import parse_peers
+    from .demo import StepNotes
 
     peers = parse_peers(args.peers.read_text().splitlines())
     kwargs: dict[str, Any] = {}
     if args.chunk_bytes:
         kwargs["chunk_bytes"] = args.chunk_bytes
     if args.timeout_policy:
-        if not supports_timeout_policy():
-            print(f"rank {args.rank}: this fttree has no timeout_policy argument; cannot run "
-                  f"--timeout-policy {args.timeout_policy}", file=sys.stderr)
-            return 2
         kwargs["timeout_policy"] = args.timeout_policy
     if args.no_link_memory:
-        if not _accepts("link_memory"):
-            print(f"rank {args.rank}: this fttree has no link_memory argument", file=sys.stderr)
-            return 2
         kwargs["link_memory"] = False
     try:
-        ar = FTTreeAllreduce(args.rank, peers, timeout=args.timeout, step_timeout=args.step_timeout,
-                             startup_timeout=args.startup_timeout, faults=args.faults,
+        ar = FTTreeAllreduce(args.rank, peers, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
+                             startup_timeout_s=args.startup_timeout, faults=args.faults,
                              fault_tolerant=not args.no_ft, **kwargs)
         ar.start()
     except FTTreeError as exc:
         print(f"rank {args.rank}: {exc}", file=sys.stderr)
         return 1
-    assert ar.node is not None
-    events: dict[int, list[str]] = defaultdict(list)
-
-    def on_note(note: Note) -> None:  # on the loop thread; list.append is atomic enough here
-        if note.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT):
-            events[note.step].append(note.text)
-
-    ar.node.note_listeners.append(on_note)
+    notes = StepNotes(ar)
     payload = Payload(args.rank, ar.world, args.size)
     profiler = _start_profile(ar) if args.profile else None
     emit({"kind": "ready", "rank": args.rank, "at": time.monotonic()})
@@ -173,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed |= not exact
             emit({"kind": "step", "rank": args.rank, "step": step, "start": start, "end": end,
                   "duration_s": end - start, "cpu_s": cpu, "exact": exact, "error": error,
-                  "events": sorted(set(events.pop(step, [])))})
+                  "events": notes.pop(step)})
         emit({"kind": "done", "rank": args.rank})
         if profiler is not None:
             _stop_profile(ar, profiler, args.profile)

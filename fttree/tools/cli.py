@@ -15,7 +15,7 @@ from .. import logs
 from ..core import topology as topo
 from ..core.faults import FaultSchedule
 from ..errors import FTTreeError
-from ..net.tcp import parse_peers
+from ..net.address import parse_peers
 from ..status.cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
 from .demo import THESIS_MLP_PARAMS, run_steps
 from .launch import launch as run_launch
@@ -81,8 +81,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
-        ar = FTTreeAllreduce(rank, peers, timeout=timeout, step_timeout=step_timeout,
-                             startup_timeout=startup_timeout, faults=faults, fault_tolerant=not no_ft,
+        ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
+                             startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
                              **http_kwargs(rank, peers))
         ar.start()

@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,24 +37,39 @@ class StepRecord:
     exact: bool
     contributors: int
     error: str = ""
-    events: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # Note.as_record() of its recoveries and detours
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+class StepNotes:
+    """The notes a run's step records show, collected per step on the node's loop: everything
+    that says a link was in trouble or routed around, as JSON-ready records."""
+
+    KINDS = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.DETOUR)
+
+    def __init__(self, ar: FTTreeAllreduce) -> None:
+        assert ar.node is not None
+        self._by_step: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
+        ar.node.note_listeners.append(self._on_note)
+
+    def _on_note(self, note: Note) -> None:
+        if note.kind in self.KINDS:
+            self._by_step[note.step].append(note.as_record())
+
+    def pop(self, step: int) -> list[dict[str, Any]]:
+        """The records of `step`, forgetting those of older steps (late notes must not pile up)."""
+        for old in [s for s in self._by_step if s < step]:
+            del self._by_step[old]
+        return self._by_step.pop(step, [])
 
 
 def run_steps(ar: FTTreeAllreduce, steps: int, size: int,
               before_step: Callable[[int], None] | None = None) -> Iterator[StepRecord]:
     """Run `steps` checked allreduce steps and yield one record per step. `before_step(step)`
     runs before each step's clock starts (the real-fault gate waits there)."""
-    assert ar.node is not None
-    events: dict[int, list[str]] = defaultdict(list)
-
-    def on_note(note: Note) -> None:
-        if note.kind in (NoteKind.RECOVERY, NoteKind.TIMEOUT):
-            events[note.step].append(note.text)
-
-    ar.node.note_listeners.append(on_note)
+    notes = StepNotes(ar)
     for step in range(steps):
         data = contribution(ar.rank, step, size)
         if before_step is not None:
@@ -63,10 +79,10 @@ def run_steps(ar: FTTreeAllreduce, steps: int, size: int,
             out = ar.allreduce(data)
         except FTTreeError as exc:
             yield StepRecord(rank=ar.rank, step=step, duration_s=time.perf_counter() - t0, exact=False,
-                             contributors=0, error=str(exc), events=events.pop(step, []))
+                             contributors=0, error=str(exc), events=notes.pop(step))
             continue
         duration = time.perf_counter() - t0
         exact = bool(np.array_equal(out, expected_sum(ar.world, step, size)))
         contributors = len(ar.last.contributors) if ar.last is not None else 0
         yield StepRecord(rank=ar.rank, step=step, duration_s=duration, exact=exact,
-                         contributors=contributors, events=events.pop(step, []))
+                         contributors=contributors, events=notes.pop(step))

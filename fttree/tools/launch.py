@@ -58,10 +58,14 @@ def worker_command(rank: int, peers_file: Path, args: Sequence[str]) -> list[str
             "--json", *args]
 
 
+#: what a step line shows: data that went around a link, lost or by plan (link memory)
+_SHOWN = frozenset({"data_came_around", "detour"})
+
+
 def format_step(step: int, recs: dict[int, StepRecord], world: int) -> str:
     slowest = max(r.duration_s for r in recs.values())
     exact = sum(r.exact for r in recs.values())
-    events = sorted({e for r in recs.values() for e in r.events if "relayed" in e or "forwarded" in e})
+    events = sorted({e["text"] for r in recs.values() for e in r.events if e["cause"] in _SHOWN})
     errors = sorted({f"rank {r.rank}: {r.error}" for r in recs.values() if r.error})
     line = f"step {step:3d}  {slowest * 1000:8.1f} ms  exact {exact}/{world}"
     if events:

@@ -327,10 +327,12 @@ def _pick_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_seconds(name: str) -> float | None:
     text = os.environ.get(name)
+    if not text:
+        return None
     try:
-        return float(text) if text else default
+        return float(text)
     except ValueError:
         raise ConfigError(f"{name} must be a number of seconds, got {text!r}") from None
 
@@ -341,15 +343,14 @@ def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> 
     store.set(f"fttree/peer/{rank}", me)
     peers = [store.get(f"fttree/peer/{r}").decode() for r in range(world)]
     startup = timeout.total_seconds() if timeout is not None else 300.0
-    kwargs: dict[str, Any] = {
-        "timeout": _env_float("FTTREE_TIMEOUT", 0.5),
-        "step_timeout": _env_float("FTTREE_STEP_TIMEOUT", 30.0),
-        "startup_timeout": max(1.0, min(startup, 600.0)),
-        "faults": os.environ.get("FTTREE_FAULTS") or None,
-    }
+    settings: dict[str, Any] = {"startup_timeout_s": max(1.0, min(startup, 600.0))}
+    for env, field in (("FTTREE_TIMEOUT", "timeout_s"), ("FTTREE_STEP_TIMEOUT", "step_timeout_s")):
+        seconds = _env_seconds(env)
+        if seconds is not None:  # else Config's default
+            settings[field] = seconds
     if os.environ.get("FTTREE_CHUNK_BYTES"):
-        kwargs["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
-    return FTTreeAllreduce(rank, peers, **kwargs).start()
+        settings["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
+    return FTTreeAllreduce(rank, peers, faults=os.environ.get("FTTREE_FAULTS") or None, **settings).start()
 
 
 def _create(store: Store, rank: int, world_size: int, timeout: timedelta) -> FTTreeProcessGroup:

@@ -1,0 +1,99 @@
+"""One configuration object with one set of defaults, from the API down to the protocol.
+
+`FTTreeAllreduce(rank, peers, **fields)`, the CLI, the backend's environment variables and the
+simulator all build a `Config`; the node, the transport and the state machine read theirs from
+it. Durations are seconds, as floats, and their names end in `_s`; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
+
+TIMEOUT_POLICIES = ("static", "adaptive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Every tunable of a worker. Defaults suit a LAN or loopback; see the README's tuning
+    section before changing the timeouts."""
+
+    # backup watches: how long an observer waits for a confirmation before it acts
+    timeout_s: float = 0.5  # the fixed watch (static), or the first guess before samples (adaptive)
+    timeout_policy: str = "adaptive"  # "adaptive": learnt per link and phase (timeouts.py); "static"
+    adaptive_floor_s: float = 0.08
+    adaptive_ceiling_s: float = 2.0
+    watch_retries: int = 2  # re-arm a watch this many times after acting on it
+    fault_tolerant: bool = True  # False: a plain tree without metadata or backups (a baseline)
+
+    # deadlines: nothing waits forever
+    step_timeout_s: float = 30.0  # a rank gives up on a step this long after submitting it
+    root_timeout_s: float | None = None  # the root gives up on contributions (default: step_timeout_s / 2)
+
+    # link memory: route later steps around a primary link found broken, until it heals
+    link_memory: bool = True
+    probe_interval_s: float = 0.1
+    heal_after_s: float = 0.5  # answered probes for this long before reuse; doubled per relapse
+    max_heal_after_s: float = 30.0
+
+    # data path
+    chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
+    max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
+
+    # bookkeeping bounds (nothing grows with the number of steps run)
+    max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
+    retired_memory: int = 8192  # ids of finished ops remembered to drop their late messages
+
+    # transport
+    startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start
+    connect_timeout_s: float = 2.0
+    stall_timeout_s: float = 5.0  # a link whose writes stall this long is dropped and reconnected
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ConfigError(f"{f.name} must be a positive number of seconds, got {value!r}")
+        if self.timeout_policy not in TIMEOUT_POLICIES:
+            raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {self.timeout_policy!r}")
+        if self.adaptive_floor_s > self.adaptive_ceiling_s:
+            raise ConfigError(f"adaptive_floor_s ({self.adaptive_floor_s}) is above adaptive_ceiling_s "
+                              f"({self.adaptive_ceiling_s})")
+        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
+            raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
+
+    @classmethod
+    def build(cls, config: Config | None = None, **fields: Any) -> Config:
+        """`config` (or the defaults) with `fields` replaced; an unknown field is a ConfigError
+        naming it and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        return dataclasses.replace(config or cls(), **fields)
+
+    @property
+    def root_give_up_s(self) -> float:
+        return self.root_timeout_s if self.root_timeout_s is not None else self.step_timeout_s / 2
+
+    @property
+    def linger_s(self) -> float:
+        """How long a finished op is kept to serve late observers: long enough for its watches to
+        settle at the first-guess timeout. Not the adaptive ceiling: finished ops hold tensor
+        buffers, and keeping 100 MB steps for 8 s measurably slowed big allreduces."""
+        return (self.watch_retries + 2) * self.timeout_s
+
+    def make_timeouts(self) -> TimeoutPolicy:
+        if self.timeout_policy == "adaptive":
+            return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
+                                    ceiling_s=self.adaptive_ceiling_s)
+        return StaticTimeouts(self.timeout_s)

@@ -1,0 +1,76 @@
+"""Membership as data: a view is an epoch and the ranks that fill the tree's slots.
+
+The tree is a binary heap of *slots* (topology.py); `View.members[slot]` is the rank in that
+slot, so a rank is no longer its heap position and the group can shrink or grow by installing a
+new view. Op ids and wire headers carry the epoch: a message of another view never mixes into
+this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in slot r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from . import topology as topo
+from .topology import Neighbours
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    epoch: int
+    members: tuple[int, ...]  # members[slot] = rank; slot 0 is the root
+    _slot: dict[int, int] = field(init=False, repr=False, compare=False)
+    _neighbours: dict[int, Neighbours] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ConfigError(f"view {self.epoch} has no members")
+        if len(set(self.members)) != len(self.members) or min(self.members) < 0:
+            raise ConfigError(f"view {self.epoch} members {list(self.members)} must be distinct ranks >= 0")
+        object.__setattr__(self, "_slot", {rank: slot for slot, rank in enumerate(self.members)})
+        object.__setattr__(self, "_neighbours", {})
+
+    @classmethod
+    def initial(cls, world: int) -> View:
+        topo.check_rank(0, world)
+        return cls(0, tuple(range(world)))
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def root(self) -> int:
+        return self.members[0]
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._slot
+
+    def slot_of(self, rank: int) -> int:
+        slot = self._slot.get(rank)
+        if slot is None:
+            raise ConfigError(f"rank {rank} is not a member of view {self.epoch} ({list(self.members)})")
+        return slot
+
+    def neighbours(self, rank: int) -> Neighbours:
+        """Parent, children, brother, uncle and nephews of `rank`, as ranks."""
+        found = self._neighbours.get(rank)
+        if found is None:
+            slots = topo.neighbours(self.slot_of(rank), self.size)
+            at = self.members
+
+            def one(slot: int | None) -> int | None:
+                return None if slot is None else at[slot]
+
+            found = self._neighbours[rank] = Neighbours(
+                rank=rank, world=self.size, parent=one(slots.parent), children=tuple(at[s] for s in slots.children),
+                brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at[s] for s in slots.nephews),
+                height=slots.height, depth=slots.depth)
+        return found
+
+    def subtree(self, rank: int) -> frozenset[int]:
+        """Every rank in the subtree rooted at `rank`, itself included."""
+        return frozenset(self.members[s] for s in topo.subtree_of(self.slot_of(rank), self.size))
+
+    def __str__(self) -> str:
+        return f"view {self.epoch} {list(self.members)}"

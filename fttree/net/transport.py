@@ -1,0 +1,85 @@
+"""The transport seam: what a Node needs from the network, whatever carries the frames.
+
+`TcpTransport` (tcp.py) is the real one; `MemoryTransport` (fttree.testing) delivers frames on a
+simulated clock; `FaultyTransport` (faulty.py) wraps either with the in-process fault layer. A
+transport calls back into its `TransportEvents` (the Node) on the node's own loop or clock, and
+reports its state as a frozen `TransportStatus` that the status layer reads: never its privates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..core.messages import Message
+
+
+class TransportEvents(Protocol):
+    """What a transport tells its node."""
+
+    def on_message(self, msg: Message) -> None: ...
+
+    def on_link_down(self, peer: int, reason: str) -> None:
+        """A hard failure on the link to `peer`: refused, reset or closed."""
+
+    def is_stale(self, msg: Message) -> bool:
+        """May a queued frame be dropped unsent (its op finished here)?"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkStatus:
+    """One outgoing link, as the transport sees it. `connected` is None for a transport
+    without connections (in memory)."""
+
+    peer: int
+    connected: bool | None = None
+    frames_sent: int = 0
+    bytes_sent: int = 0
+    frames_received: int = 0
+    bytes_received: int = 0
+    injected_drops: int = 0  # frames the in-process fault layer dropped (both directions)
+    stale_dropped: int = 0  # queued frames of finished ops dropped unsent
+    connects: int = 0
+    errors: int = 0  # connections that broke and were redialled
+    last_error: str = ""
+    rtt_s: float | None = None  # the kernel's smoothed round-trip time, where there is one
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportStatus:
+    rank: int
+    address: str
+    links: tuple[LinkStatus, ...]
+    frame_errors: int = 0
+    last_frame_error: str = ""
+    faults: str = ""  # the in-process fault schedule in force ("" for none)
+
+    def link(self, peer: int) -> LinkStatus:
+        for status in self.links:
+            if status.peer == peer:
+                return status
+        return LinkStatus(peer=peer)
+
+
+class Transport(Protocol):
+    """Frames between this rank and its peers. `send` never blocks: frames queue per link."""
+
+    rank: int
+
+    def bind(self, events: TransportEvents) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
+        """Connect to each peer, or raise PeerError naming those still unreachable."""
+
+    def send(self, dst: int, msg: Message) -> None: ...
+
+    def backlog_bytes(self, dst: int) -> int:
+        """Bytes queued on the link to `dst` and not yet on the wire."""
+
+    def status(self) -> TransportStatus: ...
+
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Stop, first giving queued frames up to `flush_s` to go out."""
