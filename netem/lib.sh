@@ -292,3 +292,56 @@ remove_fttree_qdisc() {
         echo "$PROG: $DEV${NETNS:+ in $NETNS} has no fttree qdisc (nothing to remove)"
     fi
 }
+
+# ---- per-rank uplinks (uplink.sh; shown by status.sh) ----------------------------------------
+
+# rate_bytes_per_s RATE: RATE in tc units (100mbit, 1gbit, 500kbit, 10mbps) as bytes per
+# second; fails on anything else.
+rate_bytes_per_s() {
+    awk -v r="$1" 'BEGIN {
+        if (!match(tolower(r), /^[0-9]+(\.[0-9]+)?/)) exit 1
+        n = substr(r, 1, RLENGTH); u = tolower(substr(r, RLENGTH + 1))
+        m["bit"] = 1/8; m["kbit"] = 1e3/8; m["mbit"] = 1e6/8; m["gbit"] = 1e9/8
+        m["bps"] = 1; m["kbps"] = 1e3; m["mbps"] = 1e6; m["gbps"] = 1e9
+        if (!(u in m) || n * m[u] < 1) exit 1
+        printf "%d", n * m[u] }'
+}
+
+# uplink_lines DEV: one line per rank limited by uplink.sh on DEV:
+#   RANK ADDRESS RATE SENT_BYTES SENT_PACKETS DROPPED
+# Rank r is class f7:(r+1) (minor in hex); its address is the source its u32 filter matches.
+uplink_lines() {
+    local dev=$1
+    {
+        in_ns tc filter show dev "$dev" parent "$FTTREE_QDISC_HANDLE"
+        echo "--classes--"
+        in_ns tc -s class show dev "$dev" parent "$FTTREE_QDISC_HANDLE"
+    } | awk -v major="${FTTREE_QDISC_HANDLE%:}" '
+        function hex(h,    i, n) {  # mawk has no strtonum
+            n = 0
+            for (i = 1; i <= length(h); i++) n = n * 16 + index("0123456789abcdef", substr(tolower(h), i, 1)) - 1
+            return n
+        }
+        function dotted(h) {
+            return hex(substr(h, 1, 2)) "." hex(substr(h, 3, 2)) "." hex(substr(h, 5, 2)) "." hex(substr(h, 7, 2))
+        }
+        /^--classes--$/ { classes = 1; next }
+        !classes && /flowid/ {
+            flow = ""
+            for (i = 1; i < NF; i++) if ($i ~ /^\*?flowid$/) flow = $(i + 1)  # "*flowid": terminal
+            next
+        }
+        !classes && $1 == "match" && $4 == "12" && flow ~ ("^" major ":[0-9a-f]+$") {
+            split($2, m, "/"); addr[flow] = dotted(m[1]); next
+        }
+        classes && $1 == "class" && $2 == "htb" {
+            cls = $3; rate = ""
+            for (i = 4; i < NF; i++) if ($i == "rate") rate = $(i + 1)
+            next
+        }
+        classes && $1 == "Sent" && cls != "" {
+            split(cls, c, ":"); dropped = $7; sub(/,$/, "", dropped)
+            printf "%d %s %s %s %s %s\n", hex(c[2]) - 1, (cls in addr) ? addr[cls] : "?", rate, $2, $4, dropped
+            cls = ""
+        }' | sort -n
+}

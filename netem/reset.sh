@@ -9,7 +9,7 @@ usage() {
 Usage: $PROG [--netns NAME | --all]
 
 Remove every iptables rule whose comment starts with "$FTTREE_TAG" (cuts and losses) and every tc
-root qdisc with handle $FTTREE_QDISC_HANDLE (bandwidth limits and delays), in the current namespace,
+root qdisc with handle $FTTREE_QDISC_HANDLE (bandwidth limits, uplinks, delays), in the current namespace,
 in --netns NAME, or with --all in the current namespace and every named one. Rules and
 qdiscs without the tag are never touched. Namespaces stay (cluster.sh down removes them).
 

@@ -30,22 +30,30 @@ for NETNS in "${namespaces[@]}"; do
     where=${NETNS:-"current namespace"}
     [[ -n $NETNS ]] && where="namespace $NETNS"
     lines=()
+    nfound=0
     for backend in $(iptables_backends); do
         while IFS= read -r rule; do
             lines+=("  $backend: $rule")
+            nfound=$((nfound + 1))
         done < <(in_ns "$backend" -w 5 -S 2>/dev/null | grep -E -- "--comment \"?$FTTREE_TAG( |\"|$)" || true)
     done
     while read -r dev; do
-        read -r _ handle <<<"$(root_qdisc "$dev")"
+        read -r kind handle <<<"$(root_qdisc "$dev")"
         if [[ $handle == "$FTTREE_QDISC_HANDLE" ]]; then
             lines+=("  tc $dev: $(in_ns tc qdisc show dev "$dev" | awk '/ root/ { $1 = ""; print substr($0, 2); exit }')")
+            nfound=$((nfound + 1))
+            if [[ $kind == htb ]]; then  # uplink.sh: one class per rank (details, not counted)
+                while read -r rank addr rate bytes _; do
+                    lines+=("    uplink of rank $rank $addr $rate, sent $bytes bytes")
+                done < <(uplink_lines "$dev")
+            fi
         fi
     done < <(in_ns ls /sys/class/net)
     if [[ ${#lines[@]} -gt 0 ]]; then
         echo "$where:"
         printf '%s\n' "${lines[@]}"
     fi
-    total=$((total + ${#lines[@]}))
+    total=$((total + nfound))
 done
 if ((ALL)); then
     echo "$total fttree rules in ${#namespaces[@]} namespaces"
