@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,8 @@ def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: 
 
 
 class Progress:
-    """One line per step with a bar, the step time, loss and batch accuracy."""
+    """One line per step with a bar, the step time, loss and batch accuracy. Steps are numbered
+    from 0, as fault windows count them (`--faults "cut 1-0 @5..10"` hits steps 5 to 10)."""
 
     def __init__(self, steps: int, enabled: bool, as_json: bool = False) -> None:
         self.steps, self.enabled, self.as_json = steps, enabled, as_json
@@ -132,7 +134,7 @@ class Progress:
         width = 20
         done = round(width * (step + 1) / self.steps)
         bar = "#" * done + "-" * (width - done)
-        print(f"step {step + 1:4d}/{self.steps} [{bar}] {seconds * 1000:8.1f} ms  loss {loss:.4f}  "
+        print(f"step {step:4d} of {self.steps} [{bar}] {seconds * 1000:8.1f} ms  loss {loss:.4f}  "
               f"acc {acc:.2f}{'  ' + note if note else ''}", flush=True)
 
     def summary(self, warmup: int, extra: dict[str, object]) -> None:
@@ -146,6 +148,15 @@ class Progress:
         else:
             print(f"median step {median * 1000:.1f} ms over {len(timed)} steps; "
                   + ", ".join(f"{k} {v}" for k, v in extra.items()), flush=True)
+
+
+def describe_note(note: Any) -> str:
+    """A short line about a protocol note, from its structured fields (fttree.core.protocol.Note)."""
+    link = "" if note.link is None else f"link {note.link[0]}-{note.link[1]}"
+    what = {"data_came_around": "data lost, relayed", "data_relayed": "relayed a neighbour's data",
+            "result_came_around": "result came through a backup", "result_pushed": "pushed the result",
+            "detour": "detour (link memory: marked failed)", "watch_expired": "no confirmation in time"}
+    return f"{link}: {what.get(note.cause.value, note.cause.value)}"
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,15 +1,17 @@
 """Stock DistributedDataParallel training of the thesis's MLP over the "fttree"
-torch.distributed backend. The training code is plain torch; `import fttree.training.backend` and the
-backend name are the only fttree-specific lines.
+torch.distributed backend. The training code is plain torch; `import fttree` (which registers
+the backend), the backend name and one `mark_step` per iteration are the only fttree lines.
 
     torchrun --nproc-per-node 3 examples/train_ddp.py --steps 30
     python examples/train_ddp.py -n 3 --steps 30                      # starts the workers itself
     python examples/train_ddp.py -n 3 --steps 30 --faults "cut 1-0 @8..12" --timeout 0.2
     python examples/train_ddp.py -n 3 --backend gloo                  # the same on gloo
 
-Fault windows count fttree steps, including DDP's own setup collectives (a handful) before
-the first training step. Settings reach the backend as FTTREE_* environment variables
-(FTTREE_FAULTS, FTTREE_TIMEOUT, FTTREE_STEP_TIMEOUT), so torchrun users can set those directly.
+Fault windows count training steps: the loop marks each one on the fttree handle
+(`allreduce_of().mark_step(step)`), because DDP issues a varying number of collectives per
+step (its setup and bucket rebuild come first). Settings reach the backend as FTTREE_*
+environment variables (FTTREE_FAULTS, FTTREE_TIMEOUT, FTTREE_STEP_TIMEOUT), so torchrun users
+can set those directly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+import fttree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_common import BATCH, Progress, accuracy, batch_indices, free_port, launch_local, load_data, thesis_mlp
@@ -52,11 +56,11 @@ def train(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         os.environ["FTTREE_TIMEOUT"] = str(args.timeout)
     torch.set_num_threads(args.threads)
-    if args.backend == "fttree":
-        import fttree.training.backend  # registers the "fttree" backend
-
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    mark = fttree.allreduce_of().mark_step if args.backend == "fttree" else None
+    if mark is not None:
+        mark(None)  # DDP's setup collectives: no fault window hits them
     data = load_data(args.images, args.labels)
     model = thesis_mlp(seed=rank)  # DDP broadcasts rank 0's parameters at construction
     ddp = DistributedDataParallel(model)
@@ -69,6 +73,8 @@ def train(args: argparse.Namespace) -> int:
         for step in range(args.steps):
             idx = batch_indices(len(data.x_train), step, world, rank)
             x, y = data.x_train[idx], data.y_train[idx]
+            if mark is not None:
+                mark(step)
             t0 = time.perf_counter()
             opt.zero_grad()
             out = ddp(x)
@@ -82,9 +88,9 @@ def train(args: argparse.Namespace) -> int:
     extra: dict[str, object] = {"backend": args.backend, "workers": world,
                                 "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
     if args.backend == "fttree":
-        node = fttree.training.backend.allreduce_of().node
+        node = fttree.allreduce_of().node
         assert node is not None
-        extra["recoveries"] = sum(n for kind, n in node.note_counts.items() if kind.value == "recovery")
+        extra["recoveries"] = sum(n for kind, n in node.note_counts.items() if kind.value in ("recovery", "detour"))
     progress.summary(args.warmup, extra)
     dist.destroy_process_group()
     return 0

@@ -6,8 +6,8 @@ worker, SGD) with fttree.DistributedOptimizer, on N local workers.
     python examples/train_mlp.py -n 7 --steps 50 --comm gloo      # same script on gloo DDP
 
 Without --images the data is scikit-learn's bundled digits upsampled to 28x28 (no download);
---images/--labels take MNIST idx files (.gz or not). Fault windows count fttree steps: the
-first 3 are setup (layout checks and the parameter broadcast), then one per training step.
+--images/--labels take MNIST idx files (.gz or not). Fault windows count training steps
+(DistributedOptimizer marks them; its setup collectives are never hit).
 
 On several machines run one worker per machine yourself:
     FTTREE_RANK=r FTTREE_PEERS=peers.txt python examples/train_mlp.py --steps 50
@@ -20,12 +20,23 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mlp_common import BATCH, Progress, accuracy, batch_indices, free_port, launch_local, load_data, thesis_mlp
+from mlp_common import (
+    BATCH,
+    Progress,
+    accuracy,
+    batch_indices,
+    describe_note,
+    free_port,
+    launch_local,
+    load_data,
+    thesis_mlp,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +77,7 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     data = load_data(args.images, args.labels)
     loss_fn = nn.CrossEntropyLoss()
-    recoveries: list[str] = []
+    recoveries: list[Any] = []  # notes of data that went around a link, lost or by plan
     if args.comm == "fttree":
         import fttree
         from fttree.core.protocol import NoteKind
@@ -75,8 +86,8 @@ def train(args: argparse.Namespace) -> int:
                                              faults=args.faults or None).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None
-        ar.node.note_listeners.append(lambda note: recoveries.append(note.text)
-                                      if note.kind == NoteKind.RECOVERY else None)
+        ar.node.note_listeners.append(lambda note: recoveries.append(note)
+                                      if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR) else None)
         model = thesis_mlp(seed=rank)  # different on purpose: the broadcast makes rank 0's start everyone's
         opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr), model,
                                           allreduce=ar, bucket_mb=args.bucket_mb)
@@ -112,14 +123,15 @@ def train(args: argparse.Namespace) -> int:
             seconds = time.perf_counter() - t0
             acc = float((out.argmax(1) == y).float().mean())
             new = recoveries[seen:]
-            note = f"recovered: {new[0]}" + (f" (+{len(new) - 1} more)" if len(new) > 1 else "") if new else ""
+            note = "; ".join(sorted({describe_note(n) for n in new}))
             progress.step(step, seconds, loss.item(), acc, note)
     except Exception as exc:
         print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     progress.summary(args.warmup, {"comm": args.comm, "workers": world,
                                    "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
-                                   "recoveries": len(recoveries)})
+                                   "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
+                                   "detours": sum(n.kind.value == "detour" for n in recoveries)})
     close()
     return 0
 

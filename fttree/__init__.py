@@ -14,7 +14,9 @@ from .errors import ConfigError, FrameError, FTTreeError, PeerError, ProtocolErr
 
 if TYPE_CHECKING:
     from .api import FTTreeAllreduce
+    from .core.config import Config
     from .net.node import StepResult
+    from .training.backend import allreduce_of
     from .training.ddp import comm_hook
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
 
@@ -32,6 +34,8 @@ _LAZY = {
     "attach": "fttree.training.optim",
     "synchronize": "fttree.training.optim",
     "comm_hook": "fttree.training.ddp",
+    "allreduce_of": "fttree.training.backend",
+    "Config": "fttree.core.config",
     "broadcast_parameters": "fttree.training.optim",
 }
 
@@ -44,6 +48,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Config",
     "ConfigError",
     "DistributedOptimizer",
     "FTTreeAllreduce",
@@ -54,6 +59,7 @@ __all__ = [
     "StepAborted",
     "StepResult",
     "TensorMismatch",
+    "allreduce_of",
     "attach",
     "broadcast_parameters",
     "comm_hook",

@@ -26,7 +26,7 @@ from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .net.address import Address, parse_address, parse_peers
-from .net.faulty import FaultyTransport
+from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
 from .net.tcp import TcpTransport
@@ -115,6 +115,7 @@ class FTTreeAllreduce:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._next_step = 0
+        self._marks = StepMarks()  # user steps (training steps) for fault windows
         self._lock = threading.Lock()
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None
@@ -167,7 +168,7 @@ class FTTreeAllreduce:
         cfg = self.config
         tcp = TcpTransport(self.rank, self.peers, connect_timeout_s=cfg.connect_timeout_s,
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
-        self.transport = FaultyTransport(tcp, self.faults, scheduler)
+        self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler)
         self.monitor = Monitor(self.node)
         try:
@@ -245,8 +246,24 @@ class FTTreeAllreduce:
         with self._lock:
             step = self._next_step
             self._next_step += 1
+            self._marks.next_step = self._next_step
         self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
         return future
+
+    @property
+    def step(self) -> int:
+        """The number the next allreduce step submitted here will have."""
+        return self._next_step
+
+    def mark_step(self, user_step: int | None) -> None:
+        """Allreduce steps submitted from now on belong to `user_step` (a training step; None:
+        setup, which no fault window hits), so that fault windows (`faults=`, POST /faults)
+        count the steps the user sees, not the setup collectives or the several gradient buckets
+        of one training step. DistributedOptimizer marks its steps itself; a plain torch loop
+        over the backend calls this once per iteration. Without marks, windows count allreduce
+        steps."""
+        with self._lock:
+            self._marks.mark(self._next_step, user_step)
 
     def _remember(self, done: Future[StepResult]) -> None:
         """Keep the newest completed step in `last`, whichever path submitted it."""

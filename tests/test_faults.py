@@ -4,6 +4,7 @@ import pytest
 
 from fttree.core.faults import FaultKind, FaultSchedule, parse
 from fttree.errors import ConfigError
+from fttree.net.faulty import StepMarks
 
 
 def test_parse_all_kinds_round_trip() -> None:
@@ -60,3 +61,36 @@ def test_bad_rules_say_what_is_wrong(text: str, needle: str) -> None:
 def test_rank_outside_world_is_rejected() -> None:
     with pytest.raises(ConfigError, match="rank 9, outside the world of 7"):
         FaultSchedule("cut 9-0", world=7)
+
+
+def test_step_marks_map_allreduce_steps_onto_the_steps_the_user_sees() -> None:
+    marks = StepMarks(keep=3)
+    assert marks.user_step(7) == 7  # no marks: a job's steps are its allreduce steps
+    marks.mark(0, None)  # setup collectives: steps 0..2
+    marks.mark(3, 0)  # training step 0: four gradient buckets, steps 3..6
+    marks.mark(7, 1)
+    marks.next_step = 9
+    assert [marks.user_step(s) for s in range(9)] == [None, None, None, 0, 0, 0, 0, 1, 1]
+    assert marks.user_step(12) == 1  # our own frames of the newest step
+    assert marks.user_step(12, inbound=True) is None  # a peer's step we have not reached: its call
+    marks.mark(9, 2)
+    marks.mark(9, 3)  # re-marked before any step of it was submitted: the newest mark wins
+    assert marks.user_step(9) == 3
+    assert marks.user_step(0) is None  # only the newest `keep` marks are kept
+
+
+def test_partition_crash_and_hang_parse_and_say_what_they_touch() -> None:
+    schedule = FaultSchedule("partition 4,1,3 @8..12; crash 4 @12; hang 2 @5..6", world=7)
+    part, crash, hang = schedule.rules
+    assert str(part) == "partition 1,3,4 @8..12"
+    assert part.touches(1, 0)
+    assert part.touches(0, 4)
+    assert not part.touches(1, 3)
+    assert not part.touches(0, 2)
+    assert schedule.blocks(3, 6, 10)
+    assert not schedule.blocks(3, 6, 13)
+    assert schedule.verdict(3, 6, 9).drop
+    assert [r.kind.value for r in schedule.node_faults()] == ["crash", "hang"]
+    assert schedule.node_faults(2) == [hang]
+    assert (crash.first_step, hang.last_step) == (12, 6)
+    assert not crash.touches(4, 0)  # a crash is carried out on the node, not frame by frame

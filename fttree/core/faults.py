@@ -14,7 +14,7 @@ A schedule is rules separated by ';', each optionally limited to a window of ste
 
 Links are undirected (a rule on 1-0 hits 1->0 and 0->1), as a firewall cut between two hosts
 would. Steps are the numbers the user sees: allreduce steps for `fttree worker`, training steps
-in the examples (which map them onto their allreduce steps, see `rebase`). Link rules are applied
+in a training loop (the fault layer maps allreduce steps onto them, fttree.net.faulty). Link rules are applied
 frame by frame (`verdict`, `blocks`); crash and hang are node faults, carried out by whoever runs
 the node (the simulator, `fttree launch`), found with `node_faults`.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from ..errors import ConfigError
@@ -234,22 +234,6 @@ class FaultSchedule:
     def node_faults(self, rank: int | None = None) -> list[FaultRule]:
         """The crash and hang rules (of one rank, or all), for whoever runs the nodes."""
         return [r for r in self.rules if r.kind in NODE_KINDS and (rank is None or r.a == rank)]
-
-    def rebase(self, first: int, per_step: int = 1) -> FaultSchedule:
-        """The same schedule with user-visible step S meaning steps first + S * per_step ..
-        first + (S + 1) * per_step - 1 of the allreduce (setup collectives come first; a
-        training step may take several allreduce steps, one per gradient bucket)."""
-
-        def lo(step: int | None) -> int | None:
-            return None if step is None else first + step * per_step
-
-        def hi(step: int | None) -> int | None:
-            return None if step is None else first + (step + 1) * per_step - 1
-
-        rules = [replace(r, first_step=lo(r.first_step), last_step=hi(r.last_step)) for r in self.rules]
-        out = FaultSchedule(rules)
-        out._rng = self._rng
-        return out
 
     def __str__(self) -> str:
         return "; ".join(str(r) for r in self.rules)

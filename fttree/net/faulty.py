@@ -5,10 +5,17 @@ Incoming frames are dropped only by certain rules (cut, isolate, partition), so 
 one worker alone (POST /faults) still cuts both directions, while a lossy rule run by both ends
 of a link is applied once per direction, by the sender. The schedule can be swapped at any time
 (the control plane does) and applies from the next frame on.
+
+Windows count the steps the user sees. A plain job's steps are its allreduce steps; a training
+loop marks where each training step begins (`FTTreeAllreduce.mark_step`, which the optimizer
+wrapper calls itself), and `StepMarks` maps every frame's allreduce step onto that training step,
+so the setup collectives before the first mark are never hit and a training step's several
+gradient buckets share its window.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,12 +26,50 @@ from .scheduler import Scheduler
 from .transport import Transport, TransportEvents, TransportStatus
 
 
+class StepMarks:
+    """Which user step (a training step) each allreduce step belongs to.
+
+    Marked from the caller's thread, read on the node's loop: the marks are an immutable tuple
+    swapped whole, bounded to the newest `keep`. Without marks a step is its own user step."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self.keep = keep
+        self._firsts: tuple[int, ...] = ()  # first allreduce step of each mark, increasing
+        self._users: tuple[int | None, ...] = ()
+        self.next_step = 0  # the allreduce step this rank will submit next
+
+    def mark(self, first_step: int, user_step: int | None) -> None:
+        """Allreduce steps from `first_step` on belong to `user_step` (None: to no user step, as
+        setup collectives; no window ever hits them)."""
+        firsts, users = list(self._firsts), list(self._users)
+        while firsts and firsts[-1] >= first_step:  # a re-mark before any step was submitted
+            firsts.pop()
+            users.pop()
+        firsts.append(first_step)
+        users.append(user_step)
+        self._firsts, self._users = tuple(firsts[-self.keep:]), tuple(users[-self.keep:])
+
+    def user_step(self, step: int, *, inbound: bool = False) -> int | None:
+        """The user step of allreduce `step`; None for steps before the first mark (setup), and
+        for an incoming frame of a step this rank has not reached (its window is the sender's to
+        decide)."""
+        firsts, users = self._firsts, self._users
+        if not firsts:
+            return step
+        if inbound and step >= self.next_step:
+            return None
+        i = bisect.bisect_right(firsts, step) - 1
+        return users[i] if i >= 0 else None
+
+
 class FaultyTransport:
-    def __init__(self, inner: Transport, schedule: FaultSchedule, scheduler: Scheduler) -> None:
+    def __init__(self, inner: Transport, schedule: FaultSchedule, scheduler: Scheduler,
+                 marks: StepMarks | None = None) -> None:
         self.inner = inner
         self.rank = inner.rank
         self.schedule = schedule
         self.scheduler = scheduler
+        self.marks = marks or StepMarks()
         self._events: TransportEvents | None = None
         self._drops: Counter[int] = Counter()
 
@@ -32,9 +77,11 @@ class FaultyTransport:
 
     def on_message(self, msg: Message) -> None:
         assert self._events is not None
-        if self.schedule and self.schedule.blocks(msg.src, self.rank, msg.step):
-            self._drops[msg.src] += 1
-            return
+        if self.schedule:
+            step = self.marks.user_step(msg.step, inbound=True)
+            if step is not None and self.schedule.blocks(msg.src, self.rank, step):
+                self._drops[msg.src] += 1
+                return
         self._events.on_message(msg)
 
     def on_link_down(self, peer: int, reason: str) -> None:
@@ -58,8 +105,9 @@ class FaultyTransport:
         await self.inner.wait_for_peers(peers, deadline_s)
 
     def send(self, dst: int, msg: Message) -> None:
-        if self.schedule:
-            verdict = self.schedule.verdict(self.rank, dst, msg.step)
+        step = self.marks.user_step(msg.step) if self.schedule else None
+        if step is not None:
+            verdict = self.schedule.verdict(self.rank, dst, step)
             if verdict.drop:
                 self._drops[dst] += 1
                 return

@@ -206,6 +206,7 @@ class GradientSync:
         self.buckets = plan_buckets(self.params, max(1, int(bucket_mb * 2**20)))
         self._bucket_of = {slot.param: spec.index for spec in self.buckets for slot in spec.slots}
         self._lock = threading.RLock()
+        self.rounds = 0  # synchronizations submitted: the training steps fault windows count
         self._reset()
         self.synchronized = False  # True from synchronize() until the next gradient arrives
         if check:
@@ -222,6 +223,7 @@ class GradientSync:
         self._futures: list[Future[StepResult] | None] = [None] * len(self.buckets)
         self._next = 0  # first bucket not yet submitted
         self._callback_queued = False
+        self._marked = False  # this round's buckets are marked as training step `rounds`
 
     def detach(self) -> None:
         """Remove the hooks; gradients are left local from now on."""
@@ -236,8 +238,14 @@ class GradientSync:
             self._on_grad(index)
         return hook
 
+    def _mark_round(self) -> None:
+        if not self._marked:
+            self._marked = True
+            self.ar.mark_step(self.rounds)
+
     def _on_grad(self, index: int) -> None:
         with self._lock:
+            self._mark_round()
             self.synchronized = False
             if not self._callback_queued:
                 self._callback_queued = True
@@ -293,9 +301,11 @@ class GradientSync:
     def synchronize(self) -> None:
         """Submit what is left, wait for every bucket, write the averaged gradients back."""
         with self._lock:
+            self._mark_round()
             self._flush()
             futures = [f for f in self._futures if f is not None]
             self._reset()
+            self.rounds += 1  # submitted: the next gradients belong to the next training step
         results = _wait(futures, self.ar, lambda i: f"averaging gradient bucket {self.buckets[i].index} "
                                                     f"({self.buckets[i].names()})")
         for spec, res in zip(self.buckets, results, strict=True):
@@ -328,6 +338,7 @@ def attach(model: torch.nn.Module, allreduce: FTTreeAllreduce, *, bucket_mb: flo
     steps. With `broadcast`, rank 0's parameters and buffers are copied to every worker first."""
     if model in _ATTACHED:
         raise ConfigError("this model is already attached to fttree")
+    allreduce.mark_step(None)  # the broadcast and layout checks are setup: no fault window hits them
     if broadcast:
         broadcast_parameters(model, allreduce)
     sync = GradientSync(allreduce, model.named_parameters(), bucket_mb=bucket_mb,
@@ -394,6 +405,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             named = [(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
                      for i, p in enumerate(group["params"])]
+        allreduce.mark_step(None)  # the broadcast and layout checks are setup: no fault window hits them
         if broadcast:
             broadcast_parameters(model if model is not None else named, allreduce)
         self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
