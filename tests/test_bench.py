@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 
 from fttree.core.faults import FaultSchedule
 from fttree.errors import ConfigError
-from fttree.tools import analyze
+from fttree.tools import analyze, longrun
 from fttree.tools import bench as b
 from fttree.tools.bench_cli import analyze as analyze_cmd
 from fttree.tools.bench_cli import bench as bench_cmd
@@ -198,3 +199,26 @@ def test_bench_command_end_to_end(tmp_path: Path) -> None:
     assert data["fig11"]["results"][0]["world"] == 3
     for png in ("fig14_3workers.png", "size_sweep.png", "fig11.png"):
         assert (tmp_path / png).stat().st_size > 0
+
+
+def test_long_run_figure_compares_the_last_500_steps_with_steps_100_to_599() -> None:
+    spec = longrun.spec(2000)
+    assert (spec.world, spec.size, spec.chunk_bytes) == (3, 25_600, 4096)  # 25 chunks a step
+
+    def run(step_time: Callable[[int], float]) -> b.RunResult:
+        res = b.RunResult(spec=spec)
+        for s in range(2000):
+            for r in range(3):
+                res.records[s][r] = {"rank": r, "step": s, "duration_s": step_time(s) * (1 + 0.01 * r),
+                                     "exact": True, "error": "", "events": []}
+        return res
+
+    flat = longrun.figure(run(lambda s: 0.05 if s >= 20 else 0.5))  # slow start-up steps do not count
+    assert flat.ratio == pytest.approx(1.0)
+    assert flat.met
+    growing = longrun.figure(run(lambda s: 0.05 * (1 + s / 1000)))
+    assert growing.late_median_s == pytest.approx(0.05 * 1.02 * (1 + 1749.5 / 1000), rel=1e-3)
+    assert not growing.met
+    assert "MISSED" in longrun.render(growing)
+    with pytest.raises(ValueError, match="at least 1100 steps"):
+        longrun.spec(1000)

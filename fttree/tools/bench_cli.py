@@ -30,6 +30,32 @@ def _out_option(f: F) -> F:
                         show_default=True, help="Where the JSON and PNG files go.")(f)
 
 
+def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> None:
+    from . import bench as b
+    from . import longrun
+
+    spec = longrun.spec(steps, step_timeout_s=step_timeout)
+    click.echo(f"fttree bench --long-run: {spec.label}, {steps} steps; output in {out_dir}/", err=True)
+    if dry_run:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = b.machine_info()
+    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, \
+            click.progressbar(length=steps, label="long run", file=sys.stderr, show_eta=True) as bar:
+        res = b.execute(spec, Path(tmp), on_step=lambda step: bar.update(1))
+    machine["load_avg_after"] = _loadavg()
+    try:
+        fig = longrun.figure(res)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(longrun.render(fig))
+    times = [res.step_time(s) for s in res.complete_steps()]
+    (out_dir / "long_run.json").write_text(json.dumps({"machine": machine, "argv": sys.argv, "figure": fig.to_json(),
+                                                      "step_times_s": times}, indent=1))
+    if not fig.met:
+        sys.exit(1)
+
+
 @click.command()
 @click.option("--workers", default="3,7", show_default=True, help="Worker counts of the Table 1-2 matrix (3,7,15,31).")
 @click.option("--timeouts", default="0.5,1.0", show_default=True,
@@ -61,19 +87,26 @@ def _out_option(f: F) -> F:
 @click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="A worker gives up on a step after this many seconds.")
 @click.option("--chunk-bytes", type=click.IntRange(min=1), default=None, help="fttree chunk size (default: the API's).")
+@click.option("--long-run", type=click.IntRange(min=1100), default=None, metavar="STEPS",
+              help="Instead of the matrix: STEPS steps of 3 workers, 25 chunks a step, and the median of the last "
+                   "500 step times over steps 100-599 (target <= 1.1: nothing may grow with the steps run).")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
 def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: str, sizes_text: str,
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
-          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, dry_run: bool, strict: bool,
-          out_dir: Path) -> None:
+          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None, dry_run: bool,
+          strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree.
 
     Prints the tables and the issue's performance targets, and writes bench.json (every raw
     step time of every rank) and the PNG figures to --out."""
     from . import bench as b
+
+    if long_run is not None:
+        _long_run(long_run, step_timeout, out_dir, dry_run)
+        return
 
     def positive(text: str) -> int:
         n = int(text)
