@@ -32,8 +32,8 @@ Defaults, and why:
   buy a placement that moves less when membership differs between epochs (with 100 points,
   31 ranks and an exact cap, removing a rank moved 1.5x the ideal 1/n of 60,000 items; with
   1000, 1.2x). 1000 points per rank cost one sorted array of 8 bytes per point.
-- `DEFAULT_LOAD_FACTOR = 1.0`: the cap is ceil(n / members), so loads differ by at most one
-  item. A synchronous step waits for the heaviest worker, so every percent of slack is paid
+- `DEFAULT_LOAD_FACTOR = 1.0`: the cap is ceil(items / members), so no rank holds more than
+  one item above the average. A synchronous step waits for the heaviest worker, so every percent of slack is paid
   in every epoch, while the tighter cap costs only placement movement between epochs whose
   member sets differ (mid-epoch moves never use the cap).
 
@@ -192,7 +192,7 @@ class HashRing:
         if not load_factor >= 1.0:
             raise ConfigError(f"load_factor must be at least 1.0, got {load_factor}")
         n, ranks = len(positions), np.asarray(self.ranks, dtype=np.int64)
-        cap = math.ceil(load_factor * n / len(ranks) - 1e-9)
+        cap = max(-(-n // len(ranks)), math.ceil(load_factor * n / len(ranks) - 1e-9))  # never below ceil(n/k)
         at = np.searchsorted(self._points, positions) % max(1, len(self._points))
         first = np.searchsorted(ranks, self._owner_of_point[at])
         dist = self._points[at] - positions
