@@ -74,8 +74,11 @@ _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 def mix64(x: npt.NDArray[np.uint64]) -> Positions:
     """splitmix64's finaliser, elementwise: a bijection that scatters consecutive keys."""
-    z = x.astype(np.uint64, copy=True)  # array arithmetic wraps modulo 2^64 without warnings
-    z ^= z >> _S30
+    return _mix64_inplace(x.astype(np.uint64, copy=True))
+
+
+def _mix64_inplace(z: npt.NDArray[np.uint64]) -> Positions:
+    z ^= z >> _S30  # array arithmetic wraps modulo 2^64 without warnings
     z *= _M1
     z ^= z >> _S27
     z *= _M2
@@ -121,7 +124,10 @@ def _feistel(y: npt.NDArray[np.uint64], rounds: Sequence[np.uint64], half: int) 
     shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
     left, right = y >> shift, y & mask
     for k in rounds:
-        left, right = right, left ^ (mix64(right ^ k) & mask)
+        f = _mix64_inplace(right ^ k)
+        f &= mask
+        f ^= left
+        left, right = right, f
     return (left << shift) | right
 
 

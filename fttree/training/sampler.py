@@ -320,7 +320,7 @@ class _Epoch:
             r: [_Tenure(rank=r, first=0, ends=[len(self.start[r])], avail=[0])] for r in members}
         self.order_key = stable_key("order", config.seed, epoch)
         self.item_key = stable_key("items", config.seed, epoch)
-        self.busy_until = self._last_busy()
+        self.busy_until = -(-max(len(v) for v in self.start.values()) // config.batch_size) - 1  # = _last_busy()
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -451,24 +451,23 @@ class _Epoch:
         """Drop the slots `rank` handed to joiners (all beyond what it may have prefetched),
         then queue the pool slots it received, available from step t + 1 + horizon."""
         ten = self._current(rank)
-        b, slots, items = self.config.batch_size, self._slots(ten), self._items(ten)
-        done = ten.consumed(t, b)
+        slots = self._slots(ten)  # sample ids (ten.items) stay lazy: only batches and audits need them
         if not keep.all():
-            kept = np.concatenate([np.ones(done, dtype=bool), keep])
+            kept = np.concatenate([np.ones(ten.consumed(t, self.config.batch_size), dtype=bool), keep])
             cum = np.concatenate([[0], np.cumsum(kept)])
-            ends = [int(cum[e]) for e in ten.ends]
-            ten.slots, ten.items = slots[kept], items[kept]
-            ten.ends, ten.avail = _squeeze(ends, ten.avail)
+            ten.ends, ten.avail = _squeeze([int(cum[e]) for e in ten.ends], ten.avail)
+            ten.slots = slots[kept]
+            ten.items = None if ten.items is None else ten.items[kept]
         if len(new):
             new = self._shuffled(new)
-            ten.slots = np.concatenate([self._slots(ten), new])
-            ten.items = np.concatenate([self._items(ten), self._to_items(new)])
+            ten.slots = np.concatenate([ten.slots, new])
+            ten.items = None if ten.items is None else np.concatenate([ten.items, self._to_items(new)])
             ten.ends.append(ten.size + len(new))
             ten.avail.append(t + 1 + self.config.horizon)
 
     def _open(self, rank: int, first: int, slots: Indices) -> None:
         slots = self._shuffled(slots)
-        ten = _Tenure(rank=rank, first=first, slots=slots, items=self._to_items(slots))
+        ten = _Tenure(rank=rank, first=first, slots=slots)
         if len(slots):
             ten.ends, ten.avail = [len(slots)], [first]
         self.tenures.setdefault(rank, []).append(ten)
