@@ -131,7 +131,7 @@ def _feistel(y: npt.NDArray[np.uint64], rounds: Sequence[np.uint64], half: int) 
     return (left << shift) | right
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1024)  # 8 KB each at 1000 points
 def _vnode_points(seed: int, rank: int, vnodes: int) -> Positions:
     points = np.sort(_keyed(vnodes, stable_key("vnode", seed, rank)))
     points.flags.writeable = False

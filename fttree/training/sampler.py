@@ -46,6 +46,17 @@ queue, and the iterator stops only when nothing is left anywhere.
 All members must use the same config (size, batch size, seed, stable, horizon, vnodes, load
 factor): it is part of the history (`EpochHistory.config`), which a joining or restarted rank
 replays (`ElasticSampler.from_history`) to compute its own queue.
+
+Use (the loader must deliver batches in order: DataLoader's default in_order=True):
+
+    sampler = ElasticSampler(len(ds), 100, rank=rank, members=view, stable=True,
+                             horizon=loader_horizon(num_workers=2, prefetch_factor=2))
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, collate_fn=CollateOrNone())
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for step, batch in enumerate(loader, start=sampler.next_step):
+            ...  # forward/backward, or an empty contribution when batch is None
+            sampler.commit(step, contributors_of_step, view_after_step)
 """
 
 from __future__ import annotations
@@ -235,7 +246,7 @@ def _slot_positions(n: int, seed: int) -> npt.NDArray[np.uint64]:
     return pos
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)
 def _ring(members: tuple[int, ...], seed: int, vnodes: int) -> HashRing:
     return HashRing(members, seed=seed, vnodes=vnodes)
 
