@@ -238,3 +238,12 @@ def test_every_process_computes_the_same_assignment() -> None:
 def test_bad_input_is_named(call, needle: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=needle):
         call()
+
+
+def test_the_data_layer_imports_without_torch() -> None:
+    """ring and sampler are pure numpy; the cache imports torch only where it stores samples."""
+    code = ("import sys, fttree.training.ring, fttree.training.sampler, fttree.training.cache; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'asyncio', 'socket'}))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
