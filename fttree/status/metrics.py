@@ -112,8 +112,13 @@ def render(snap: Snapshot) -> str:
              [({}, len(snap.in_flight))])
     w.family("fttree_timeouts_total", "counter", "Backup-link watches that expired (a primary link looked broken).",
              [({}, snap.timeouts)])
-    w.family("fttree_recoveries_total", "counter", "Data that went around a broken link, seen by this worker.",
+    w.family("fttree_recoveries_total", "counter", "Data that went around a link that lost it, seen by this worker.",
              [({}, snap.recoveries)])
+    w.family("fttree_detours_total", "counter",
+             "Data that went the planned way around a link that link memory holds failed, seen by this worker.",
+             [({}, snap.detours)])
+    w.family("fttree_view_epoch", "gauge", "The membership view this worker is in (0: the first).",
+             [({}, snap.epoch)])
     w.family("fttree_retransmissions_total", "counter",
              "Data this worker sent a second time over a backup link (relays and direct result pushes).",
              [({}, snap.retransmissions)])
