@@ -183,3 +183,22 @@ def test_both_children_routing_around_through_each_other_still_get_the_result() 
         out = net.outcome(rank, 0)
         assert isinstance(out, StepResult), f"rank {rank}: {out}"
         assert np.array_equal(out.data, sum(data))
+
+
+def test_a_detour_that_does_not_get_through_falls_back_to_the_direct_link() -> None:
+    """Found by hypothesis (flapping links): rank 2's link memory held its uplink failed, so its
+    sum went around it through its brother, rank 1, whose own link to the root was cut in that
+    step. Rank 1 kept asking for the sum and rank 2 kept answering through rank 1 only; the
+    step failed although 2's direct link worked. A request for a detoured sum now also sends
+    it straight to the parent."""
+    net = SimNetwork(3, timeout_s=0.2, timeout_policy="static", step_timeout_s=10.0)
+    net.link_down(2, 0, "connection reset")  # link memory: 2 routes around 2->0 (through 1)
+    net.cut(1, 0)
+    data = contributions(3)
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    for rank in range(3):
+        out = net.outcome(rank, 0)
+        assert isinstance(out, StepResult), f"rank {rank}: {out}"
+        assert np.array_equal(out.data, sum(data))
+    assert max(net.finished_at.values()) < 1.0  # a couple of watches, not a deadline

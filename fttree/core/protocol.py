@@ -309,6 +309,7 @@ class _Op:
     watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
     rerouted_planned: bool = False  # ... because link memory had marked our uplink failed (a detour)
+    sent_direct: bool = False  # ... and then also straight to the parent, as the way around did not get through
     requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
     relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
 
@@ -629,9 +630,16 @@ class TreeMachine:
             return self._protocol(out, msg, "nothing sent yet to relay")
         if msg.src not in op.requested_by:
             op.requested_by.append(msg.src)
-        out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
-                                                        tuple(sorted(op.contributors)),
+        contributors = tuple(sorted(op.contributors))
+        out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
                                                         origin=self.rank, target=self.me.parent)))
+        if op.rerouted and not op.sent_direct:
+            # Our sum went around our uplink and an observer still sees no sign of it at the
+            # parent: the way around is not getting through (the relay's own uplink may be cut
+            # too). Try the direct link as well; the parent adds whichever copy comes first.
+            op.sent_direct = True
+            out.append(Send(dst=self.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
+                                                                   origin=self.rank)))
         return None
 
     def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
