@@ -10,7 +10,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._torch_hook import install as _install_torch_backend
-from .errors import ConfigError, FrameError, FTTreeError, PeerError, ProtocolError, StepAborted, TensorMismatch
+from .errors import (
+    ConfigError,
+    FrameError,
+    FTTreeError,
+    GroupLeft,
+    PeerError,
+    ProtocolError,
+    StepAborted,
+    StepRetry,
+    TensorMismatch,
+)
 
 if TYPE_CHECKING:
     from .api import FTTreeAllreduce
@@ -54,10 +64,12 @@ __all__ = [
     "FTTreeAllreduce",
     "FTTreeError",
     "FrameError",
+    "GroupLeft",
     "PeerError",
     "ProtocolError",
     "StepAborted",
     "StepResult",
+    "StepRetry",
     "TensorMismatch",
     "allreduce_of",
     "attach",

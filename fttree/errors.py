@@ -50,3 +50,20 @@ class StepAborted(FTTreeError):
 
 class TensorMismatch(StepAborted):
     """Workers submitted tensors of different shapes or dtypes for the same step."""
+
+
+class StepRetry(StepAborted):
+    """The group lost a worker during this step and, under on_node_failure="rollback", voided the
+    step everywhere: run it again (recompute it, or submit the same contribution) on the new
+    view. `epoch` and `members` name that view. DistributedOptimizer does it by itself."""
+
+    def __init__(self, step: int, reason: str, *, peers: tuple[int, ...] = (), epoch: int = 0,
+                 members: tuple[int, ...] = ()) -> None:
+        super().__init__(step, reason, peers=peers)
+        self.epoch = epoch
+        self.members = members
+
+
+class GroupLeft(StepAborted):
+    """This worker can produce no more results: it is on the minority side of a partition, or the
+    group went on without it. `reason` says which, naming the view."""

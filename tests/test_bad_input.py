@@ -13,6 +13,7 @@ import pytest
 
 from fttree import ConfigError, FTTreeAllreduce, PeerError, StepAborted, TensorMismatch
 from fttree.core.messages import PREFIX, VERSION, Kind, Message, encode
+from fttree.errors import GroupLeft
 from fttree.net.address import parse_peers
 
 from .conftest import cluster, free_port, local_peers
@@ -88,15 +89,36 @@ def test_mismatched_tensors_fail_on_every_worker(shapes, dtypes, needle: str) ->
         assert all(np.array_equal(f.result(timeout=30), np.full(4, 3.0)) for f in futures)
 
 
-def test_a_dead_peer_ends_the_step_by_its_deadline_naming_it() -> None:
-    with cluster(3, timeout_s=0.2, step_timeout_s=2.0) as handles:
+def test_a_dead_peer_is_left_out_and_the_step_finishes_without_it() -> None:
+    with cluster(3, timeout_s=0.2, step_timeout_s=10.0) as handles:
+        handles[2].close()
+        futures = [h.allreduce_async(np.full(3, h.rank + 1.0)) for h in handles[:2]]
+        for h, fut in zip(handles[:2], futures, strict=True):
+            assert np.array_equal(fut.result(timeout=20), np.full(3, 3.0))
+            assert h.last is not None
+            assert h.last.contributors == (0, 1)
+
+
+def test_a_dead_peer_aborts_the_step_naming_it_under_the_abort_policy() -> None:
+    with cluster(3, timeout_s=0.2, step_timeout_s=10.0, on_node_failure="abort") as handles:
         handles[2].close()
         futures = [h.allreduce_async(np.ones(3)) for h in handles[:2]]
         for fut in futures:
             with pytest.raises(StepAborted) as info:
                 fut.result(timeout=20)
-            assert 2 in info.value.peers, str(info.value)
-        assert "no contribution from ranks [2]" in str(info.value)
+            assert info.value.peers == (2,), str(info.value)
+            assert "ranks [2] failed during step 0" in str(info.value)
+
+
+def test_the_last_of_two_workers_stops_with_a_clear_error() -> None:
+    """Two workers and one dies: one of two is no majority, so the survivor produces no results
+    (it cannot tell a dead peer from a partition) and says so, naming the view."""
+    with cluster(2, timeout_s=0.2, step_timeout_s=10.0) as handles:
+        handles[1].close()
+        with pytest.raises(GroupLeft, match=r"minority 1 of 2: view 0"):
+            handles[0].allreduce_async(np.ones(3)).result(timeout=20)
+        with pytest.raises(GroupLeft):  # and every later step says the same, at once
+            handles[0].allreduce_async(np.ones(3)).result(timeout=5)
 
 
 def test_rank_outside_world_and_bad_peers_are_config_errors() -> None:

@@ -1,12 +1,13 @@
 """Wire codec: round trips, and every way a frame can be broken gives a FrameError."""
 
+import dataclasses
 import struct
 
 import msgpack
 import numpy as np
 import pytest
 
-from fttree.core.messages import PREFIX, VERSION, Kind, Message, decode, encode
+from fttree.core.messages import DATA_KINDS, PREFIX, VERSION, Kind, Message, decode, encode
 from fttree.errors import FrameError
 
 
@@ -27,13 +28,18 @@ def test_data_message_round_trip_keeps_payload_bytes() -> None:
 
 def test_every_kind_round_trips() -> None:
     for kind in Kind:
-        payload = np.zeros(2, np.float64) if kind.name.startswith("DATA") else None
-        msg = Message(kind=kind, src=1, step=4, origin=2, target=0, reason="r", missing=(5,), world=7,
-                      dtype="<f8" if payload is not None else "", numel=2 if payload is not None else 0,
+        payload = np.zeros(2, np.float64) if kind in DATA_KINDS else None
+        msg = Message(kind=kind, src=1, epoch=3, step=4, origin=2, target=0, reason="r", missing=(5,), world=7,
+                      ballot=65541, accepted=65540, proposed=4, members=(0, 2, 1), committed=(3, 4), plan=(3, 0, 1, 2),
+                      steps=(4,), dtype="<f8" if payload is not None else "", numel=2 if payload is not None else 0,
                       payload=None if payload is None else payload.tobytes())
         out = decode(frame(msg))
+        if payload is None:  # every field back as it was sent (a HELLO carries no step)
+            assert out == (dataclasses.replace(msg, step=-1) if kind is Kind.HELLO else msg)
         assert out.kind == kind
         assert out.src == 1
+        assert (out.ballot, out.members, out.committed, out.plan, out.steps) == (
+            65541, (0, 2, 1), (3, 4), (3, 0, 1, 2), (4,))
 
 
 def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = VERSION) -> bytes:

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
 
 TIMEOUT_POLICIES = ("static", "adaptive")
+NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +41,11 @@ class Config:
     heal_after_s: float = 0.5  # answered probes for this long before reuse; doubled per relapse
     max_heal_after_s: float = 30.0
 
+    # node failures (membership.py): a silent or unreachable worker is evicted and the group goes on
+    on_node_failure: str = "forward"  # steps in flight: "forward" (finish on the survivors), "abort", "rollback"
+    node_deadline_s: float = 1.0  # least silence that suspects a neighbour (more when watches learnt longer)
+    confirm_wait_s: float = 0.25  # a suspicion must stand this long, unrefuted, before an eviction
+
     # data path
     chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
     max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
@@ -58,6 +64,9 @@ class Config:
             value = getattr(self, f.name)
             if f.name.endswith("_s") and value is not None and not (isinstance(value, int | float) and value > 0):
                 raise ConfigError(f"{f.name} must be a positive number of seconds, got {value!r}")
+        if self.on_node_failure not in NODE_FAILURE_POLICIES:
+            raise ConfigError(f"on_node_failure must be one of {', '.join(NODE_FAILURE_POLICIES)}, "
+                              f"got {self.on_node_failure!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:
             raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {self.timeout_policy!r}")
         if self.adaptive_floor_s > self.adaptive_ceiling_s:

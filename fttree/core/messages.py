@@ -22,7 +22,7 @@ import msgpack
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 2  # 2: epoch in every header; ABORT code and queued bytes in fields of their own
+VERSION = 3  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -46,9 +46,26 @@ class Kind(IntEnum):
     HELLO = 10  # first frame on a connection: who is speaking
     PROBE = 11  # is this primary link healthy again? (link memory)
     PROBE_ACK = 12  # yes, it carried your probe
+    # membership (core/membership.py); `epoch` is the sender's view unless said otherwise
+    PING = 13  # are you alive? (a step is slow and you have been silent)
+    PONG = 14  # yes
+    SUSPECT = 15  # rank `target` is silent or gone to me (code 1), or heard again (code 0)
+    ALIVE = 16  # rank `target` answered me just now: do not evict it
+    # a view change is single-decree Paxos over the next view of `epoch` (membership.py): the
+    # value is (`proposed` epoch, `members`, `committed` steps, catch-up `plan`)
+    VIEW_PREPARE = 17  # ballot `ballot`: promise me and fence your results (`missing`: whom I find dead)
+    VIEW_PROMISE = 18  # promised `ballot`; `steps` I hold results of; the value I accepted, if any (`accepted`)
+    VIEW_ACCEPT = 19  # accept this value at `ballot`
+    VIEW_ACCEPTED = 20  # accepted it at `ballot`
+    VIEW_COMMIT = 21  # this value is decided: install it
+    VIEW_NACK = 22  # I promised `ballot`, higher than yours; or (`proposed` set) I installed this value already
+    MINORITY = 23  # the change found no majority: `members` promised, `world` was the view's size
+    CATCHUP = 24  # the committed result of (step, chunk) for a rank that did not get it
 
 
-DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST})
+DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
+VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
+                        Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,7 +90,14 @@ class Message:
     code: int = 0  # ABORT: an AbortCode
     queued_bytes: int = 0  # META_*_SENT: bytes the sender had queued ahead on that link (timeouts.py)
     planned: bool = False  # DATA_REDUCE(_REQUEST): sent around a link marked failed, not after a loss
-    world: int = 0  # HELLO only
+    ballot: int = 0  # VIEW_*: the Paxos ballot (round and coordinator)
+    accepted: int = 0  # VIEW_PROMISE: the ballot of the value accepted before (0: none)
+    proposed: int = 0  # VIEW_*: the epoch of the proposed view (0: no value in this message)
+    members: tuple[int, ...] = ()  # VIEW_*: the proposed view's ranks in slot order; MINORITY: who promised
+    committed: tuple[int, ...] = ()  # VIEW_*: the steps the proposed view keeps (results some member holds)
+    plan: tuple[int, ...] = ()  # VIEW_*: the catch-up plan, flattened (see membership.py)
+    steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
+    world: int = 0  # HELLO: the job's size; MINORITY: the size of the view that lost its majority
     payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
 
     @property
@@ -108,6 +132,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header["m"] = list(msg.missing)
     if msg.world:
         header["w"] = msg.world
+    for key, ints in (("mb", msg.members), ("cm", msg.committed), ("pn", msg.plan), ("st", msg.steps)):
+        if ints:
+            header[key] = list(ints)
+    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed)):
+        if value:
+            header[key] = value
     head = msgpack.packb(header)
     payload = b"" if msg.payload is None else memoryview(msg.payload).cast("B")
     prefix = PREFIX.pack(MAGIC, VERSION, len(head), len(payload))
@@ -197,6 +227,13 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         queued_bytes=_int(header, "qb", 0, "queued bytes"),
         planned=_bool(header, "pl", "planned"),
         world=_int(header, "w", 0, "world"),
+        ballot=_int(header, "bl", 0, "ballot"),
+        accepted=_int(header, "ac", 0, "accepted ballot"),
+        proposed=_int(header, "pp", 0, "proposed epoch"),
+        members=_ints(header, "mb", "members"),
+        committed=_ints(header, "cm", "committed"),
+        plan=_ints(header, "pn", "plan"),
+        steps=_ints(header, "st", "steps"),
         payload=payload if payload_len else None,
     )
 

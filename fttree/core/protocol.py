@@ -66,6 +66,10 @@ class TimerKind(Enum):
     ROOT_DEADLINE = "root_deadline"  # the root gives up waiting for contributions
     LINGER = "linger"  # a finished op is kept this long to serve late observers
     PROBE = "probe"  # time to probe a primary link marked failed (link memory)
+    MEMBER_CHECK = "member_check"  # membership: look for silent neighbours while a step is in flight
+    MEMBER_CONFIRM = "member_confirm"  # membership: a suspicion may have stood long enough
+    MEMBER_ROUND = "member_round"  # membership: the coordinator's round deadline
+    MEMBER_STALL = "member_stall"  # membership: fenced and no decision yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class TimerKey:
     step: int
     chunk: int
     peer: int = -1
+    epoch: int = 0  # an op's timers fire for that op only, not for the same step run again in a later view
 
 
 class AbortCode(IntEnum):
@@ -156,6 +161,15 @@ class LinkDown:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Void:
+    """An op of a view that was left without a result anywhere: it is dropped here, and the
+    driver runs its step again in the new view or hands it back to the caller (by policy)."""
+
+    step: int
+    chunk: int
+
+
 Event = Submit | Received | TimerFired | LinkDown
 
 
@@ -217,7 +231,7 @@ class Note:
                 "link": None if self.link is None else f"{self.link[0]}-{self.link[1]}", "text": self.text}
 
 
-Action = Send | SetTimer | CancelTimer | Complete | Fail | Note
+Action = Send | SetTimer | CancelTimer | Complete | Fail | Note | Void
 
 
 # ---- the machine's public state (status pages read this, never the private fields) ----------
@@ -284,10 +298,12 @@ class _Op:
 
     step: int
     chunk: int
+    epoch: int = 0  # the view it runs in
     submitted: bool = False
     signature: str = ""
     dtype: str = ""
-    acc: np.ndarray | None = None  # own contribution plus children's subtree sums
+    own: np.ndarray | None = None  # our contribution, never written to: a step may run again on it
+    acc: np.ndarray | None = None  # own contribution plus children's subtree sums (a buffer of its own)
     contributors: set[int] = field(default_factory=set)
     got_children: set[int] = field(default_factory=set)
     early: list[Message] = field(default_factory=list)  # child data before our submit
@@ -312,6 +328,8 @@ class _Op:
     sent_direct: bool = False  # ... and then also straight to the parent, as the way around did not get through
     requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
     relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
+    awaiting_catchup: bool = False  # committed in the view it ran in; its result comes straight from a holder
+    linger_over: bool = False  # its linger ended during a view change: kept until the change is installed
 
 
 class TreeMachine:
@@ -333,8 +351,59 @@ class TreeMachine:
         self.timeouts: TimeoutPolicy = self.cfg.make_timeouts()
         self.up = _UpLink()
         self.down_failed: set[int] = set()  # children whose link to us is known broken
+        self.fenced = False  # a view change is being agreed: take and produce no results
+        self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
 
     # ---- public ------------------------------------------------------------------------
+
+    def fence(self) -> None:
+        """A view change is being agreed (membership.py): from now on take no result and
+        finalize nothing in this view, so the steps reported held are final."""
+        self.fenced = True
+
+    def install(self, view: View, committed: frozenset[int], now: float) -> list[Action]:
+        """Move to `view`. Ops of committed steps stay (a result not here yet comes by
+        CATCHUP); every other op of the old view is voided (Void), its step to be run again in
+        the new view or handed back, by policy. Link memory starts over: the tree changed."""
+        out: list[Action] = []
+        self.view = view
+        self.me = view.neighbours(self.rank)
+        self._subtrees = {c: view.subtree(c) for c in self.me.children}
+        self.up = _UpLink()
+        self.down_failed.clear()
+        self.fenced = False
+        for op_id, op in list(self._ops.items()):
+            if op.linger_over:  # kept through the change to serve catch-ups: linger once more
+                op.linger_over = False
+                out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+            if op.epoch == view.epoch:
+                continue
+            for kind in (TimerKind.DEADLINE, TimerKind.ROOT_DEADLINE):
+                out.append(CancelTimer(key=self._timer(kind, op)))
+            if op.step in committed and op.submitted:
+                if not op.done:
+                    op.awaiting_catchup = True
+                    out.append(SetTimer(key=self._timer(TimerKind.DEADLINE, op), at=now + self.cfg.step_timeout_s))
+                continue
+            del self._ops[op_id]  # not retired: the step runs again under the same id
+            if op.submitted:
+                out.append(Void(step=op.step, chunk=op.chunk))
+        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
+        for msg in later:
+            if msg.epoch >= view.epoch:
+                self._on_message(msg, now, out)
+        return out
+
+    def result_of(self, step: int) -> list[tuple[int, np.ndarray, tuple[int, ...], str]]:
+        """(chunk, result, contributors, signature) of every chunk of `step` finished here and
+        still kept (a holder serves them to ranks that lack them after a view change)."""
+        return [(op.chunk, op.result, op.result_contributors, op.signature) for (s, _c), op in sorted(self._ops.items())
+                if s == step and op.done and op.result is not None]
+
+    def watch_deadline_s(self) -> float:
+        """The longest backup-watch deadline this rank has learnt (the node deadline derives
+        from it, membership.py)."""
+        return self.timeouts.longest_s()
 
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
@@ -381,7 +450,7 @@ class TreeMachine:
         return self.cfg.fault_tolerant
 
     def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
-        return Message(kind=kind, src=self.rank, epoch=self.view.epoch, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
+        return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
 
     def _data_msg(self, op: _Op, kind: Kind, array: np.ndarray, contributors: tuple[int, ...],
                   **kw: object) -> Message:
@@ -406,7 +475,7 @@ class TreeMachine:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
-        op = self._ops[op_id] = _Op(step=step, chunk=chunk)
+        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch)
         return op
 
     def _retire(self, op: _Op) -> None:
@@ -427,7 +496,7 @@ class TreeMachine:
             self._retired_floor = max(self._retired_floor, oldest[0])
 
     def _timer(self, kind: TimerKind, op: _Op, peer: int = -1) -> TimerKey:
-        return TimerKey(kind, op.step, op.chunk, peer)
+        return TimerKey(kind, op.step, op.chunk, peer, op.epoch)
 
     # ---- submit ------------------------------------------------------------------------
 
@@ -438,9 +507,10 @@ class TreeMachine:
         if ev.data.ndim != 1:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
-        op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk))
+        op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk,
+                                                                    epoch=self.view.epoch))
         op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
-        op.acc = ev.data
+        op.own = op.acc = ev.data
         op.contributors.add(self.rank)
         if op.failure is not None:  # an ABORT arrived before our submit
             self._emit_failure(op, op.failure, now, out)
@@ -475,7 +545,10 @@ class TreeMachine:
         assert op.acc is not None
         assert msg.payload is not None
         incoming = np.frombuffer(msg.payload, dtype=op.acc.dtype)
-        np.add(op.acc, incoming, out=op.acc)
+        if op.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
+            op.acc = np.add(op.acc, incoming)
+        else:
+            np.add(op.acc, incoming, out=op.acc)
         op.contributors.update(msg.contributors)
 
     def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
@@ -486,6 +559,11 @@ class TreeMachine:
         contributors = tuple(sorted(op.contributors))
         parent = self.me.parent
         if parent is None:  # the root: its subtree sum is the result
+            if self.fenced:
+                op.reduce_sent = False  # a view change is being agreed: no result of this view now
+                return
+            if op.acc is op.own:  # a root without children: the result is a copy, never our contribution
+                op.acc = op.acc.copy()
             op.result, op.result_contributors = op.acc, contributors
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             self._finish(op, now, out)
@@ -509,6 +587,16 @@ class TreeMachine:
     # ---- messages ----------------------------------------------------------------------
 
     def _on_message(self, msg: Message, now: float, out: list[Action]) -> None:
+        if msg.epoch != self.view.epoch:
+            if msg.epoch > self.view.epoch:
+                self._later.append(msg)  # a view we are about to install (its commit is on its way)
+            else:
+                out.append(Note(step=msg.step, cause=Cause.STALE_DROPPED, peer=msg.src,
+                                text=f"dropped {msg.kind.name} of view {msg.epoch} from rank {msg.src}"))
+            return
+        if msg.kind is Kind.CATCHUP:
+            self._on_catchup(msg, now, out)
+            return
         if msg.src not in self.me.all:
             out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                             text=f"dropped {msg.kind.name} from rank {msg.src}, not a tree neighbour"))
@@ -524,6 +612,10 @@ class TreeMachine:
             return
         op = self._get_op(msg.step, msg.chunk, out, msg.src)
         if op is None:
+            return
+        if op.epoch != msg.epoch:  # a committed op of an older view, waiting for its catch-up
+            out.append(Note(step=msg.step, cause=Cause.STALE_DROPPED, peer=msg.src,
+                            text=f"dropped {msg.kind.name} for step {msg.step}, committed in view {op.epoch}"))
             return
         match msg.kind:
             case Kind.DATA_REDUCE:
@@ -668,6 +760,10 @@ class TreeMachine:
     def _on_data_bcast(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
         if msg.src not in (self.me.parent, self.me.brother, self.me.uncle):
             return self._protocol(out, msg, "only parent, brother or uncle send results")
+        if self.fenced:  # a view change is being agreed; what we reported held is final
+            out.append(Note(step=op.step, cause=Cause.STALE_DROPPED, peer=msg.src,
+                            text=f"step {op.step}: dropped a result during a view change"))
+            return None
         if op.result is not None or op.done:
             out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of the result"))
@@ -709,6 +805,29 @@ class TreeMachine:
         wait = self.timeouts.deadline_s((msg.src, target, Phase.BCAST), msg.queued_bytes)
         out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
         return None
+
+    def _on_catchup(self, msg: Message, now: float, out: list[Action]) -> None:
+        """The committed result of an op of an older view, sent straight by a holder."""
+        op = self._ops.get((msg.step, msg.chunk))
+        if op is None or not op.awaiting_catchup or op.done:
+            out.append(Note(step=msg.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
+                            text=f"step {msg.step}: dropped a catch-up copy of a result held already"))
+            return
+        if not self._matches(op, msg, now, out):
+            return
+        assert msg.payload is not None
+        op.result = np.frombuffer(msg.payload, dtype=np.dtype(msg.dtype))
+        op.result_contributors = msg.contributors
+        op.done = True
+        op.awaiting_catchup = False
+        out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
+        out.append(Note(step=op.step, cause=Cause.RESULT_CAME_AROUND, peer=msg.src,
+                        text=f"step {op.step}: its result (committed in view {op.epoch}) came from rank {msg.src} "
+                             f"after the view change"))
+        view = op.result.view()
+        view.flags.writeable = False
+        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
+        out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     # ---- finishing ---------------------------------------------------------------------
 
@@ -791,8 +910,8 @@ class TreeMachine:
             self._probe(now, out)
             return
         op = self._ops.get((key.step, key.chunk))
-        if op is None:
-            return
+        if op is None or op.epoch != key.epoch:
+            return  # that op is gone, or it is the same step run again in a later view
         match key.kind:
             case TimerKind.REDUCE_WATCH:
                 self._reduce_watch_fired(op, key.peer, now, out)
@@ -810,7 +929,10 @@ class TreeMachine:
                               f"(root still waiting for the subtree sums of children {waiting})")
                     self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
             case TimerKind.LINGER:
-                self._retire(op)
+                if self.fenced:  # a holder may have to serve this result after the view change
+                    op.linger_over = True
+                else:
+                    self._retire(op)
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
         if origin in op.reduce_confirmed or op.result is not None or op.done:

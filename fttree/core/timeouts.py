@@ -44,6 +44,9 @@ class TimeoutPolicy(Protocol):
 
     def timed_out(self, key: WatchKey) -> None: ...
 
+    def longest_s(self) -> float:
+        """The longest deadline a watch would get now (before any queued-bytes allowance)."""
+
 
 @dataclass
 class StaticTimeouts:
@@ -61,6 +64,9 @@ class StaticTimeouts:
 
     def timed_out(self, key: WatchKey) -> None:
         pass
+
+    def longest_s(self) -> float:
+        return self.timeout_s
 
 
 @dataclass
@@ -105,6 +111,11 @@ class AdaptiveTimeouts:
         est = self._est.get(key)
         if est is not None:
             est.backoff = min(est.backoff * 2, self.max_backoff)
+
+    def longest_s(self) -> float:
+        if not self._est:
+            return min(self.initial_s, self.ceiling_s)
+        return max(self.deadline_s(key, 0) for key in self._est)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Current estimates, for status pages and tests."""

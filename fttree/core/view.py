@@ -8,6 +8,7 @@ this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -67,6 +68,21 @@ class View:
                 brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at[s] for s in slots.nephews),
                 height=slots.height, depth=slots.depth)
         return found
+
+    def without(self, dead: Iterable[int], epoch: int) -> View:
+        """The next view: `dead` removed, each hole filled by the member in the last slot (a heap
+        deletion), so only the links around the holes and of the moved members change."""
+        gone = set(dead)
+        members = list(self.members)
+        slot = 0
+        while slot < len(members):
+            if members[slot] in gone:
+                last = members.pop()
+                if slot < len(members):
+                    members[slot] = last
+                continue  # the member moved here may be gone too
+            slot += 1
+        return View(epoch, tuple(members))
 
     def subtree(self, rank: int) -> frozenset[int]:
         """Every rank in the subtree rooted at `rank`, itself included."""

@@ -84,9 +84,9 @@ class FaultyTransport:
                 return
         self._events.on_message(msg)
 
-    def on_link_down(self, peer: int, reason: str) -> None:
+    def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
         assert self._events is not None
-        self._events.on_link_down(peer, reason)
+        self._events.on_link_down(peer, reason, refused)
 
     def is_stale(self, msg: Message) -> bool:
         assert self._events is not None

@@ -1,10 +1,19 @@
-"""Node: one rank's driver. Feeds events to the TreeMachine and carries out its actions.
+"""Node: one rank's driver. Feeds events to the TreeMachine and the Membership machine and
+carries out their actions.
 
-I/O only: frames from the transport and fired timers go into `TreeMachine.handle`; the actions
-that come back become frames, timers and completed steps. A step is split into chunks (each its
-own op in the machine) and reassembled here. The transport and the clock are injected (the
+I/O only: frames from the transport and fired timers go into the machines; the actions that
+come back become frames, timers and completed steps. A step is split into chunks (each its own
+op in the TreeMachine) and reassembled here. The transport and the clock are injected (the
 seam): `TcpTransport` on an asyncio loop for real runs, an in-memory transport on a fake clock
 in the simulator (fttree.testing), so both run this same code.
+
+Node failures (core/membership.py) reach the tree through the node: a view change being agreed
+fences the tree (no results taken or produced) and holds new submits back; once a view is
+installed, the steps that some member finished keep that result (a holder sends it to those who
+lack it), and every other step in flight runs again in the new view with the contribution the
+caller handed over (which nothing writes to before the step completes), is aborted, or is handed
+back as StepRetry, by `on_node_failure`. A rank on the minority side, or left out, stops: every
+step, queued or later, fails with GroupLeft naming the view.
 """
 
 from __future__ import annotations
@@ -16,12 +25,27 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..core.config import Config
-from ..core.messages import Kind, Message
+from ..core.membership import (
+    Busy,
+    ControlReceived,
+    Fence,
+    Fenced,
+    Installed,
+    MemberAction,
+    MemberEvent,
+    Membership,
+    MemberState,
+    MemberStatus,
+    MemberTimer,
+    PeerDown,
+    Stopped,
+)
+from ..core.messages import VIEW_KINDS, Kind, Message
 from ..core.protocol import (
     AbortCode,
     Action,
@@ -41,15 +65,18 @@ from ..core.protocol import (
     TimerKey,
     TimerKind,
     TreeMachine,
+    Void,
 )
 from ..core.view import View
-from ..errors import StepAborted, TensorMismatch
+from ..errors import GroupLeft, StepAborted, StepRetry, TensorMismatch
 from .scheduler import Handle, Scheduler
 from .transport import Transport, TransportStatus
 
 log = logging.getLogger("fttree.net.node")
 
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
+_MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
+                            TimerKind.MEMBER_STALL})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -60,6 +87,7 @@ class StepResult:
     data: np.ndarray
     contributors: tuple[int, ...]
     duration_s: float
+    epoch: int = 0  # the view the step ran in
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,22 +96,26 @@ class NodeStatus:
 
     rank: int
     machine: MachineStatus
+    membership: MemberStatus
     transport: TransportStatus
     steps_in_flight: tuple[int, ...]
     last_steps: tuple[tuple[int, float], ...]  # (step, duration_s), oldest first
     note_counts: dict[NoteKind, int]
+    reruns: int  # steps run again in a new view after a node failure
 
 
 @dataclass(slots=True)
 class _Step:
     step: int
     future: Future[StepResult]
-    submitted: np.ndarray
+    submitted: np.ndarray  # the caller's contribution: read, never written, until the step completes
+    signature: str
     offsets: dict[int, int]
-    remaining: set[int]
-    started: float
-    out: np.ndarray | None = None  # where results go: the submitted buffer, or a copy at the root
+    started: float  # monotonic, for the duration
+    began: float  # the scheduler's clock, for the membership's silence checks
+    results: dict[int, np.ndarray] = field(default_factory=dict)
     contributors: tuple[int, ...] | None = None
+    epoch: int = 0
 
 
 class Node:
@@ -93,18 +125,29 @@ class Node:
         self.rank = rank
         self.cfg = config
         self.machine = TreeMachine(rank, view, config)
+        self.membership = Membership(rank, view, config)
         self.transport = transport
         self.scheduler = scheduler
         self._timers: dict[TimerKey, Handle] = {}
         self._steps: dict[int, _Step] = {}
+        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult]]] = []  # during a view change
+        self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
+        self.stopped: str | None = None  # why this rank produces no more results
+        self.reruns = 0
+        self._evicted: tuple[int, ...] = ()  # left out by the last view change
         self.note_counts: Counter[NoteKind] = Counter()
         self.step_durations: deque[tuple[int, float]] = deque(maxlen=100)
         self.note_listeners: list[Callable[[Note], None]] = []
         # (step, duration_s, error or None) when a step finishes here
         self.step_listeners: list[Callable[[int, float, str | None], None]] = []
+        self.view_listeners: list[Callable[[Installed], None]] = []
         self.started = False  # hard failures before this are peers still starting up
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
         transport.bind(self)
+
+    @property
+    def view(self) -> View:
+        return self.machine.view
 
     @property
     def neighbours(self) -> tuple[int, ...]:
@@ -134,14 +177,21 @@ class Node:
                 await asyncio.wait_for(self._quiet.wait(), end - self.scheduler.now())
 
     def stop(self, reason: str) -> None:
-        """Cancel every timer and fail every step still in flight with `reason`."""
+        """Cancel every timer and fail every step still in flight or held back with `reason`."""
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
+        self._fail_all(lambda step: StepAborted(step, reason))
+
+    def _fail_all(self, error: Callable[[int], StepAborted]) -> None:
         steps, self._steps = self._steps, {}
+        held, self._held_back = self._held_back, []
         for st in steps.values():
             if not st.future.done():
-                st.future.set_exception(StepAborted(st.step, reason))
+                st.future.set_exception(error(st.step))
+        for step, _data, _sig, future in held:
+            if not future.done():
+                future.set_exception(error(step))
 
     async def close(self) -> None:
         self.stop(f"rank {self.rank} was closed")
@@ -150,8 +200,15 @@ class Node:
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
-        """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error."""
+        """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
+        The array is read, never written, until the step completes (it may run again)."""
         if future.cancelled() or not future.set_running_or_notify_cancel():
+            return
+        if self.stopped is not None:
+            future.set_exception(GroupLeft(step, self.stopped))
+            return
+        if self.membership.state is MemberState.CHANGING:
+            self._held_back.append((step, data, signature, future))  # it runs in the view being agreed
             return
         try:
             self._submit(step, data, signature, future)
@@ -163,45 +220,73 @@ class Node:
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
-        st = _Step(step=step, future=future, submitted=data, offsets=dict(enumerate(starts)),
-                   remaining=set(range(len(starts))), started=self.scheduler.monotonic())
+        idle = not self._steps
+        st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
+                   started=self.scheduler.monotonic(), began=self.scheduler.now())
         self._steps[step] = st
-        for chunk, start in enumerate(starts):
-            piece = data[start:start + per_chunk]
-            self._handle(Submit(step=step, chunk=chunk, data=piece, signature=signature), raise_errors=True)
+        if idle:
+            self.membership.set_deadline(self.machine.watch_deadline_s())
+            self._member(Busy(since=st.began))
+        self._run(st)
+
+    def _run(self, st: _Step) -> None:
+        """Submit every chunk of a step to the machine, in the current view."""
+        st.results.clear()
+        st.contributors = None
+        st.epoch = self.view.epoch
+        per_chunk = max(1, self.cfg.chunk_bytes // max(1, st.submitted.itemsize))
+        for chunk, start in st.offsets.items():
+            piece = st.submitted[start:start + per_chunk]
+            self._handle(Submit(step=st.step, chunk=chunk, data=piece, signature=st.signature), raise_errors=True)
 
     def active_steps(self) -> list[int]:
         """Steps submitted here and not finished yet, oldest first."""
         return sorted(self._steps)
 
     def status(self) -> NodeStatus:
-        return NodeStatus(rank=self.rank, machine=self.machine.status(), transport=self.transport.status(),
-                          steps_in_flight=tuple(sorted(self._steps)), last_steps=tuple(self.step_durations),
-                          note_counts=dict(self.note_counts))
+        return NodeStatus(rank=self.rank, machine=self.machine.status(), membership=self.membership.status(),
+                          transport=self.transport.status(), steps_in_flight=tuple(sorted(self._steps)),
+                          last_steps=tuple(self.step_durations), note_counts=dict(self.note_counts),
+                          reruns=self.reruns)
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""
-        return {**self.machine.footprint(), "steps": len(self._steps), "timers": len(self._timers)}
+        return {**self.machine.footprint(), "steps": len(self._steps), "timers": len(self._timers),
+                "held_back": len(self._held_back)}
 
     # ---- transport events ------------------------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
+        now = self.scheduler.now()
+        if self.stopped is None:
+            self._do_member(self.membership.heard(msg.src, now))
+        if msg.kind in VIEW_KINDS:
+            self._member(ControlReceived(msg=msg))
+            return
+        if msg.epoch < self.view.epoch and self.stopped is None:
+            self._do_member(self.membership.stale_sender(msg))
         self._handle(Received(msg=msg))
 
     def is_stale(self, msg: Message) -> bool:
-        if msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK):
-            return False  # about links, not ops
-        return self.machine.is_retired(msg.op)
+        if msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP) or msg.kind in VIEW_KINDS:
+            return False  # about links, views or committed results, not ops of this view
+        return msg.epoch < self.view.epoch or self.machine.is_retired(msg.op)
 
-    def on_link_down(self, peer: int, reason: str) -> None:
-        if self.started:  # refusals while peers start up are expected
-            self._handle(LinkDown(peer=peer, reason=reason))
+    def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
+        if not self.started:  # refusals while peers start up are expected
+            return
+        self._handle(LinkDown(peer=peer, reason=reason))
+        if refused:
+            self._member(PeerDown(peer=peer, reason=reason))
 
-    # ---- the machine's actions ---------------------------------------------------------------
+    # ---- the tree machine's actions --------------------------------------------------------
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
-        self._handle(TimerFired(key=key))
+        if key.kind in _MEMBER_TIMERS:
+            self._member(MemberTimer(key=key))
+        else:
+            self._handle(TimerFired(key=key))
 
     def _handle(self, event: Event, *, raise_errors: bool = False) -> None:
         try:
@@ -212,10 +297,39 @@ class Node:
             # A bug: say so loudly, but keep serving the other steps and peers.
             log.exception("rank %d: protocol bug while handling %s", self.rank, type(event).__name__)
             return
+        self._do_all(actions)
+
+    def _do_all(self, actions: list[Action]) -> None:
+        voided: set[int] = set()
         for action in actions:
-            self._do(action)
+            if isinstance(action, Void):
+                voided.add(action.step)
+            else:
+                self._do(action)
+        for step in sorted(voided):
+            self._voided(step)
         if not self.owes_peers():
             self._quiet.set()
+
+    def _send(self, dst: int, msg: Message) -> None:
+        if dst == self.rank:  # a message to ourselves (a coordinator is a member too)
+            self.scheduler.call_later(0.0, lambda: self.on_message(msg))
+        else:
+            self.transport.send(dst, msg)
+
+    def _set_timer(self, key: TimerKey, at: float) -> None:
+        old = self._timers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        # Probes and membership timers run while a node lives, but never keep a simulation
+        # going on their own: steps in flight do (their deadlines), and end.
+        background = key.kind is TimerKind.PROBE or key.kind in _MEMBER_TIMERS
+        self._timers[key] = self.scheduler.call_at(at, lambda: self._fire(key), background=background)
+
+    def _cancel_timer(self, key: TimerKey) -> None:
+        handle = self._timers.pop(key, None)
+        if handle is not None:
+            handle.cancel()
 
     def _do(self, action: Action) -> None:
         match action:
@@ -223,17 +337,11 @@ class Node:
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
                     # tell observers how much was queued ahead, so their deadlines scale with it
                     msg = dataclasses.replace(msg, queued_bytes=self.transport.backlog_bytes(msg.target))
-                self.transport.send(dst, msg)
+                self._send(dst, msg)
             case SetTimer(key=key, at=at):
-                old = self._timers.pop(key, None)
-                if old is not None:
-                    old.cancel()
-                self._timers[key] = self.scheduler.call_at(at, lambda: self._fire(key),
-                                                           background=key.kind is TimerKind.PROBE)
+                self._set_timer(key, at)
             case CancelTimer(key=key):
-                handle = self._timers.pop(key, None)
-                if handle is not None:
-                    handle.cancel()
+                self._cancel_timer(key)
             case Complete():
                 self._on_complete(action)
             case Fail():
@@ -249,33 +357,118 @@ class Node:
         st = self._steps.get(done.step)
         if st is None:
             return
-        if st.out is None:
-            # At the root a chunk's result is its accumulator, and that memory is still queued
-            # for the children: the user gets a copy, never the buffer on the wire. Below the
-            # root the result lands in the submitted buffer itself.
-            root = np.may_share_memory(st.submitted, done.result)
-            st.out = np.empty_like(st.submitted) if root else st.submitted
-        start = st.offsets[done.chunk]
-        st.out[start:start + done.result.size] = done.result
+        st.results[done.chunk] = done.result
         st.contributors = done.contributors if st.contributors is None else st.contributors
-        st.remaining.discard(done.chunk)
-        if st.remaining:
+        if len(st.results) < len(st.offsets):
             return
+        # Every chunk is in: only now does the result replace the contribution (a step may have
+        # had to run again on it until here). Root results are buffers of their own.
+        for chunk, result in st.results.items():
+            start = st.offsets[chunk]
+            st.submitted[start:start + result.size] = result
         del self._steps[done.step]
+        self._completed.append(done.step)
         duration = self.scheduler.monotonic() - st.started
         self.step_durations.append((done.step, duration))
         for listener in self.step_listeners:
             listener(done.step, duration, None)
+        self._maybe_idle()
         if not st.future.done():
-            st.future.set_result(StepResult(step=done.step, data=st.out, contributors=st.contributors,
-                                            duration_s=duration))
+            st.future.set_result(StepResult(step=done.step, data=st.submitted, contributors=st.contributors,
+                                            duration_s=duration, epoch=st.epoch))
 
     def _on_fail(self, fail: Fail) -> None:
         st = self._steps.pop(fail.step, None)
         log.warning("rank %d: step %d chunk %d failed: %s", self.rank, fail.step, fail.chunk, fail.reason)
         if st is None or st.future.done():
             return
+        self._maybe_idle()
         for listener in self.step_listeners:
             listener(fail.step, self.scheduler.monotonic() - st.started, fail.reason)
         cls = TensorMismatch if fail.code == AbortCode.MISMATCH else StepAborted
         st.future.set_exception(cls(fail.step, fail.reason, peers=fail.peers))
+
+    def _maybe_idle(self) -> None:
+        if not self._steps:
+            self._member(Busy(since=None))
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def _member(self, event: MemberEvent) -> None:
+        if self.stopped is not None:
+            return
+        self._do_member(self.membership.handle(event, self.scheduler.now()))
+
+    def _do_member(self, actions: list[MemberAction]) -> None:
+        for action in actions:
+            match action:
+                case Send(dst=dst, msg=msg):
+                    self._send(dst, msg)
+                case SetTimer(key=key, at=at):
+                    self._set_timer(key, at)
+                case CancelTimer(key=key):
+                    self._cancel_timer(key)
+                case Fence():
+                    self.machine.fence()
+                    held = tuple(sorted(set(self._completed)))
+                    self._do_member(self.membership.handle(Fenced(held=held), self.scheduler.now()))
+                case Installed():
+                    self._install(action)
+                case Stopped(state=state, reason=reason):
+                    self._stopped(state, reason)
+
+    def _install(self, inst: Installed) -> None:
+        log.warning("rank %d: view %d installed: %s; evicted %s (%s)", self.rank, inst.view.epoch,
+                    list(inst.view.members), list(inst.evicted), inst.reason)
+        self._evicted = inst.evicted
+        self._do_all(self.machine.install(inst.view, inst.committed, self.scheduler.now()))
+        for plan in inst.catch_up:
+            if plan.holder != self.rank:
+                continue
+            for chunk, result, contributors, signature in self.machine.result_of(plan.step):
+                msg = Message(kind=Kind.CATCHUP, src=self.rank, epoch=inst.view.epoch, step=plan.step, chunk=chunk,
+                              contributors=contributors, dtype=result.dtype.str, numel=int(result.size),
+                              signature=signature, payload=result.data.cast("B"))
+                for dst in plan.lacking:
+                    self._send(dst, msg)
+        held, self._held_back = self._held_back, []
+        for step, data, signature, future in held:
+            try:
+                self._submit(step, data, signature, future)
+            except Exception as exc:
+                self._steps.pop(step, None)
+                future.set_exception(exc)
+        for listener in self.view_listeners:
+            listener(inst)
+        if self._steps:
+            self._member(Busy(since=min(st.began for st in self._steps.values())))
+
+    def _voided(self, step: int) -> None:
+        """A step in flight had no result anywhere when the view changed: by policy, run it
+        again in the new view, abort it, or hand it back to the caller to run again."""
+        st = self._steps.get(step)
+        if st is None or st.future.done():
+            return
+        view = self.view
+        evicted = self._evicted
+        what = (f"ranks {list(evicted)} failed during step {step}; the group went on without them in view "
+                f"{view.epoch} ({len(view.members)} workers)")
+        policy = self.cfg.on_node_failure
+        if policy == "forward":
+            self.reruns += 1
+            self._run(st)
+            return
+        del self._steps[step]
+        self._maybe_idle()
+        if policy == "rollback":
+            st.future.set_exception(StepRetry(step, f"{what}: run this step again (on_node_failure='rollback')",
+                                              peers=evicted, epoch=view.epoch, members=view.members))
+        else:
+            st.future.set_exception(StepAborted(step, f"{what}: the step was aborted (on_node_failure='abort')",
+                                                peers=evicted))
+
+    def _stopped(self, state: MemberState, reason: str) -> None:
+        log.error("rank %d: %s", self.rank, reason)
+        self.stopped = reason
+        self.machine.fence()
+        self._fail_all(lambda step: GroupLeft(step, reason))

@@ -88,6 +88,9 @@ class _OutLink:
         self.idle = asyncio.Event()  # nothing queued and the last drain finished
         self.idle.set()
         self.writer: asyncio.StreamWriter | None = None
+        self.ever_connected = False
+        self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
+        self.eof_watch: asyncio.Task[None] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"fttree-link-{peer}")
 
     def backlog_bytes(self) -> int:
@@ -105,13 +108,13 @@ class _OutLink:
     async def _connect(self) -> bool:
         t, addr = self.t, self.t.addresses[self.peer]
         try:
-            _, writer = await asyncio.wait_for(
+            reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0), limit=STREAM_LIMIT),
                 t.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             t.stats[self.peer].last_error = f"connect to {addr}: {exc or type(exc).__name__}"
             if isinstance(exc, ConnectionRefusedError):
-                t.events.on_link_down(self.peer, f"connection to {addr} refused")
+                t.events.on_link_down(self.peer, f"connection to {addr} refused", True)
             return False
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -120,9 +123,23 @@ class _OutLink:
         for buf in encode(Message(kind=Kind.HELLO, src=t.rank, world=t.world)):
             writer.write(buf)
         self.writer = writer
+        self.ever_connected = True
         t.stats[self.peer].connects += 1
         self.connected.set()
+        self.eof_watch = asyncio.get_running_loop().create_task(self._watch_eof(reader, writer))
         return True
+
+    async def _watch_eof(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The peer never writes on our outgoing connection, so its end of file means its
+        process closed the socket (or died): notice it now, not at the next send."""
+        with contextlib.suppress(OSError):
+            while await reader.read(1 << 16):
+                pass
+        if self.writer is writer and not self.t.closed:
+            self._drop_connection(f"rank {self.peer} closed the connection")
+            self.t.events.on_link_down(self.peer, "closed by the peer")
+            self.redial = True
+            self.wake.set()
 
     def _drop_connection(self, why: str) -> None:
         stats = self.t.stats[self.peer]
@@ -142,11 +159,18 @@ class _OutLink:
     async def _run(self) -> None:
         backoff = 0.05
         while not self.t.closed:
-            if self.writer is None and not await self._connect():
-                self._drop_stale()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+            if self.writer is None and self.ever_connected and not self.queue and not self.redial:
+                self.idle.set()  # nothing to send: dial again only when there is
+                self.wake.clear()
+                await self.wake.wait()
                 continue
+            if self.writer is None:
+                self.redial = False
+                if not await self._connect():
+                    self._drop_stale()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
             backoff = 0.05
             try:
                 await self._drain_queue()
@@ -287,6 +311,10 @@ class TcpTransport:
         for inbound in list(self._inbound):
             inbound.abort()
         tasks = [link.task for link in self._out.values()]
+        for link in self._out.values():
+            if link.eof_watch is not None:
+                link.eof_watch.cancel()
+                tasks.append(link.eof_watch)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- inbound ----------------------------------------------------------------------

@@ -20,8 +20,9 @@ class TransportEvents(Protocol):
 
     def on_message(self, msg: Message) -> None: ...
 
-    def on_link_down(self, peer: int, reason: str) -> None:
-        """A hard failure on the link to `peer`: refused, reset or closed."""
+    def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
+        """A hard failure on the link to `peer`: reset or closed, or (`refused`) a reconnect
+        that nobody answered, which is what a dead process looks like."""
 
     def is_stale(self, msg: Message) -> bool:
         """May a queued frame be dropped unsent (its op finished here)?"""

@@ -175,7 +175,7 @@ class MemoryNetwork:
             self.clock.call_later(delay, functools.partial(self._deliver, dst, msg))
 
     def _deliver(self, dst: int, msg: Message) -> None:
-        if dst in self.crashed:
+        if dst in self.crashed or msg.src in self.crashed:  # a killed process's unsent data is lost with it
             return
         if dst in self._hung:
             self._hung[dst].append(msg)
@@ -190,4 +190,4 @@ class MemoryNetwork:
     def _refused(self, src: int, dst: int) -> None:
         t = self.transports.get(src)
         if t is not None and t.events is not None and src not in self.crashed and src not in self._hung:
-            t.events.on_link_down(dst, f"connection to rank {dst} refused")
+            t.events.on_link_down(dst, f"connection to rank {dst} refused", True)

@@ -90,6 +90,11 @@ class SimNetwork:
         return [n.machine for n in self.nodes]
 
     @property
+    def hung(self) -> frozenset[int]:
+        """Ranks stopped by `hang` and not resumed."""
+        return frozenset(self._hung)
+
+    @property
     def now(self) -> float:
         return self.clock.now()
 
@@ -197,14 +202,19 @@ class SimNetwork:
         self.clock.run(until)
 
     def run_until_finished(self, step: int, *, limit_s: float = 60.0, ranks: Sequence[int] | None = None) -> None:
-        """Process events until every rank (alive, or of `ranks`) has an outcome for `step`."""
+        """Process events until every rank (of `ranks`, or all) that has not crashed and does
+        not hang has an outcome for `step`."""
         end = self.clock.now() + limit_s
-        wanted = [r for r in range(self.world) if r not in self.wire.crashed] if ranks is None else list(ranks)
-        while any((r, step) not in self.results for r in wanted):
+
+        def missing() -> list[int]:  # a rank that crashed or hangs meanwhile is no longer waited for
+            wanted = range(self.world) if ranks is None else ranks
+            return [r for r in wanted
+                    if (r, step) not in self.results and r not in self.wire.crashed and r not in self._hung]
+
+        while missing():
             nxt = self.clock.next_at
             if nxt is None or self.clock.now() >= end:
-                missing = [r for r in wanted if (r, step) not in self.results]
-                raise AssertionError(f"ranks {missing} have no outcome for step {step} after {limit_s:g} s")
+                raise AssertionError(f"ranks {missing()} have no outcome for step {step} after {limit_s:g} s")
             self.clock.run(until=min(end, nxt))
 
     def outcome(self, rank: int, step: int) -> Outcome | None:

@@ -1,0 +1,694 @@
+"""Membership: which ranks are alive, and the agreement that moves the group to a new view.
+
+A pure state machine like TreeMachine (`handle(event, now) -> actions`). The Node feeds it every
+frame it hears (`heard`), refused connections, its own activity and the membership messages,
+and carries out what comes back. It never touches an op: TreeMachine learns the outcome as a
+view change (`Installed`), and is told to stop taking results while one is being agreed
+(`Fence`).
+
+Detection. A tree or backup neighbour that has been silent for the node deadline while this rank
+has a step in flight is suspected; from half of that deadline on it is pinged, and any frame from
+it counts as life. A connection to a member that is refused (its process is gone: the transport
+tried to reconnect and nobody listens) suspects it at once. The node deadline is derived from the
+adaptive timeouts: four times the longest backup-watch deadline this rank has learnt (before
+samples, the first guess `timeout_s`), at least `node_deadline_s` (1 s) and at most twice the
+adaptive ceiling (4 s).
+
+Confirmation. A suspicion goes to every member (SUSPECT). A neighbour of the suspect that gets it
+pings the suspect and, if it answers, tells everyone (ALIVE), which starts the suspect's
+confirmation clock over. A rank is confirmed dead once suspected for `confirm_wait_s` without an
+ALIVE, by at least two of its neighbours that are not dead themselves (one, if it has only one
+such neighbour), counted over the largest set of suspects for which that holds (a fixed point):
+a partition's far side, whose members each have one neighbour on this side, is confirmed as a
+whole, while one silent link (two ranks suspecting each other) or two serial cuts (the others
+still hear the middle rank, and say so) never are. Silence on every link is what a crash or a
+hang looks like; silence on some links is a link fault, which the relays handle within a step.
+
+Agreement: single-decree Paxos per view. The coordinator is the member in the lowest slot that
+is not confirmed dead. Its ballot (round, then slot) must be the highest a member has seen:
+    PREPARE -> PROMISE   the member fences its results of this view (it takes no more results and
+                         finalizes nothing, so what it reports is final) and reports the steps it
+                         holds complete results of, and any value it accepted before;
+    ACCEPT  -> ACCEPTED  the value: a value accepted before if any (the highest ballot's), else
+                         the next view without the dead ranks and without those that did not
+                         promise (View.without, a heap deletion: fewest links change), the
+                         committed steps (every step some promiser holds: a user may have it, so
+                         it is never replaced), and a catch-up plan (for each committed step, one
+                         holder sends its result to the members that lack it);
+    COMMIT               once a majority of the current view accepted.
+A member stays fenced from its first promise until it learns the decision, so it never takes a
+result that the decided view runs again. Two coordinators (ranks that know different things) are
+safe: majorities intersect and a later ballot adopts any value accepted before. A coordinator
+that reaches no majority of promises and refusals is on the minority side of a partition: it
+tells its promisers (MINORITY), and they stop producing results and say so. A member that hears
+of a change it already installed answers with it (NACK carrying the value).
+
+Every step not committed was finished by nobody who promised: its members run it again in the
+new view with their own contributions (or hand it back to the caller, by policy). So a step
+either keeps the one result some rank may already have delivered, or gets a new one from the
+survivors; never two. The plan travels flattened: step, holder, count, then that many ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .config import Config
+from .messages import Kind, Message
+from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
+from .view import View
+
+SLOTS = 1 << 16  # ballot = round * SLOTS + (SLOTS - 1 - the coordinator's slot): later rounds, then earlier slots win
+
+
+class MemberState(Enum):
+    ACTIVE = "active"
+    CHANGING = "changing"  # promised in a view change: results are fenced until it is decided
+    MINORITY = "minority"  # on the side of a partition without a majority: produces no results
+    EVICTED = "evicted"  # the group went on without this rank
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerDown:
+    """The transport could not reach `peer`: its connection was refused."""
+
+    peer: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Busy:
+    """This rank has had a step in flight since `since` (None: idle)."""
+
+    since: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlReceived:
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberTimer:
+    key: TimerKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fenced:
+    """The node fenced its results as asked (Fence); `held` are the steps it holds complete
+    results of, final from now on."""
+
+    held: tuple[int, ...]
+
+
+MemberEvent = PeerDown | Busy | ControlReceived | MemberTimer | Fenced
+
+
+# ---- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CatchUp:
+    step: int
+    holder: int
+    lacking: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence:
+    """Stop taking or producing results of the current view, then report the steps held
+    (the Fenced event)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Installed:
+    """A new view: run the uncommitted steps in it, and carry out the catch-up plan."""
+
+    view: View
+    previous: View
+    committed: frozenset[int]
+    catch_up: tuple[CatchUp, ...]
+    evicted: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stopped:
+    """This rank can produce no more results: its side has no majority, or it was evicted."""
+
+    state: MemberState
+    reason: str
+
+
+MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped
+
+
+# ---- the value agreed on -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ViewValue:
+    epoch: int
+    members: tuple[int, ...]
+    committed: tuple[int, ...]
+    plan: tuple[int, ...]
+
+    @classmethod
+    def of(cls, msg: Message) -> ViewValue | None:
+        if not msg.proposed:
+            return None
+        return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan)
+
+    def fields(self) -> dict[str, object]:
+        return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan}
+
+
+def flatten_plan(plan: Iterable[CatchUp]) -> tuple[int, ...]:
+    out: list[int] = []
+    for c in plan:
+        out += [c.step, c.holder, len(c.lacking), *c.lacking]
+    return tuple(out)
+
+
+def unflatten_plan(flat: Sequence[int]) -> tuple[CatchUp, ...]:
+    out, i = [], 0
+    while i + 3 <= len(flat):
+        step, holder, n = flat[i], flat[i + 1], flat[i + 2]
+        if n < 0 or i + 3 + n > len(flat):
+            raise ValueError(f"catch-up plan is cut short at item {i}")
+        out.append(CatchUp(step=step, holder=holder, lacking=tuple(flat[i + 3:i + 3 + n])))
+        i += 3 + n
+    if i != len(flat):
+        raise ValueError("catch-up plan has trailing items")
+    return tuple(out)
+
+
+def confirmed_dead(view: View, reports: dict[int, set[int]], ready: Iterable[int]) -> frozenset[int]:
+    """The ranks the reports confirm dead: the largest set D of `ready` suspects in which each
+    has at least min(2, its neighbours outside D) reporters outside D, and at least one."""
+    dead = {p for p in ready if reports.get(p) and p in view}
+    changed = True
+    while changed:
+        changed = False
+        for p in sorted(dead):
+            neighbours = set(view.neighbours(p).all) - dead
+            reporters = reports[p] - dead - {p}
+            if len(reporters) < max(1, min(2, len(neighbours))):
+                dead.discard(p)
+                changed = True
+    return frozenset(dead)
+
+
+@dataclass(slots=True)
+class _Round:
+    """A view change this rank coordinates."""
+
+    ballot: int
+    dead: frozenset[int]
+    accepting: bool = False
+    promises: dict[int, tuple[tuple[int, ...], int, ViewValue | None]] = field(default_factory=dict)
+    refusals: set[int] = field(default_factory=set)
+    value: ViewValue | None = None
+    accepts: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Eviction:
+    rank: int
+    epoch: int  # the view it was left out of
+    reason: str
+    detected_after_s: float  # from the first suspicion to the commit
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberStatus:
+    """For /status and /metrics: suspicions, the agreement, and what was evicted."""
+
+    state: MemberState
+    epoch: int
+    reason: str  # why this rank stopped, if it did
+    suspects: dict[int, tuple[int, ...]]  # suspect -> the ranks suspecting it
+    evictions: tuple[Eviction, ...]  # newest last
+    evicted_total: int
+    node_deadline_s: float
+
+
+class Membership:
+    """One rank's view of the group. Deterministic: the same events at the same times give the
+    same actions."""
+
+    def __init__(self, rank: int, view: View, config: Config | None = None) -> None:
+        self.rank = rank
+        self.view = view
+        self.cfg = config or Config()
+        self.state = MemberState.ACTIVE
+        self.reason = ""
+        self.busy_since: float | None = None
+        self.node_deadline_s = self.cfg.node_deadline_s
+        self._last_heard: dict[int, float] = {}
+        self._pinged: dict[int, float] = {}
+        self._suspects: dict[int, str] = {}  # my own suspicions -> why
+        self._reports: dict[int, set[int]] = {}  # suspect -> reporters
+        self._standing: dict[int, float] = {}  # suspect -> since when it stands unrefuted
+        self._first_suspected: dict[int, float] = {}  # suspect -> the first report this view
+        self._refute: set[int] = set()  # suspects pinged to check them for the others
+        self._check_armed = False
+        self._installed_at = 0.0
+        # Paxos, for the view after the current one
+        self._round: _Round | None = None  # as coordinator
+        self._max_round = 0
+        self._promised = 0  # the highest ballot promised (0: none)
+        self._accepted: tuple[int, ViewValue] | None = None
+        self._held: tuple[int, ...] | None = None  # once fenced: the steps reported held
+        self._waiting: list[tuple[int, int]] = []  # (ballot, coordinator) promised before the node reported held
+        self._decided: tuple[int, ViewValue] | None = None  # the last change installed: (its base epoch, value)
+        self._evictions: list[Eviction] = []
+        self._evicted_total = 0
+        self._told: dict[int, int] = {}  # left-out rank -> the view we told it about
+
+    # ---- public ------------------------------------------------------------------------------
+
+    def heard(self, peer: int, now: float) -> list[MemberAction]:
+        """Any frame from `peer`. The Node calls this for every frame: keep it cheap."""
+        self._last_heard[peer] = now
+        if peer not in self._refute and peer not in self._suspects:
+            return []
+        out: list[MemberAction] = []
+        if peer in self._refute:
+            self._refute.discard(peer)
+            self._to_all(self._msg(Kind.ALIVE, target=peer), out)
+        if self._suspects.pop(peer, None) is not None:
+            self._to_all(self._msg(Kind.SUSPECT, target=peer, code=0), out)
+            self._report(self.rank, peer, False, now, out)
+        return out
+
+    def handle(self, event: MemberEvent, now: float) -> list[MemberAction]:
+        out: list[MemberAction] = []
+        if self.state in (MemberState.MINORITY, MemberState.EVICTED):
+            return out
+        match event:
+            case Busy(since=since):
+                self.busy_since = since
+                if since is not None and not self._check_armed:
+                    self._arm_check(now, out)
+            case PeerDown(peer=peer, reason=reason):
+                if peer in self.view and peer != self.rank:
+                    self._suspect(peer, f"connection refused ({reason})", now, out)
+            case MemberTimer(key=key):
+                self._on_timer(key, now, out)
+            case ControlReceived(msg=msg):
+                self._on_message(msg, now, out)
+            case Fenced(held=held):
+                self._held = held
+                waiting, self._waiting = self._waiting, []
+                for ballot, coordinator in waiting:
+                    self._send_promise(ballot, coordinator, now, out)
+        return out
+
+    def set_deadline(self, longest_watch_s: float) -> None:
+        """Derive the node deadline from the longest backup-watch deadline learnt."""
+        self.node_deadline_s = min(max(4 * longest_watch_s, self.cfg.node_deadline_s), 2 * self.cfg.adaptive_ceiling_s)
+
+    def stale_sender(self, msg: Message) -> list[MemberAction]:
+        """A frame of an older view from a rank not in ours: it missed the change that left it
+        out (it was cut off, or stopped and resumed). Tell it, once per rank and view."""
+        out: list[MemberAction] = []
+        if msg.src in self.view or msg.src == self.rank or self._told.get(msg.src) == self.view.epoch:
+            return out
+        self._told[msg.src] = self.view.epoch
+        out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                 proposed=self.view.epoch, members=self.view.members)))
+        return out
+
+    def status(self) -> MemberStatus:
+        return MemberStatus(state=self.state, epoch=self.view.epoch, reason=self.reason,
+                            suspects={p: tuple(sorted(r)) for p, r in sorted(self._reports.items()) if r},
+                            evictions=tuple(self._evictions), evicted_total=self._evicted_total,
+                            node_deadline_s=self.node_deadline_s)
+
+    # ---- detection -----------------------------------------------------------------------------
+
+    def _msg(self, kind: Kind, **kw: object) -> Message:
+        return Message(kind=kind, src=self.rank, epoch=self.view.epoch, **kw)  # type: ignore[arg-type]
+
+    def _neighbours(self) -> tuple[int, ...]:
+        return self.view.neighbours(self.rank).all
+
+    def _arm_check(self, now: float, out: list[MemberAction]) -> None:
+        self._check_armed = True
+        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CHECK, -1, 0), at=now + self.node_deadline_s / 4))
+
+    def _check(self, now: float, out: list[MemberAction]) -> None:
+        """While a step is in flight: ping neighbours silent for half the node deadline, suspect
+        those silent for all of it."""
+        self._check_armed = False
+        if self.busy_since is None:
+            return
+        deadline = self.node_deadline_s
+        for peer in self._neighbours():
+            silent = now - max(self._last_heard.get(peer, self._installed_at), self.busy_since)
+            if silent >= deadline:
+                self._suspect(peer, f"silent for {silent:.2f} s with a step in flight (node deadline "
+                                    f"{deadline:.2f} s)", now, out)
+            elif silent >= deadline / 2 and now - self._pinged.get(peer, -1e9) >= deadline / 4:
+                self._ping(peer, now, out)
+        self._evaluate(now, out)
+        self._arm_check(now, out)
+
+    def _ping(self, peer: int, now: float, out: list[MemberAction]) -> None:
+        self._pinged[peer] = now
+        out.append(Send(dst=peer, msg=self._msg(Kind.PING)))
+
+    def _suspect(self, peer: int, why: str, now: float, out: list[MemberAction]) -> None:
+        if peer in self._suspects:
+            return
+        self._suspects[peer] = why
+        self._to_all(self._msg(Kind.SUSPECT, target=peer, code=1), out, but=(peer,))
+        self._report(self.rank, peer, True, now, out)
+
+    def _report(self, reporter: int, suspect: int, on: bool, now: float, out: list[MemberAction]) -> None:
+        reporters = self._reports.setdefault(suspect, set())
+        if on:
+            if not reporters:
+                self._standing[suspect] = now
+                self._first_suspected.setdefault(suspect, now)
+                out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CONFIRM, -1, 0, suspect),
+                                    at=now + self.cfg.confirm_wait_s))
+            reporters.add(reporter)
+        else:
+            reporters.discard(reporter)
+            if not reporters:
+                del self._reports[suspect]
+                self._standing.pop(suspect, None)
+        self._evaluate(now, out)
+
+    def _dead(self, now: float) -> frozenset[int]:
+        # `since + wait`, the very sum the confirmation timer was set for (now - since could round below it)
+        ready = [p for p, since in self._standing.items() if now >= since + self.cfg.confirm_wait_s]
+        return confirmed_dead(self.view, self._reports, ready)
+
+    def _evaluate(self, now: float, out: list[MemberAction]) -> None:
+        """Start a view change if this rank is the coordinator and someone is confirmed dead."""
+        if self._round is not None:
+            return
+        dead = self._dead(now)
+        if not dead or self.rank in dead or next(r for r in self.view.members if r not in dead) != self.rank:
+            return
+        self._start_round(dead, now, out)
+
+    def _reason(self, peer: int) -> str:
+        reporters = sorted(self._reports.get(peer, ()))
+        mine = self._suspects.get(peer)
+        return f"suspected by ranks {reporters}" + (f" (here: {mine})" if mine else "")
+
+    def _to_all(self, msg: Message, out: list[MemberAction], but: tuple[int, ...] = ()) -> None:
+        for r in self.view.members:
+            if r != self.rank and r not in but:
+                out.append(Send(dst=r, msg=msg))
+
+    # ---- the coordinator ----------------------------------------------------------------------
+
+    def _start_round(self, dead: frozenset[int], now: float, out: list[MemberAction]) -> None:
+        alive = [m for m in self.view.members if m not in dead]
+        if not self._majority(alive):  # this side of the network cannot form the next view
+            minority = self._msg(Kind.MINORITY, ballot=0, members=tuple(alive), world=self.view.size)
+            for m in alive:
+                if m != self.rank:
+                    out.append(Send(dst=m, msg=minority))
+            self._stop(MemberState.MINORITY, self._minority_reason(len(alive), self.view.size), out)
+            return
+        self._max_round += 1
+        ballot = self._max_round * SLOTS + (SLOTS - 1 - self.view.slot_of(self.rank))
+        self._round = _Round(ballot=ballot, dead=dead)
+        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)))
+        self._to_all(prepare, out, but=tuple(dead))
+        self._on_prepare(prepare, now, out)  # this rank is a member too
+        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
+
+    def _expected(self, r: _Round) -> set[int]:
+        return {m for m in self.view.members if m not in r.dead}
+
+    def _majority(self, ranks: Iterable[int]) -> bool:
+        return 2 * len(set(ranks)) > self.view.size
+
+    def _on_promise(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        r = self._round
+        if r is None or r.accepting or msg.ballot != r.ballot:
+            return
+        r.promises[msg.src] = (msg.steps, msg.accepted, ViewValue.of(msg))
+        if self._expected(r) <= set(r.promises):
+            self._propose(now, out)
+
+    def _propose(self, now: float, out: list[MemberAction]) -> None:
+        r = self._round
+        assert r is not None
+        earlier = [(acc, v) for _held, acc, v in r.promises.values() if v is not None]
+        if earlier:  # Paxos: a value accepted before may have been decided; keep it
+            r.value = max(earlier, key=lambda av: av[0])[1]
+        else:
+            promised = set(r.promises)
+            new = self.view.without([m for m in self.view.members if m not in promised],
+                                    self.view.epoch + (r.ballot // SLOTS))
+            committed = sorted({s for held, _a, _v in r.promises.values() for s in held})
+            plan = []
+            for step in committed:
+                holders = sorted(m for m, (held, _a, _v) in r.promises.items() if step in held)
+                lacking = tuple(sorted(promised - set(holders)))
+                if lacking:
+                    plan.append(CatchUp(step=step, holder=self.rank if self.rank in holders else holders[0],
+                                        lacking=lacking))
+            r.value = ViewValue(epoch=new.epoch, members=new.members, committed=tuple(committed),
+                                plan=flatten_plan(plan))
+        r.accepting = True
+        accept = self._msg(Kind.VIEW_ACCEPT, ballot=r.ballot, **r.value.fields())
+        self._to_all(accept, out, but=tuple(r.dead))
+        self._on_accept(accept, now, out)
+        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
+
+    def _on_accepted(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        r = self._round
+        if r is None or not r.accepting or msg.ballot != r.ballot:
+            return
+        r.accepts.add(msg.src)
+        assert r.value is not None
+        if self._majority(r.accepts) and set(r.value.members) <= r.accepts:
+            self._decide(now, out)
+
+    def _decide(self, now: float, out: list[MemberAction]) -> None:
+        r = self._round
+        assert r is not None
+        assert r.value is not None
+        commit = self._msg(Kind.VIEW_COMMIT, ballot=r.ballot, **r.value.fields())
+        self._to_all(commit, out, but=tuple(r.dead))
+        self._install(commit, now, out)
+
+    def _round_deadline(self, now: float, out: list[MemberAction]) -> None:
+        r = self._round
+        if r is None:
+            self._stalled(now, out)
+            return
+        if r.accepting:
+            if self._majority(r.accepts):
+                self._decide(now, out)
+            else:
+                self._retry(now, out)
+        elif self._majority(r.promises):
+            self._propose(now, out)
+        elif self._majority(set(r.promises) | r.refusals):
+            self._retry(now, out)  # alive, but promised elsewhere: another round
+        else:
+            minority = self._msg(Kind.MINORITY, ballot=r.ballot, members=tuple(sorted(r.promises)),
+                                 world=self.view.size)  # the promisers stop with us
+            for m in r.promises:
+                if m != self.rank:
+                    out.append(Send(dst=m, msg=minority))
+            self._stop(MemberState.MINORITY, self._minority_reason(len(r.promises), self.view.size), out)
+
+    def _retry(self, now: float, out: list[MemberAction]) -> None:
+        self._round = None
+        dead = self._dead(now)
+        if dead and self.rank not in dead and next(m for m in self.view.members if m not in dead) == self.rank:
+            self._start_round(dead, now, out)
+
+    def _minority_reason(self, promised: int, size: int) -> str:
+        return (f"minority {promised} of {size}: view {self.view.epoch} has no majority on this side of the "
+                f"network ({size // 2 + 1} needed); this rank stops producing results")
+
+    # ---- a member ----------------------------------------------------------------------------
+
+    def _on_prepare(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        if msg.epoch < self.view.epoch:
+            self._tell_decided(msg, out)
+            return
+        if msg.epoch > self.view.epoch or self.rank in msg.missing:
+            return  # we are behind, or the one being left out: the decision will tell us
+        self._max_round = max(self._max_round, msg.ballot // SLOTS)
+        if msg.ballot <= self._promised:
+            out.append(Send(dst=msg.src, msg=self._msg(Kind.VIEW_NACK, ballot=self._promised)))
+            return
+        if self._round is not None and msg.src != self.rank and msg.ballot > self._round.ballot:
+            self._round = None  # a better coordinator: follow it
+        self._promised = msg.ballot
+        if self.state is MemberState.ACTIVE:
+            self.state = MemberState.CHANGING
+            out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
+        if self._held is None:
+            if not self._waiting:
+                out.append(Fence())
+            self._waiting.append((msg.ballot, msg.src))
+        else:
+            self._send_promise(msg.ballot, msg.src, now, out)
+
+    def _send_promise(self, ballot: int, coordinator: int, now: float, out: list[MemberAction]) -> None:
+        assert self._held is not None
+        accepted_ballot, value = self._accepted if self._accepted is not None else (0, None)
+        promise = self._msg(Kind.VIEW_PROMISE, ballot=ballot, steps=self._held, accepted=accepted_ballot,
+                            **(value.fields() if value is not None else {}))
+        if coordinator == self.rank:
+            self._on_promise(promise, now, out)
+        else:
+            out.append(Send(dst=coordinator, msg=promise))
+
+    def _on_accept(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        value = ViewValue.of(msg)
+        if msg.epoch != self.view.epoch or value is None:
+            return
+        if msg.ballot < self._promised or self._held is None:  # only a fenced promiser may accept
+            out.append(Send(dst=msg.src, msg=self._msg(Kind.VIEW_NACK, ballot=self._promised)))
+            return
+        self._promised = msg.ballot
+        self._accepted = (msg.ballot, value)
+        accepted = self._msg(Kind.VIEW_ACCEPTED, ballot=msg.ballot)
+        if msg.src == self.rank:
+            self._on_accepted(accepted, now, out)
+        else:
+            out.append(Send(dst=msg.src, msg=accepted))
+
+    def _on_nack(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        if msg.proposed and msg.epoch < self.view.epoch:
+            return
+        if msg.proposed:  # the sender installed a change of our view already: so do we
+            self._install(msg, now, out)
+            return
+        self._max_round = max(self._max_round, msg.ballot // SLOTS)
+        r = self._round
+        if r is not None:
+            r.refusals.add(msg.src)
+
+    def _tell_decided(self, msg: Message, out: list[MemberAction]) -> None:
+        """A proposal for a view we already left: answer with the change we installed from it."""
+        if self._decided is not None and self._decided[0] == msg.epoch:
+            out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                     **self._decided[1].fields())))  # type: ignore[arg-type]
+
+    def _install(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        value = ViewValue.of(msg)
+        if msg.epoch != self.view.epoch or value is None:
+            return
+        previous = self.view
+        if self.rank not in value.members:
+            self._stop(MemberState.EVICTED, f"rank {self.rank} was left out of view {value.epoch} (decided by "
+                                            f"rank {msg.src}): the others confirmed it dead or it did not answer "
+                                            f"the change in time", out)
+            return
+        try:
+            plan = unflatten_plan(value.plan)
+            view = View(value.epoch, value.members)
+        except ValueError:
+            return  # a broken value: the change will time out and run again
+        evicted = tuple(sorted(set(previous.members) - set(view.members)))
+        for r in evicted:
+            first = self._first_suspected.get(r)
+            self._evictions.append(Eviction(rank=r, epoch=view.epoch, reason=self._reason(r),
+                                            detected_after_s=0.0 if first is None else now - first))
+        self._evicted_total += len(evicted)
+        del self._evictions[:-16]
+        reason = "; ".join(f"rank {r} {self._reason(r)}" for r in evicted) or f"view {view.epoch} from rank {msg.src}"
+        self._decided = (previous.epoch, value)
+        self.view = view
+        self.state = MemberState.ACTIVE
+        self._round = None
+        self._promised = 0
+        self._accepted = None
+        self._held = None
+        self._waiting = []
+        self._suspects.clear()
+        self._reports.clear()
+        self._standing.clear()
+        self._first_suspected.clear()
+        self._refute.clear()
+        self._installed_at = now
+        for kind in (TimerKind.MEMBER_ROUND, TimerKind.MEMBER_STALL):
+            out.append(CancelTimer(key=TimerKey(kind, -1, 0)))
+        out.append(Installed(view=view, previous=previous, committed=frozenset(value.committed), catch_up=plan,
+                             evicted=evicted, reason=reason))
+
+    def _stalled(self, now: float, out: list[MemberAction]) -> None:
+        """Fenced and no decision in time: if this rank is the coordinator now (the old one may
+        have died), run a round; a promise is never taken back."""
+        if self.state is not MemberState.CHANGING:
+            return
+        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
+        self._retry(now, out)
+
+    def _stop(self, state: MemberState, reason: str, out: list[MemberAction]) -> None:
+        self.state = state
+        self.reason = reason
+        self._round = None
+        out.append(Stopped(state=state, reason=reason))
+
+    # ---- dispatch ------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        match msg.kind:
+            case Kind.PING:
+                out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
+            case Kind.PONG:
+                pass  # `heard` counted it
+            case Kind.VIEW_PREPARE:
+                self._on_prepare(msg, now, out)
+            case Kind.VIEW_PROMISE:
+                if msg.epoch == self.view.epoch:
+                    self._on_promise(msg, now, out)
+            case Kind.VIEW_ACCEPT:
+                self._on_accept(msg, now, out)
+            case Kind.VIEW_ACCEPTED:
+                if msg.epoch == self.view.epoch:
+                    self._on_accepted(msg, now, out)
+            case Kind.VIEW_COMMIT:
+                self._install(msg, now, out)
+            case Kind.VIEW_NACK:
+                self._on_nack(msg, now, out)
+            case Kind.MINORITY:
+                # from the coordinator we promised, or (ballot 0) from the rank that would coordinate
+                # this side and finds it has no majority: either way nothing here can form a view
+                if msg.epoch == self.view.epoch and self.rank in msg.members and msg.ballot in (0, self._promised):
+                    self._stop(MemberState.MINORITY, self._minority_reason(len(msg.members), msg.world), out)
+            case Kind.SUSPECT if msg.epoch == self.view.epoch and msg.target in self.view:
+                self._report(msg.src, msg.target, msg.code == 1, now, out)
+                if msg.code == 1 and msg.target in self._neighbours() and msg.target not in self._suspects:
+                    # check it for the others: only a frame heard after this ping refutes it
+                    self._refute.add(msg.target)
+                    self._ping(msg.target, now, out)
+            case Kind.ALIVE if msg.epoch == self.view.epoch and msg.target in self._standing:
+                self._standing[msg.target] = now  # refuted: the confirmation clock starts over
+                out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CONFIRM, -1, 0, msg.target),
+                                    at=now + self.cfg.confirm_wait_s))
+            case _:
+                pass
+
+    def _on_timer(self, key: TimerKey, now: float, out: list[MemberAction]) -> None:
+        match key.kind:
+            case TimerKind.MEMBER_CHECK:
+                self._check(now, out)
+            case TimerKind.MEMBER_CONFIRM:
+                self._evaluate(now, out)
+            case TimerKind.MEMBER_ROUND:
+                self._round_deadline(now, out)
+            case TimerKind.MEMBER_STALL:
+                self._stalled(now, out)
