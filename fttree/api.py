@@ -21,7 +21,7 @@ import numpy as np
 import uvloop
 
 from .core.config import Config
-from .core.faults import FaultSchedule
+from .core.faults import FaultKind, FaultSchedule
 from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
@@ -106,6 +106,10 @@ class FTTreeAllreduce:
         self.config = Config.build(config, **settings)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)
+        hangs = [str(r) for r in faults.node_faults() if r.kind is FaultKind.HANG]
+        if hangs:
+            raise ConfigError(f"{'; '.join(hangs)}: a hang is carried out by `fttree launch` (SIGSTOP, then SIGCONT) "
+                              f"and the simulator; a worker cannot stop and resume itself in-process")
         self.rank, self.world = rank, len(addresses)
         self.peers = addresses
         self.faults = faults
@@ -247,8 +251,35 @@ class FTTreeAllreduce:
             step = self._next_step
             self._next_step += 1
             self._marks.next_step = self._next_step
+        crash = self._crash_rule(step)
+        if crash is not None:
+            self.crash(f"rank {self.rank} crashed at step {self._marks.user_step(step)} "
+                       f"(fault injection: {crash})")
         self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
         return future
+
+    def _crash_rule(self, step: int) -> str | None:
+        """The `crash` rule for this rank that strikes when it reaches allreduce `step`, if any."""
+        user = self._marks.user_step(step)
+        for rule in self.faults.node_faults(self.rank):
+            if rule.kind is FaultKind.CRASH and user is not None and rule.first_step == user:
+                return str(rule)
+        return None
+
+    def crash(self, reason: str) -> None:
+        """Die as a killed process would (fault injection, tests): every connection of this rank
+        is reset and its listener closed at once; this and every later step fails with GroupLeft
+        naming `reason`. The handle stays usable for close()."""
+        loop, node = self._loop, self.node
+        if loop is None or node is None or loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(node.crash(reason), loop).result(timeout=10)
+
+    @property
+    def view(self) -> View:
+        """The membership view this rank is in now (epoch, ranks in tree slots)."""
+        return self.node.view if self.node is not None else View.initial(self.world)
 
     @property
     def step(self) -> int:

@@ -368,3 +368,38 @@ def test_fault_windows_count_training_steps_not_allreduce_steps() -> None:
 
     hit = {training_step(s) for _, s, _ in around}
     assert hit == {2, 3}, f"notes on link 1-0 in training steps {sorted(hit)}: {around}"
+
+
+@pytest.mark.parametrize("policy", ["forward", "rollback"])
+def test_training_goes_on_when_a_worker_crashes(policy: str) -> None:
+    """Rank 3 of 4 dies at training step 2 (its sockets reset, as with a SIGKILL). The others
+    finish that step and train on as three, their replicas identical; under rollback the
+    optimizer re-runs the voided buckets on the new view by itself."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[torch.Tensor] | str, tuple[int, ...], int]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), model,
+                                          allreduce=ar, bucket_mb=0.001)
+        for step in range(6):
+            x, y = data(step)
+            sl = slice(rank * BATCH, (rank + 1) * BATCH)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+            try:
+                opt.step()
+            except fttree.GroupLeft as exc:
+                return str(exc), (), step
+        assert ar.last is not None
+        return [p.detach().clone() for p in model.parameters()], ar.last.contributors, ar.view.epoch
+
+    results = ok(run_ranks(4, body, on_node_failure=policy, faults="crash 3 @2"))
+    crashed, _, at = results[3]
+    assert isinstance(crashed, str)
+    assert "rank 3 crashed at step 2" in crashed
+    assert at == 2
+    params = [p for p, _, _ in results[:3]]
+    for rank in (1, 2):
+        assert_params_close(params[rank], params[0], f"rank {rank} against rank 0")
+        for a, b in zip(params[rank], params[0], strict=True):
+            assert torch.equal(a, b)  # bit for bit: every survivor applied the same averages
+    assert {c for _, c, _ in results[:3]} == {(0, 1, 2)}
+    assert {e for _, _, e in results[:3]} == {1}

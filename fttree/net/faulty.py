@@ -126,5 +126,5 @@ class FaultyTransport:
                       for p in sorted(peers))
         return replace(inner, links=links, faults=str(self.schedule))
 
-    async def close(self, flush_s: float = 2.0) -> None:
-        await self.inner.close(flush_s)
+    async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
+        await self.inner.close(flush_s, abort=abort)

@@ -197,6 +197,13 @@ class Node:
         self.stop(f"rank {self.rank} was closed")
         await self.transport.close()
 
+    async def crash(self, reason: str) -> None:
+        """Die as a killed process would, for fault injection: every connection reset, the
+        listener gone, nothing more sent; every step here fails with `reason`."""
+        self.stopped = reason
+        self.stop(reason)
+        await self.transport.close(abort=True)
+
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:

@@ -292,11 +292,12 @@ class TcpTransport:
             raise PeerError(f"rank {self.rank} could not reach peers within {deadline_s:g} s: {detail}",
                             peers=tuple(missing))
 
-    async def close(self, flush_s: float = 2.0) -> None:
+    async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
         """Stop, first giving queued frames up to `flush_s` to go out (a peer may still need
-        the last step's result or relay from us)."""
+        the last step's result or relay from us). With `abort`, as a killed process would:
+        nothing more goes out, every connection is reset and the listener is gone at once."""
         busy = [link.idle.wait() for link in self._out.values() if link.connected.is_set() and not link.idle.is_set()]
-        if busy:
+        if busy and not abort:
             waits = [asyncio.ensure_future(b) for b in busy]
             await asyncio.wait(waits, timeout=flush_s)
             for w in waits:
@@ -307,7 +308,10 @@ class TcpTransport:
         for link in self._out.values():
             link.task.cancel()
             if link.writer is not None:
-                link.writer.close()  # graceful: what the socket buffer holds still goes out
+                if abort:
+                    link.writer.transport.abort()
+                else:
+                    link.writer.close()  # graceful: what the socket buffer holds still goes out
         for inbound in list(self._inbound):
             inbound.abort()
         tasks = [link.task for link in self._out.values()]

@@ -82,5 +82,6 @@ class Transport(Protocol):
 
     def status(self) -> TransportStatus: ...
 
-    async def close(self, flush_s: float = 2.0) -> None:
-        """Stop, first giving queued frames up to `flush_s` to go out."""
+    async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
+        """Stop, first giving queued frames up to `flush_s` to go out; with `abort`, at once,
+        resetting every connection, as a killed process would."""

@@ -73,7 +73,7 @@ class MemoryTransport:
                       for p, c in sorted(self.counts.items()))
         return TransportStatus(rank=self.rank, address=f"sim:{self.rank}", links=links)
 
-    async def close(self, flush_s: float = 2.0) -> None:
+    async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
         return None
 
 

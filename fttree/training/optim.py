@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..api import FTTreeAllreduce
-from ..errors import ConfigError, FTTreeError, StepAborted, TensorMismatch
+from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMismatch
 from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
 
@@ -75,26 +75,35 @@ def _named_tensors(target: Any, *, buffers: bool = True) -> Named:
     return unique
 
 
-def _wait(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
-          context: Callable[[int], str]) -> list[StepResult]:
-    """Results of all futures; on failure, the first error (with `context(i)` noted) after
-    every future has settled, so no step of this batch is left running behind the caller."""
+def _settle(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
+            context: Callable[[int], str]) -> list[StepResult | FTTreeError]:
+    """The outcome of every future (a result or its fttree error, with `context(i)` noted),
+    once all have settled, so no step of this batch is left running behind the caller."""
     deadline = time.monotonic() + ar.config.step_timeout_s + 10
-    results: list[StepResult] = []
-    first: BaseException | None = None
+    outcomes: list[StepResult | FTTreeError] = []
     for i, fut in enumerate(futures):
         try:
-            results.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            outcomes.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
         except FutureTimeout:
-            first = first or StepAborted(-1, f"rank {ar.rank}: no outcome within {ar.config.step_timeout_s + 10:g} s "
-                                             f"(event loop stuck?) while {context(i)}")
+            outcomes.append(StepAborted(-1, f"rank {ar.rank}: no outcome within {ar.config.step_timeout_s + 10:g} s "
+                                            f"(event loop stuck?) while {context(i)}"))
         except FTTreeError as exc:
-            if first is None:
-                exc.add_note(f"fttree rank {ar.rank}: while {context(i)}")
-                first = exc
-    if first is not None:
-        raise first
-    return results
+            exc.add_note(f"fttree rank {ar.rank}: while {context(i)}")
+            outcomes.append(exc)
+    return outcomes
+
+
+def _first_error(outcomes: Sequence[StepResult | FTTreeError]) -> list[StepResult]:
+    for out in outcomes:
+        if isinstance(out, FTTreeError):
+            raise out
+    return [out for out in outcomes if isinstance(out, StepResult)]
+
+
+def _wait(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
+          context: Callable[[int], str]) -> list[StepResult]:
+    """Results of all futures; on failure, the first error after every future has settled."""
+    return _first_error(_settle(futures, ar, context))
 
 
 def close_gracefully(allreduce: FTTreeAllreduce) -> None:
@@ -188,9 +197,14 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
 class GradientSync:
     """Per-parameter gradient hooks feeding fused buckets; `synchronize()` averages.
 
+    A bucket voided after a node failure (StepRetry, on_node_failure="rollback") is run again on
+    the new view by `synchronize()` itself, up to RETRIES times.
+
     `bucket_mb` caps a bucket's size; `backward_passes_per_step` > 1 accumulates that many
     backward passes locally and allreduces once (the gradients are summed over passes and
     averaged over workers, as in Horovod). `average=False` leaves the sum."""
+
+    RETRIES = 3
 
     def __init__(self, allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
                  bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
@@ -207,6 +221,7 @@ class GradientSync:
         self._bucket_of = {slot.param: spec.index for spec in self.buckets for slot in spec.slots}
         self._lock = threading.RLock()
         self.rounds = 0  # synchronizations submitted: the training steps fault windows count
+        self.retried = 0  # buckets submitted again after the group voided them (StepRetry)
         self._reset()
         self.synchronized = False  # True from synchronize() until the next gradient arrives
         if check:
@@ -306,11 +321,30 @@ class GradientSync:
             futures = [f for f in self._futures if f is not None]
             self._reset()
             self.rounds += 1  # submitted: the next gradients belong to the next training step
-        results = _wait(futures, self.ar, lambda i: f"averaging gradient bucket {self.buckets[i].index} "
-                                                    f"({self.buckets[i].names()})")
-        for spec, res in zip(self.buckets, results, strict=True):
+        outcomes = self._settle_retrying(futures)
+        for spec, res in zip(self.buckets, _first_error(outcomes), strict=True):
             self._write_back(spec, res)
         self.synchronized = True
+
+    def _settle_retrying(self, futures: list[Future[StepResult]]) -> list[StepResult | FTTreeError]:
+        """Wait for every bucket. Buckets the group voided after losing a worker (StepRetry,
+        on_node_failure="rollback") are submitted again on the new view, from the gradients
+        still in .grad; every survivor voided the same ones, so they agree on the new steps."""
+        def context(i: int) -> str:
+            return f"averaging gradient bucket {self.buckets[i].index} ({self.buckets[i].names()})"
+
+        outcomes = _settle(futures, self.ar, context)
+        for _ in range(self.RETRIES):
+            again = [i for i, out in enumerate(outcomes) if isinstance(out, StepRetry)]
+            if not again:
+                break
+            self.retried += len(again)
+            futures = list(futures)
+            for i in again:
+                futures[i] = self._launch(self.buckets[i])
+            for i, out in zip(again, _settle([futures[i] for i in again], self.ar, context), strict=True):
+                outcomes[i] = out
+        return outcomes
 
     def _write_back(self, spec: BucketSpec, res: StepResult) -> None:
         # res.data is read, never written: at the root it is also the payload of the result
