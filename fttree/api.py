@@ -174,7 +174,7 @@ class FTTreeAllreduce:
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler)
-        self.monitor = Monitor(self.node)
+        self.monitor = Monitor(self.node, world=self.world)
         try:
             loop.run_until_complete(self.node.start())
             if self.http_port is not None:

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import click
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -254,3 +255,38 @@ def test_log_records_carry_rank_and_step_as_json() -> None:
     assert first["level"] == "warning"
     assert "rank" in second
     assert "step" in second
+
+
+def test_a_dead_worker_shows_in_status_metrics_and_the_status_command() -> None:
+    """After rank 3 dies, the survivors' /status, /metrics and `fttree status` say so as data:
+    the view that left it out, the eviction with its reason and detection time."""
+    from fttree.status.cli import render
+
+    with cluster(4, timeout_s=0.1, http_port=0) as hs:
+        run_step(hs, 0)
+        hs[3].crash("test: rank 3 killed")
+        survivors = hs[:3]
+        futures = [h.allreduce_async(contribution(h.rank, 1, SIZE)) for h in survivors]
+        results = [f.result(timeout=30) for f in futures]
+        assert all(np.array_equal(r, results[0]) for r in results)
+        docs = [get_json(h, "/status") for h in survivors]
+        for doc in docs:
+            assert doc["view"]["epoch"] == 1
+            assert sorted(doc["view"]["members"]) == [0, 1, 2]
+            member = doc["membership"]
+            assert member["state"] == "active"
+            assert member["evicted_total"] == 1
+            (evicted,) = member["evictions"]
+            assert evicted["rank"] == 3
+            assert evicted["epoch"] == 1
+            assert evicted["detected_after_s"] >= 0
+            assert evicted["suspected_by"], evicted  # the ranks that reported it dead
+        figures = metrics(hs[0])
+        assert figures[("fttree_evictions_total", ())] == 1
+        assert figures[("fttree_view_epoch", ())] == 1
+        assert figures[("fttree_view_members", ())] == 3
+        lines = [click.unstyle(line) for line in render([*docs, "connection refused"])]
+    dead = [line for line in lines if line.startswith("rank 3  dead")]
+    assert dead, lines
+    assert "left out of view 1" in dead[0]
+    assert "view 1: 3 of 4" in lines[0]

@@ -223,6 +223,7 @@ class Eviction:
     epoch: int  # the view it was left out of
     reason: str
     detected_after_s: float  # from the first suspicion to the commit
+    suspected_by: tuple[int, ...]  # the ranks whose reports this rank heard
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -605,7 +606,8 @@ class Membership:
         for r in evicted:
             first = self._first_suspected.get(r)
             self._evictions.append(Eviction(rank=r, epoch=view.epoch, reason=self._reason(r),
-                                            detected_after_s=0.0 if first is None else now - first))
+                                            detected_after_s=0.0 if first is None else now - first,
+                                            suspected_by=tuple(sorted(self._reports.get(r, ())))))
         self._evicted_total += len(evicted)
         del self._evictions[:-16]
         reason = "; ".join(f"rank {r} {self._reason(r)}" for r in evicted) or f"view {view.epoch} from rank {msg.src}"

@@ -223,9 +223,21 @@ def _first_clause(error: str, limit: int = 160) -> str:
     return head if len(head) <= limit else head[:limit - 3] + "..."
 
 
+def _newest_view(docs: dict[int, dict[str, Any]], world: int) -> tuple[int, tuple[int, ...]]:
+    """The newest membership view any answering worker reports (epoch, ranks in tree slots)."""
+    views = [(d["view"]["epoch"], tuple(d["view"]["members"])) for d in docs.values()
+             if isinstance(d.get("view"), dict) and d.get("membership", {}).get("state") != "evicted"]
+    return max(views) if views else (0, tuple(range(world)))
+
+
+def _name(a: int, b: int) -> str:
+    return f"{max(a, b)}-{min(a, b)}"  # the fault language's spelling, as the workers report links
+
+
 def render(reports: Sequence[Report], *, now: float | None = None, max_events: int = 8) -> list[str]:
-    """The tree of workers with their links' health, as lines (styled with click.style)."""
-    from ..core.topology import backup_links, children_of
+    """The tree of workers (the newest view's) with their links' health, and the workers the
+    group left out, as lines (styled with click.style)."""
+    from ..core.view import View
 
     world = len(reports)
     docs = {r: rep for r, rep in enumerate(reports) if isinstance(rep, dict)}
@@ -234,37 +246,56 @@ def render(reports: Sequence[Report], *, now: float | None = None, max_events: i
         f"{min(current)}..{max(current)}"
     answering = click.style(f"{len(docs)}/{world} answering", fg="green" if len(docs) == world else "red", bold=True)
     stamp = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
-    lines = [f"fttree status  {world} workers  {answering}  step {steps}  {stamp}"]
+    epoch, members = _newest_view(docs, world)
+    view = View(epoch, members)
+    in_view = f"view {epoch}: {len(members)} of {world}" if epoch else ""
+    lines = [f"fttree status  {world} workers  {answering}  step {steps}  {in_view}  {stamp}".replace("    ", "  ")]
     wrong_world = sorted(r for r, d in docs.items() if d.get("world") != world)
     if wrong_world:
         lines.append(click.style(f"ranks {wrong_world} report another world size: is the peers list right?",
                                  fg="red"))
 
     def walk(rank: int, prefix: str, last: bool, top: bool) -> None:
-        line = _rank_line(rank, reports[rank])
+        line = _rank_line(rank, reports[rank] if rank < world else "not in the peers list")
+        kids = view.neighbours(rank).children
         if top:
             lines.append(line)
             child_prefix = ""
         else:
-            parent = (rank - 1) // 2
-            link = merge_link(f"{rank}-{parent}", (rank, parent), docs)
+            parent = view.neighbours(rank).parent
+            assert parent is not None
+            link = merge_link(_name(rank, parent), (rank, parent), docs)
             rtt = "" if link.get("rtt_ms") is None else f" rtt {link['rtt_ms']:.2f} ms"
             lines.append(f"{prefix}{'└── ' if last else '├── '}{_badge(link['state'])} {rank}-{parent}{rtt}  {line}")
             child_prefix = prefix + ("    " if last else "│   ")
             if link["state"] != "up":
-                lines.append(f"{child_prefix}{'    ' if not children_of(rank, world) else '│   '}"
+                lines.append(f"{child_prefix}{'    ' if not kids else '│   '}"
                              f"{click.style('↳ ' + str(link.get('reason', '')), fg=COLOURS[link['state']])}")
-        kids = children_of(rank, world)
         for i, c in enumerate(kids):
             walk(c, child_prefix, i == len(kids) - 1, False)
 
-    if world:
-        walk(0, "", True, True)
-    backups = [merge_link(f"{a if a > b else b}-{b if a > b else a}", (a, b), docs) for a, b in backup_links(world)]
+    if members:
+        walk(view.root, "", True, True)
+    pairs = {tuple(sorted((r, o))) for r in members for o in (view.neighbours(r).brother, view.neighbours(r).uncle)
+             if o is not None}
+    backups = [merge_link(_name(a, b), (a, b), docs) for a, b in sorted(pairs)]
     if backups:
         lines.append("backup links: " + "  ".join(f"{lk['name']} {_badge(lk['state'], 0)}" for lk in backups))
         lines.extend(f"  {lk['name']}: " + click.style(str(lk.get("reason", "")), fg=COLOURS[lk["state"]])
                      for lk in backups if lk["state"] != "up")
+    evicted: dict[int, dict[str, Any]] = {}
+    for d in docs.values():
+        for e in d.get("membership", {}).get("evictions", []):
+            evicted.setdefault(e["rank"], e)
+    for rank in sorted(set(range(world)) - set(members)):
+        e = evicted.get(rank)
+        why = (f"left out of view {e['epoch']} after {e['detected_after_s']:.2f} s: {e['reason']}" if e
+               else "not in the newest view")
+        lines.append(click.style(f"rank {rank}  dead  {why}", fg="red", bold=True))
+    for r, d in sorted(docs.items()):
+        stopped = d.get("membership", {}).get("stopped")
+        if stopped and r in members:
+            lines.append(click.style(f"rank {r}  stopped: {stopped}", fg="red"))
     faults: dict[str, list[int]] = {}
     for r, d in docs.items():
         if d.get("faults"):

@@ -23,6 +23,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                      10.0, 30.0, 60.0)
 LINK_STATES = ("up", "suspect", "failed", "probing")
+MEMBER_STATES = ("active", "changing", "minority", "evicted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,21 @@ def render(snap: Snapshot) -> str:
              [({}, snap.detours)])
     w.family("fttree_view_epoch", "gauge", "The membership view this worker is in (0: the first).",
              [({}, snap.epoch)])
+    w.family("fttree_view_members", "gauge", "Workers in this worker's view.", [({}, len(snap.members))])
+    w.family("fttree_member_state", "gauge", "This worker's membership state, one series per state: 1 for the current.",
+             [({"state": st}, int(snap.member_state == st)) for st in MEMBER_STATES])
+    w.family("fttree_evictions_total", "counter", "Workers left out of a view since this worker started.",
+             [({}, snap.evicted_total)])
+    w.family("fttree_suspects", "gauge", "Workers suspected dead right now (not yet confirmed).",
+             [({}, len(snap.suspects))])
+    if snap.evictions:
+        w.family("fttree_detection_seconds", "gauge",
+                 "From the first suspicion of the newest evicted worker to the view that left it out.",
+                 [({"rank": snap.evictions[-1].rank}, snap.evictions[-1].detected_after_s)])
+    w.family("fttree_step_reruns_total", "counter", "Steps run again on a new view after a worker failed.",
+             [({}, snap.reruns)])
+    w.family("fttree_node_deadline_seconds", "gauge", "Silence that makes this worker suspect a neighbour now.",
+             [({}, snap.node_deadline_s)])
     w.family("fttree_retransmissions_total", "counter",
              "Data this worker sent a second time over a backup link (relays and direct result pushes).",
              [({}, snap.retransmissions)])

@@ -38,6 +38,7 @@ from ..core.protocol import Cause, Note, NoteKind, OpPhase
 from .metrics import Histogram, HistogramView
 
 if TYPE_CHECKING:
+    from ..core.membership import Installed
     from ..net.node import Node, NodeStatus
     from ..net.transport import LinkStatus
 
@@ -110,11 +111,27 @@ class EventView:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EvictionView:
+    rank: int
+    epoch: int  # the view it was left out of
+    reason: str
+    detected_after_s: float
+    suspected_by: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     rank: int
     world: int
     epoch: int
     members: tuple[int, ...]
+    member_state: str  # active, changing, minority, evicted
+    stopped: str  # why this rank produces no more results ("" while it does)
+    suspects: dict[int, tuple[int, ...]]  # rank -> the ranks suspecting it now
+    evictions: tuple[EvictionView, ...]  # newest last
+    evicted_total: int
+    node_deadline_s: float
+    reruns: int
     address: str
     started_at: float
     at: float
@@ -156,6 +173,10 @@ class Snapshot:
             "rank": self.rank,
             "world": self.world,
             "view": {"epoch": self.epoch, "members": list(self.members)},
+            "membership": {"state": self.member_state, "stopped": self.stopped,
+                           "suspects": {str(r): list(by) for r, by in self.suspects.items()},
+                           "evictions": [asdict(e) for e in self.evictions], "evicted_total": self.evicted_total,
+                           "node_deadline_s": round(self.node_deadline_s, 3), "reruns": self.reruns},
             "address": self.address,
             "uptime_s": round(self.at - self.started_at, 3),
             "time": self.at,
@@ -198,9 +219,11 @@ class _Link:
 class Monitor:
     """Watches one Node. Create, use and close it on the node's loop thread."""
 
-    def __init__(self, node: Node, *, history: int = 10, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, node: Node, *, world: int | None = None, history: int = 10,
+                 clock: Callable[[], float] = time.time) -> None:
         self.node = node
         self.rank = node.rank
+        self.world = world if world is not None else node.view.size  # the job's ranks, whatever the view
         self.clock = clock
         self.started_at = clock()
         self.histogram = Histogram()
@@ -208,24 +231,45 @@ class Monitor:
         self.last_error = ""
         self.last_step: int | None = None
         self.events: deque[EventView] = deque(maxlen=history)
-        nb = node.machine.me
         self._links: dict[LinkKey, _Link] = {}
+        self._observed: dict[LinkKey, _Link] = {}
+        self._own_links()
+        node.note_listeners.append(self._on_note)
+        node.step_listeners.append(self._on_step)
+        node.view_listeners.append(self._on_view)
+        logs.bind_thread(self.rank, self.current_step)
+
+    def _own_links(self) -> None:
+        """One record per link to a tree neighbour in the current view; a link that stays a
+        link across a view change keeps its history."""
+        nb = self.node.machine.me
+        old, self._links = self._links, {}
         roles = (("parent", (nb.parent,)), ("child", nb.children), ("brother", (nb.brother,)),
                  ("uncle", (nb.uncle,)), ("nephew", nb.nephews))
         for role, peers in roles:
             for peer in peers:
-                if peer is not None and link_key(self.rank, peer) not in self._links:
-                    key = link_key(self.rank, peer)
-                    self._links[key] = _Link(key=key, role=role, peer=peer, changed_at=self.started_at)
-        self._observed: dict[LinkKey, _Link] = {}
-        node.note_listeners.append(self._on_note)
-        node.step_listeners.append(self._on_step)
-        logs.bind_thread(self.rank, self.current_step)
+                key = None if peer is None else link_key(self.rank, peer)
+                if key is None or key in self._links:
+                    continue
+                link = old.get(key) or _Link(key=key, role=role, peer=peer, changed_at=self.clock())
+                link.role, link.peer = role, peer
+                self._links[key] = link
+
+    def _on_view(self, inst: Installed) -> None:
+        self._own_links()
+        self._observed.clear()  # other workers' links: the tree around us changed
+        for rank in inst.evicted:
+            self.events.append(EventView(step=self.last_step if self.last_step is not None else -1, kind="view",
+                                         cause="evicted", link=None, at=self.clock(),
+                                         text=f"view {inst.view.epoch}: rank {rank} left out ({inst.reason})"))
 
     def close(self) -> None:
-        for listeners, fn in ((self.node.note_listeners, self._on_note), (self.node.step_listeners, self._on_step)):
+        pairs: tuple[tuple[list[Any], Any], ...] = ((self.node.note_listeners, self._on_note),
+                                                     (self.node.step_listeners, self._on_step),
+                                                     (self.node.view_listeners, self._on_view))
+        for listeners, fn in pairs:
             if fn in listeners:
-                listeners.remove(fn)  # type: ignore[arg-type]
+                listeners.remove(fn)
         logs.unbind_thread()
 
     def current_step(self) -> int | None:
@@ -373,8 +417,15 @@ class Monitor:
         phase = self._phase(status, in_flight[-1]) if in_flight else "idle"
         counts = status.note_counts
         view = status.machine.view
+        member = status.membership
         return Snapshot(
-            rank=self.rank, world=view.size, epoch=view.epoch, members=view.members,
+            rank=self.rank, world=self.world, epoch=view.epoch, members=view.members,
+            member_state=member.state.value, stopped=member.reason,
+            suspects=dict(member.suspects),
+            evictions=tuple(EvictionView(rank=e.rank, epoch=e.epoch, reason=e.reason,
+                                         detected_after_s=e.detected_after_s, suspected_by=e.suspected_by)
+                              for e in member.evictions),
+            evicted_total=member.evicted_total, node_deadline_s=member.node_deadline_s, reruns=status.reruns,
             address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
             step=current, phase=phase, in_flight=in_flight,
