@@ -94,7 +94,8 @@ class FTTreeAllreduce:
 
     def __init__(self, rank: int, peers: Sequence[str | Address], *, config: Config | None = None,
                  faults: str | FaultSchedule | None = None, http_port: int | None = None,
-                 http_host: str | None = None, http_token: str | None = None, **settings: Any) -> None:
+                 http_host: str | None = None, http_token: str | None = None, join: bool = False,
+                 **settings: Any) -> None:
         addresses = [p if isinstance(p, Address) else parse_address(p) for p in peers]
         if not addresses:
             raise ConfigError("peers is empty: list one host:port per rank")
@@ -124,6 +125,7 @@ class FTTreeAllreduce:
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None
         self.control: ControlServer | None = None
+        self.join = join
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -173,10 +175,12 @@ class FTTreeAllreduce:
         tcp = TcpTransport(self.rank, self.peers, connect_timeout_s=cfg.connect_timeout_s,
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
-        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler)
+        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join)
         self.monitor = Monitor(self.node, world=self.world)
         try:
             loop.run_until_complete(self.node.start())
+            if self.node.joined_at is not None:  # joined a running group: its step numbers from here on
+                self._next_step = self._marks.next_step = self.node.joined_at[0]
             if self.http_port is not None:
                 loop.run_until_complete(self._start_control())
         except BaseException as exc:
@@ -282,6 +286,22 @@ class FTTreeAllreduce:
         return self.node.view if self.node is not None else View.initial(self.world)
 
     @property
+    def joined_at(self) -> tuple[int, int] | None:
+        """For a worker that joined a running group: (its first allreduce step, its first
+        training step); None for a worker of the first start."""
+        return None if self.node is None else self.node.joined_at
+
+    def leave(self) -> None:
+        """Leave the group for good after the steps submitted so far: the others drop this rank
+        from their next view at once, without detecting a failure or paying a timeout. Later
+        steps here raise GroupLeft; close() afterwards."""
+        loop, node = self._loop, self.node
+        if loop is None or node is None or loop.is_closed():
+            return
+        limit = max(3 * node.membership.node_deadline_s, 2.0) + 5
+        asyncio.run_coroutine_threadsafe(node.leave(), loop).result(timeout=limit)
+
+    @property
     def step(self) -> int:
         """The number the next allreduce step submitted here will have."""
         return self._next_step
@@ -295,6 +315,10 @@ class FTTreeAllreduce:
         steps."""
         with self._lock:
             self._marks.mark(self._next_step, user_step)
+            first = self._next_step
+        if self._loop is not None and self.node is not None:
+            # in order with the submits that follow: a join decided for this step takes effect here
+            self._loop.call_soon_threadsafe(self.node.boundary, user_step, first)
 
     def _remember(self, done: Future[StepResult]) -> None:
         """Keep the newest completed step in `last`, whichever path submitted it."""

@@ -28,10 +28,13 @@ def test_data_message_round_trip_keeps_payload_bytes() -> None:
 
 def test_every_kind_round_trips() -> None:
     for kind in Kind:
-        payload = np.zeros(2, np.float64) if kind in DATA_KINDS else None
+        payload = np.zeros(2, np.float64) if kind in DATA_KINDS or kind is Kind.STATE else None
+        dtype = "|u1" if kind is Kind.STATE else "<f8"
+        numel = 16 if kind is Kind.STATE else 2
         msg = Message(kind=kind, src=1, epoch=3, step=4, origin=2, target=0, reason="r", missing=(5,), world=7,
                       ballot=65541, accepted=65540, proposed=4, members=(0, 2, 1), committed=(3, 4), plan=(3, 0, 1, 2),
-                      steps=(4,), dtype="<f8" if payload is not None else "", numel=2 if payload is not None else 0,
+                      steps=(4,), user_step=9, incarnation=123456789, training_step=8,
+                      dtype=dtype if payload is not None else "", numel=numel if payload is not None else 0,
                       payload=None if payload is None else payload.tobytes())
         out = decode(frame(msg))
         if payload is None:  # every field back as it was sent (a HELLO carries no step)
@@ -40,6 +43,7 @@ def test_every_kind_round_trips() -> None:
         assert out.src == 1
         assert (out.ballot, out.members, out.committed, out.plan, out.steps) == (
             65541, (0, 2, 1), (3, 4), (3, 0, 1, 2), (4,))
+        assert (out.user_step, out.incarnation, out.training_step) == (9, 123456789, 8)
 
 
 def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = VERSION) -> bytes:

@@ -127,7 +127,9 @@ class Fence:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Installed:
-    """A new view: run the uncommitted steps in it, and carry out the catch-up plan."""
+    """A new view: run the uncommitted steps in it, and carry out the catch-up plan. A view
+    that only adds `joined` ranks takes effect at training step `activate_at` (the tree keeps
+    the old view until this rank reaches it); otherwise at once (`activate_at` is -1)."""
 
     view: View
     previous: View
@@ -135,6 +137,16 @@ class Installed:
     catch_up: tuple[CatchUp, ...]
     evicted: tuple[int, ...]
     reason: str
+    joined: tuple[int, ...] = ()
+    activate_at: int = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """A join is being agreed (`on`): start no new training step until it is decided, so the
+    step it takes effect at is still ahead of this rank; `on=False`: go on."""
+
+    on: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,7 +157,7 @@ class Stopped:
     reason: str
 
 
-MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped
+MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold
 
 
 # ---- the value agreed on -----------------------------------------------------------------------
@@ -157,15 +169,18 @@ class ViewValue:
     members: tuple[int, ...]
     committed: tuple[int, ...]
     plan: tuple[int, ...]
+    user_step: int = -1  # a join: the training step it takes effect at (-1: at once)
 
     @classmethod
     def of(cls, msg: Message) -> ViewValue | None:
         if not msg.proposed:
             return None
-        return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan)
+        return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan,
+                   user_step=msg.user_step)
 
     def fields(self) -> dict[str, object]:
-        return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan}
+        return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan,
+                "user_step": self.user_step}
 
 
 def flatten_plan(plan: Iterable[CatchUp]) -> tuple[int, ...]:
@@ -210,6 +225,8 @@ class _Round:
 
     ballot: int
     dead: frozenset[int]
+    joining: tuple[int, ...] = ()  # a join round: these ranks are added, nobody fences
+    user_steps: dict[int, int] = field(default_factory=dict)  # promiser -> its current training step
     accepting: bool = False
     promises: dict[int, tuple[tuple[int, ...], int, ViewValue | None]] = field(default_factory=dict)
     refusals: set[int] = field(default_factory=set)
@@ -271,12 +288,19 @@ class Membership:
         self._evictions: list[Eviction] = []
         self._evicted_total = 0
         self._told: dict[int, int] = {}  # left-out rank -> the view we told it about
+        # joins and leaves
+        self.user_step = -1  # the training step this rank is in (the node reports each boundary)
+        self.holding = False  # promised in a join round: start no training step until it is decided
+        self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
+        self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
+        self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
 
     # ---- public ------------------------------------------------------------------------------
 
     def heard(self, peer: int, now: float) -> list[MemberAction]:
         """Any frame from `peer`. The Node calls this for every frame: keep it cheap."""
         self._last_heard[peer] = now
+        self._unheard.discard(peer)
         if peer not in self._refute and peer not in self._suspects:
             return []
         out: list[MemberAction] = []
@@ -352,6 +376,8 @@ class Membership:
             return
         deadline = self.node_deadline_s
         for peer in self._neighbours():
+            if peer in self._unheard:  # a joiner starts at a later training step: its silence says nothing yet
+                continue
             silent = now - max(self._last_heard.get(peer, self._installed_at), self.busy_since)
             if silent >= deadline:
                 self._suspect(peer, f"silent for {silent:.2f} s with a step in flight (node deadline "
@@ -391,7 +417,8 @@ class Membership:
     def _dead(self, now: float) -> frozenset[int]:
         # `since + wait`, the very sum the confirmation timer was set for (now - since could round below it)
         ready = [p for p, since in self._standing.items() if now >= since + self.cfg.confirm_wait_s]
-        return confirmed_dead(self.view, self._reports, ready)
+        leaving = frozenset(p for p in self._leaving if p in self.view)
+        return confirmed_dead(self.view, self._reports, ready) | leaving
 
     def _evaluate(self, now: float, out: list[MemberAction]) -> None:
         """Start a view change if this rank is the coordinator and someone is confirmed dead."""
@@ -402,7 +429,25 @@ class Membership:
             return
         self._start_round(dead, now, out)
 
+    def _on_join(self, joiner: int, now: float, out: list[MemberAction]) -> None:
+        """A rank asks to be admitted (the node has checked it is a new process). Only the
+        coordinator acts; the joiner asks every member, again until admitted. A rank still in
+        the view is a restarted process: its old one is gone, so it is evicted first."""
+        if self.state is not MemberState.ACTIVE or self.holding or self._round is not None:
+            return
+        if next(r for r in self.view.members if r not in self._leaving) != self.rank:
+            return
+        if joiner in self.view:
+            self._gone[joiner] = "restarted: a new process of this rank asked to join"
+            self._start_round(frozenset({joiner}), now, out)
+        else:
+            self._start_round(frozenset(), now, out, joining=(joiner,))
+
     def _reason(self, peer: int) -> str:
+        if peer in self._gone:
+            return self._gone[peer]
+        if peer in self._leaving and peer not in self._reports:
+            return "left the group (graceful leave)"
         reporters = sorted(self._reports.get(peer, ()))
         mine = self._suspects.get(peer)
         return f"suspected by ranks {reporters}" + (f" (here: {mine})" if mine else "")
@@ -414,7 +459,8 @@ class Membership:
 
     # ---- the coordinator ----------------------------------------------------------------------
 
-    def _start_round(self, dead: frozenset[int], now: float, out: list[MemberAction]) -> None:
+    def _start_round(self, dead: frozenset[int], now: float, out: list[MemberAction],
+                     joining: tuple[int, ...] = ()) -> None:
         alive = [m for m in self.view.members if m not in dead]
         if not self._majority(alive):  # this side of the network cannot form the next view
             minority = self._msg(Kind.MINORITY, ballot=0, members=tuple(alive), world=self.view.size)
@@ -425,8 +471,8 @@ class Membership:
             return
         self._max_round += 1
         ballot = self._max_round * SLOTS + (SLOTS - 1 - self.view.slot_of(self.rank))
-        self._round = _Round(ballot=ballot, dead=dead)
-        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)))
+        self._round = _Round(ballot=ballot, dead=dead, joining=joining)
+        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)), members=joining)
         self._to_all(prepare, out, but=tuple(dead))
         self._on_prepare(prepare, now, out)  # this rank is a member too
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
@@ -442,6 +488,7 @@ class Membership:
         if r is None or r.accepting or msg.ballot != r.ballot:
             return
         r.promises[msg.src] = (msg.steps, msg.accepted, ViewValue.of(msg))
+        r.user_steps[msg.src] = msg.training_step
         if self._expected(r) <= set(r.promises):
             self._propose(now, out)
 
@@ -451,6 +498,12 @@ class Membership:
         earlier = [(acc, v) for _held, acc, v in r.promises.values() if v is not None]
         if earlier:  # Paxos: a value accepted before may have been decided; keep it
             r.value = max(earlier, key=lambda av: av[0])[1]
+        elif r.joining:
+            # Added in the last slots (leaves of the heap: no member's links change), from the
+            # training step after every promiser's current one: none has started it (they hold).
+            members = self.view.members + tuple(j for j in r.joining if j not in self.view)
+            r.value = ViewValue(epoch=self.view.epoch + (r.ballot // SLOTS), members=members, committed=(), plan=(),
+                                user_step=max(r.user_steps.values(), default=-1) + 1)
         else:
             promised = set(r.promises)
             new = self.view.without([m for m in self.view.members if m not in promised],
@@ -485,7 +538,7 @@ class Membership:
         assert r is not None
         assert r.value is not None
         commit = self._msg(Kind.VIEW_COMMIT, ballot=r.ballot, **r.value.fields())
-        self._to_all(commit, out, but=tuple(r.dead))
+        self._to_all(commit, out, but=tuple(d for d in r.dead if d not in self._leaving))
         self._install(commit, now, out)
 
     def _round_deadline(self, now: float, out: list[MemberAction]) -> None:
@@ -535,6 +588,16 @@ class Membership:
         if self._round is not None and msg.src != self.rank and msg.ballot > self._round.ballot:
             self._round = None  # a better coordinator: follow it
         self._promised = msg.ballot
+        if msg.members and not msg.missing and self.state is MemberState.ACTIVE:
+            # a join: nothing is fenced (the steps in flight finish in this view); only the
+            # next training step waits for the decision, which says where the new view starts
+            if not self.holding:
+                self.holding = True
+                out.append(Hold(on=True))
+                out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
+            self._held = ()
+            self._send_promise(msg.ballot, msg.src, now, out)
+            return
         if self.state is MemberState.ACTIVE:
             self.state = MemberState.CHANGING
             out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
@@ -549,7 +612,7 @@ class Membership:
         assert self._held is not None
         accepted_ballot, value = self._accepted if self._accepted is not None else (0, None)
         promise = self._msg(Kind.VIEW_PROMISE, ballot=ballot, steps=self._held, accepted=accepted_ballot,
-                            **(value.fields() if value is not None else {}))
+                            training_step=self.user_step, **(value.fields() if value is not None else {}))
         if coordinator == self.rank:
             self._on_promise(promise, now, out)
         else:
@@ -602,6 +665,15 @@ class Membership:
             view = View(value.epoch, value.members)
         except ValueError:
             return  # a broken value: the change will time out and run again
+        if value.user_step >= 0 and self.user_step >= value.user_step:
+            # a join taking effect at a training step this rank has already begun (it did not
+            # promise in time): its steps would not line up with the others'. It leaves, and
+            # can come back as a joiner itself.
+            self._stop(MemberState.EVICTED, f"rank {self.rank} was already in training step {self.user_step} "
+                                            f"when view {value.epoch} was decided to start at step "
+                                            f"{value.user_step}; it must rejoin", out)
+            return
+        joined = tuple(r for r in view.members if r not in previous)
         evicted = tuple(sorted(set(previous.members) - set(view.members)))
         for r in evicted:
             first = self._first_suspected.get(r)
@@ -625,14 +697,31 @@ class Membership:
         self._first_suspected.clear()
         self._refute.clear()
         self._installed_at = now
+        self._leaving &= set(view.members)
+        self._gone = {r: why for r, why in self._gone.items() if r in view}
+        self._unheard = set(joined)
         for kind in (TimerKind.MEMBER_ROUND, TimerKind.MEMBER_STALL):
             out.append(CancelTimer(key=TimerKey(kind, -1, 0)))
+        if joined:
+            reason = f"ranks {list(joined)} joined from training step {value.user_step}"
         out.append(Installed(view=view, previous=previous, committed=frozenset(value.committed), catch_up=plan,
-                             evicted=evicted, reason=reason))
+                             evicted=evicted, reason=reason, joined=joined, activate_at=value.user_step))
+        if self.holding:
+            self.holding = False
+            out.append(Hold(on=False))
 
     def _stalled(self, now: float, out: list[MemberAction]) -> None:
         """Fenced and no decision in time: if this rank is the coordinator now (the old one may
         have died), run a round; a promise is never taken back."""
+        if self.holding and self.state is MemberState.ACTIVE:
+            # a join round that never decided (its coordinator died): go on; the joiner asks again
+            self.holding = False
+            self._promised = 0
+            self._accepted = None
+            self._held = None
+            self._round = None
+            out.append(Hold(on=False))
+            return
         if self.state is not MemberState.CHANGING:
             return
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
@@ -664,6 +753,11 @@ class Membership:
                     self._on_accepted(msg, now, out)
             case Kind.VIEW_COMMIT:
                 self._install(msg, now, out)
+            case Kind.JOIN if msg.code == 1:
+                self._on_join(msg.src, now, out)
+            case Kind.LEAVE if msg.epoch == self.view.epoch and msg.src in self.view:
+                self._leaving.add(msg.src)
+                self._evaluate(now, out)
             case Kind.VIEW_NACK:
                 self._on_nack(msg, now, out)
             case Kind.MINORITY:

@@ -22,7 +22,7 @@ import msgpack
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 3  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership
+VERSION = 4  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -61,11 +61,21 @@ class Kind(IntEnum):
     VIEW_NACK = 22  # I promised `ballot`, higher than yours; or (`proposed` set) I installed this value already
     MINORITY = 23  # the change found no majority: `members` promised, `world` was the view's size
     CATCHUP = 24  # the committed result of (step, chunk) for a rank that did not get it
+    # elastic membership (membership.py, net/node.py, training/elastic.py)
+    JOIN = 25  # code 0: is a group running? code 1: admit me (`incarnation`: this process, `reason`: my address)
+    JOIN_REPLY = 26  # code 0: running in view `epoch` (`members`); 1: admitted into `epoch` (`members`) from
+    #                  allreduce `step`, training step `user_step`; 2: not running yet (starting up)
+    LEAVE = 27  # `src` finished its last step and leaves: drop it from the next view without waiting
+    STATE_REQUEST = 28  # send me the training state as of training step `user_step` or later
+    STATE = 29  # piece `chunk` of `world` of the training state at training step `user_step`; `signature`: digest
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
 VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
-                        Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY})
+                        Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
+                        Kind.JOIN, Kind.LEAVE})
+ELASTIC_KINDS = frozenset({Kind.JOIN_REPLY, Kind.STATE_REQUEST, Kind.STATE})  # the node's, not the tree's
+STATE_DTYPE = "|u1"  # STATE carries raw bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +107,9 @@ class Message:
     committed: tuple[int, ...] = ()  # VIEW_*: the steps the proposed view keeps (results some member holds)
     plan: tuple[int, ...] = ()  # VIEW_*: the catch-up plan, flattened (see membership.py)
     steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
+    user_step: int = -1  # VIEW_*: the training step a join takes effect at; JOIN_REPLY, STATE*: a training step
+    incarnation: int = 0  # JOIN: which start of the sender's process this is
+    training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
     world: int = 0  # HELLO: the job's size; MINORITY: the size of the view that lost its majority
     payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
 
@@ -135,9 +148,13 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     for key, ints in (("mb", msg.members), ("cm", msg.committed), ("pn", msg.plan), ("st", msg.steps)):
         if ints:
             header[key] = list(ints)
-    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed)):
+    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed), ("in", msg.incarnation)):
         if value:
             header[key] = value
+    if msg.user_step >= 0:
+        header["us"] = msg.user_step
+    if msg.training_step >= 0:
+        header["ts"] = msg.training_step
     head = msgpack.packb(header)
     payload = b"" if msg.payload is None else memoryview(msg.payload).cast("B")
     prefix = PREFIX.pack(MAGIC, VERSION, len(head), len(payload))
@@ -202,7 +219,10 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
     payload_len = 0 if payload is None else len(payload)
     dtype = _str(header, "d", "dtype")
     numel = _int(header, "e", 0, "numel")
-    if kind in DATA_KINDS:
+    if kind is Kind.STATE:
+        if dtype != STATE_DTYPE or numel != payload_len:
+            raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
+    elif kind in DATA_KINDS:
         if dtype not in WIRE_DTYPES:
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
         if numel < 0 or numel * int(dtype[-1]) != payload_len:
@@ -234,6 +254,9 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         committed=_ints(header, "cm", "committed"),
         plan=_ints(header, "pn", "plan"),
         steps=_ints(header, "st", "steps"),
+        user_step=_int(header, "us", -1, "user step"),
+        incarnation=_int(header, "in", 0, "incarnation"),
+        training_step=_int(header, "ts", -1, "training step"),
         payload=payload if payload_len else None,
     )
 

@@ -141,6 +141,7 @@ class Submit:
     chunk: int = 0
     data: np.ndarray
     signature: str  # dtype and shape of the whole tensor, compared across workers
+    contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -394,6 +395,29 @@ class TreeMachine:
                 self._on_message(msg, now, out)
         return out
 
+    def activate(self, view: View, now: float) -> list[Action]:
+        """Move to `view`, which only adds members (a join), at a training-step boundary: ops
+        in flight keep running in the view they began in, new ops run in this one, and frames
+        of this view that came early are handled now."""
+        out: list[Action] = []
+        self.view = view
+        self.me = view.neighbours(self.rank)
+        self._subtrees = {c: view.subtree(c) for c in self.me.children}
+        self.up = _UpLink()
+        self.down_failed.clear()
+        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
+        for msg in later:
+            if msg.epoch > view.epoch:
+                self._later.append(msg)
+            elif msg.epoch == view.epoch:
+                self._on_message(msg, now, out)
+        return out
+
+    def start_at(self, step: int) -> None:
+        """A joiner: its first op is `step`; every earlier step belongs to the group's past."""
+        self._max_step_submitted = step - 1
+        self._retired_floor = step
+
     def result_of(self, step: int) -> list[tuple[int, np.ndarray, tuple[int, ...], str]]:
         """(chunk, result, contributors, signature) of every chunk of `step` finished here and
         still kept (a holder serves them to ranks that lack them after a view change)."""
@@ -511,7 +535,8 @@ class TreeMachine:
                                                                     epoch=self.view.epoch))
         op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
         op.own = op.acc = ev.data
-        op.contributors.add(self.rank)
+        if ev.contribute:
+            op.contributors.add(self.rank)
         if op.failure is not None:  # an ABORT arrived before our submit
             self._emit_failure(op, op.failure, now, out)
             return
@@ -673,7 +698,8 @@ class TreeMachine:
                             text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
             return
         contributors = set(msg.contributors)
-        if not contributors or not contributors <= self._subtrees[origin] or contributors & op.contributors:
+        # (empty is allowed: a joiner still receiving its state takes part without contributing)
+        if not contributors <= self._subtrees[origin] or contributors & op.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
         if not self._matches(op, msg, now, out):

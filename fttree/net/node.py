@@ -22,8 +22,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from ..core.membership import (
     ControlReceived,
     Fence,
     Fenced,
+    Hold,
     Installed,
     MemberAction,
     MemberEvent,
@@ -45,7 +47,7 @@ from ..core.membership import (
     PeerDown,
     Stopped,
 )
-from ..core.messages import VIEW_KINDS, Kind, Message
+from ..core.messages import ELASTIC_KINDS, VIEW_KINDS, Kind, Message
 from ..core.protocol import (
     AbortCode,
     Action,
@@ -68,7 +70,7 @@ from ..core.protocol import (
     Void,
 )
 from ..core.view import View
-from ..errors import GroupLeft, StepAborted, StepRetry, TensorMismatch
+from ..errors import GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
 from .scheduler import Handle, Scheduler
 from .transport import Transport, TransportStatus
 
@@ -121,7 +123,8 @@ class _Step:
 class Node:
     """One rank's protocol driver. Every method runs on the scheduler's thread (the node's loop)."""
 
-    def __init__(self, rank: int, view: View, config: Config, transport: Transport, scheduler: Scheduler) -> None:
+    def __init__(self, rank: int, view: View, config: Config, transport: Transport, scheduler: Scheduler, *,
+                 join: bool = False, incarnation: int | None = None) -> None:
         self.rank = rank
         self.cfg = config
         self.machine = TreeMachine(rank, view, config)
@@ -143,6 +146,22 @@ class Node:
         self.view_listeners: list[Callable[[Installed], None]] = []
         self.started = False  # hard failures before this are peers still starting up
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
+        # joins and leaves (see elastic.md in the README: "Elastic jobs")
+        self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
+        self.joining = join  # this process asks a running group to admit it
+        self.joined_at: tuple[int, int] | None = None  # a joiner's (first allreduce step, first training step)
+        self._incarnations: dict[int, int] = {}  # rank -> the process we take to be that rank
+        self._candidates: dict[int, int] = {}  # rank -> the process that asked to join as it
+        self._group: tuple[int, tuple[int, ...]] | None = None  # (epoch, members) of a running group found
+        self._starting_replies: set[int] = set()  # peers that said they are starting up too
+        self._answered = asyncio.Event()
+        self._early: list[Message] = []  # a joiner's frames from before its admission
+        self._pending: Installed | None = None  # a decided join, taking effect at a training step
+        self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
+        self._hold_queue: list[Callable[[], None]] = []
+        self._marked = False  # the caller marks training steps (boundary); else each step is one
+        self.leaving = False
+        self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
         transport.bind(self)
 
     @property
@@ -157,10 +176,53 @@ class Node:
 
     async def start(self) -> None:
         await self.transport.start()
+        end = self.scheduler.now() + self.cfg.startup_timeout_s  # one deadline for all of the start
+        if not self.joining and await self._group_running(end):
+            self.joining = True
+        if self.joining:
+            await self._join(end)
         peers = sorted(self.neighbours)
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.transport.status().address, peers)
-        await self.transport.wait_for_peers(peers, self.cfg.startup_timeout_s)
+        await self.transport.wait_for_peers(peers, max(0.5, end - self.scheduler.now()))
         self.started = True
+        early, self._early = self._early, []
+        for msg in early:
+            self.on_message(msg)
+
+    def _query(self, code: int, ranks: Iterable[int]) -> None:
+        msg = Message(kind=Kind.JOIN, src=self.rank, code=code, incarnation=self.incarnation,
+                      reason=self.transport.status().address)
+        for r in ranks:
+            if r != self.rank:
+                self.transport.send(r, msg)
+
+    async def _group_running(self, end: float) -> bool:
+        """Ask every peer whether a group is already running (this process is a restart, or
+        came late): True if one says so, False once all say they are starting up too."""
+        peers = [r for r in self.view.members if r != self.rank]
+        while self._group is None and not set(peers) <= self._starting_replies and self.scheduler.now() < end:
+            self._query(0, (r for r in peers if r not in self._starting_replies))
+            self._answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._answered.wait(), 0.25)
+        return self._group is not None
+
+    async def _join(self, end: float) -> None:
+        """Ask the members to admit this rank until one says from which step (JOIN_REPLY 1)."""
+        while self.joined_at is None:
+            if self.scheduler.now() >= end:
+                asked = [] if self._group is None else list(self._group[1])
+                raise PeerError(f"rank {self.rank} was not admitted to the running group within "
+                                f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked))
+            if self._group is None:
+                self._query(0, self.view.members)  # join=True without a known group: find it first
+            else:
+                self._query(1, self._group[1])
+            self._answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._answered.wait(), 0.5)
+        log.info("rank %d joined view %d from step %d (training step %d)", self.rank, self.view.epoch,
+                 *self.joined_at)
 
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
@@ -209,6 +271,12 @@ class Node:
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again)."""
+        if self._holding:  # a join is being agreed: this step may be the one it starts at
+            self._hold_queue.append(lambda: self.submit(step, data, signature, future))
+            return
+        if not self._marked:  # without training-step marks, every allreduce step is one
+            self.boundary(step, step)
+            self._marked = False
         if future.cancelled() or not future.set_running_or_notify_cancel():
             return
         if self.stopped is not None:
@@ -264,6 +332,17 @@ class Node:
     # ---- transport events ------------------------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
+        if msg.kind in (Kind.JOIN, Kind.JOIN_REPLY):
+            self._on_join_message(msg)
+            return
+        if self.joining and self.joined_at is None:  # not in the group yet: keep what comes early
+            if msg.kind not in VIEW_KINDS and len(self._early) < self.cfg.max_ops_ahead:
+                self._early.append(msg)
+            return
+        if msg.kind in ELASTIC_KINDS:
+            for listener in self.elastic_listeners:
+                listener(msg)
+            return
         now = self.scheduler.now()
         if self.stopped is None:
             self._do_member(self.membership.heard(msg.src, now))
@@ -275,7 +354,8 @@ class Node:
         self._handle(Received(msg=msg))
 
     def is_stale(self, msg: Message) -> bool:
-        if msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP) or msg.kind in VIEW_KINDS:
+        if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP) or msg.kind in VIEW_KINDS
+                or msg.kind in ELASTIC_KINDS or msg.kind is Kind.JOIN_REPLY):
             return False  # about links, views or committed results, not ops of this view
         return msg.epoch < self.view.epoch or self.machine.is_retired(msg.op)
 
@@ -285,6 +365,103 @@ class Node:
         self._handle(LinkDown(peer=peer, reason=reason))
         if refused:
             self._member(PeerDown(peer=peer, reason=reason))
+
+    # ---- joins and leaves -------------------------------------------------------------------
+
+    def _on_join_message(self, msg: Message) -> None:
+        if msg.kind is Kind.JOIN_REPLY:
+            self._on_join_reply(msg)
+            return
+        if self.joining and self.joined_at is None:
+            return  # not a member yet: nothing to tell
+        known = self._incarnations.get(msg.src)
+        if msg.code == 0:
+            if known is None and not (self._completed or self.view.epoch):
+                self._incarnations[msg.src] = msg.incarnation  # a peer of the first start
+            restarted = known is not None and known != msg.incarnation
+            late = known is None and bool(self._completed or self.view.epoch)
+            running = self.stopped is None and (restarted or late or msg.src not in self.membership.view)
+            reply = Message(kind=Kind.JOIN_REPLY, src=self.rank, code=0 if running else 2,
+                            epoch=self.membership.view.epoch, members=self.membership.view.members)
+            self.transport.send(msg.src, reply)
+            return
+        if self.stopped is not None:
+            return
+        if msg.src in self.membership.view and known in (None, msg.incarnation):
+            return  # a member's own late or repeated request: it is in already
+        self._candidates[msg.src] = msg.incarnation
+        self._member(ControlReceived(msg=msg))
+
+    def _on_join_reply(self, msg: Message) -> None:
+        if not self.joining or self.joined_at is not None:
+            if msg.code == 2:
+                self._starting_replies.add(msg.src)
+            elif msg.code == 0 and self._group is None and not self.started:
+                self._group = (msg.epoch, msg.members)
+            self._answered.set()
+            return
+        if msg.code == 0:
+            self._group = (msg.epoch, msg.members)
+        elif msg.code == 1 and self.rank in msg.members:
+            view = View(msg.epoch, msg.members)
+            self.machine = TreeMachine(self.rank, view, self.cfg)
+            self.machine.start_at(msg.step)
+            self.membership = Membership(self.rank, view, self.cfg)
+            self.membership.user_step = msg.user_step - 1
+            self.joined_at = (msg.step, msg.user_step)
+            for r in view.members:
+                self._incarnations.setdefault(r, 0)
+        self._answered.set()
+
+    def boundary(self, user_step: int | None, first_step: int) -> None:
+        """The caller begins training step `user_step` with allreduce step `first_step`: a
+        decided join takes effect here, and a join being agreed makes it wait."""
+        self._marked = True
+        if self._holding:
+            self._hold_queue.append(lambda: self.boundary(user_step, first_step))
+            return
+        if user_step is None:
+            return
+        self.membership.user_step = max(self.membership.user_step, user_step)
+        pending = self._pending
+        if pending is not None and user_step >= pending.activate_at:
+            self._activate(pending, first_step)
+
+    def _activate(self, inst: Installed, first_step: int) -> None:
+        self._pending = None
+        log.warning("rank %d: view %d takes effect at step %d: %s joined", self.rank, inst.view.epoch, first_step,
+                    list(inst.joined))
+        self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
+        for r in inst.joined:
+            if r in self._candidates:
+                self._incarnations[r] = self._candidates.pop(r)
+            self.transport.send(r, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=1, epoch=inst.view.epoch,
+                                           members=inst.view.members, step=first_step, user_step=inst.activate_at))
+        for listener in self.view_listeners:
+            listener(inst)
+
+    def _hold(self, on: bool) -> None:
+        self._holding = on
+        while not self._holding and self._hold_queue:
+            self._hold_queue.pop(0)()
+
+    async def leave(self) -> None:
+        """Leave the group after the steps submitted here: tell every member, who drop this
+        rank from the next view at once (no detection, no timeout), and wait for that view."""
+        self.leaving = True
+        end = self.scheduler.now() + max(3 * self.membership.node_deadline_s, 2.0)
+        while self._steps and self.scheduler.now() < end:  # the steps already submitted finish first
+            self._quiet.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._quiet.wait(), 0.1)
+        while self.stopped is None and self.scheduler.now() < end:
+            msg = Message(kind=Kind.LEAVE, src=self.rank, epoch=self.membership.view.epoch)
+            for r in self.membership.view.members:
+                if r != self.rank:
+                    self.transport.send(r, msg)
+            self._answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._answered.wait(), 0.25)
 
     # ---- the tree machine's actions --------------------------------------------------------
 
@@ -419,8 +596,13 @@ class Node:
                     self.machine.fence()
                     held = tuple(sorted(set(self._completed)))
                     self._do_member(self.membership.handle(Fenced(held=held), self.scheduler.now()))
+                case Installed() if action.activate_at >= 0:
+                    self._pending = action  # a join: the tree switches at that training step
+                    self._evicted = ()
                 case Installed():
                     self._install(action)
+                case Hold(on=on):
+                    self._hold(on)
                 case Stopped(state=state, reason=reason):
                     self._stopped(state, reason)
 
@@ -475,7 +657,11 @@ class Node:
                                                 peers=evicted))
 
     def _stopped(self, state: MemberState, reason: str) -> None:
-        log.error("rank %d: %s", self.rank, reason)
+        self._answered.set()  # a leave() waits for this
+        if self.leaving:
+            reason = f"rank {self.rank} left the group (view {self.membership.view.epoch} goes on without it)"
+        log.log(logging.INFO if self.leaving else logging.ERROR, "rank %d: %s", self.rank, reason)
         self.stopped = reason
         self.machine.fence()
         self._fail_all(lambda step: GroupLeft(step, reason))
+        self._hold(False)  # what waited for a join runs into GroupLeft now
