@@ -244,8 +244,10 @@ class FTTreeAllreduce:
 
     # ---- allreduce ---------------------------------------------------------------------
 
-    def submit_array(self, flat: np.ndarray, signature: str) -> Future[StepResult]:
-        """Low-level: start a step on a flat array the caller hands over (not copied)."""
+    def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True) -> Future[StepResult]:
+        """Low-level: start a step on a flat array the caller hands over (not copied).
+        `contribute=False`: take part with zeros that are not counted among the contributors
+        (a joiner still receiving its state does)."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
         check_flat(flat)  # before a step number is used: peers would wait for it
@@ -259,7 +261,12 @@ class FTTreeAllreduce:
         if crash is not None:
             self.crash(f"rank {self.rank} crashed at step {self._marks.user_step(step)} "
                        f"(fault injection: {crash})")
-        self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
+        if contribute:
+            self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
+        else:
+            flat[:] = 0
+            node = self.node
+            self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
         return future
 
     def _crash_rule(self, step: int) -> str | None:
@@ -290,6 +297,13 @@ class FTTreeAllreduce:
         """For a worker that joined a running group: (its first allreduce step, its first
         training step); None for a worker of the first start."""
         return None if self.node is None else self.node.joined_at
+
+    def send_frame(self, dst: int, msg: Any) -> None:
+        """Queue a frame (fttree.core.messages.Message) for rank `dst` from any thread: the
+        training layer's state transfer uses the node's links."""
+        loop, node = self._loop, self.node
+        if loop is not None and node is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(node.transport.send, dst, msg)
 
     def leave(self) -> None:
         """Leave the group for good after the steps submitted so far: the others drop this rank

@@ -118,6 +118,7 @@ class _Step:
     results: dict[int, np.ndarray] = field(default_factory=dict)
     contributors: tuple[int, ...] | None = None
     epoch: int = 0
+    contribute: bool = True  # False: zeros that take part without counting (a joiner awaiting its state)
 
 
 class Node:
@@ -133,7 +134,7 @@ class Node:
         self.scheduler = scheduler
         self._timers: dict[TimerKey, Handle] = {}
         self._steps: dict[int, _Step] = {}
-        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult]]] = []  # during a view change
+        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool]] = []  # during a view change
         self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
         self.stopped: str | None = None  # why this rank produces no more results
         self.reruns = 0
@@ -251,7 +252,7 @@ class Node:
         for st in steps.values():
             if not st.future.done():
                 st.future.set_exception(error(st.step))
-        for step, _data, _sig, future in held:
+        for step, _data, _sig, future, _contribute in held:
             if not future.done():
                 future.set_exception(error(step))
 
@@ -268,11 +269,12 @@ class Node:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
+    def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult], *,
+               contribute: bool = True) -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again)."""
         if self._holding:  # a join is being agreed: this step may be the one it starts at
-            self._hold_queue.append(lambda: self.submit(step, data, signature, future))
+            self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
             self.boundary(step, step)
@@ -283,21 +285,22 @@ class Node:
             future.set_exception(GroupLeft(step, self.stopped))
             return
         if self.membership.state is MemberState.CHANGING:
-            self._held_back.append((step, data, signature, future))  # it runs in the view being agreed
+            self._held_back.append((step, data, signature, future, contribute))  # it runs in the view being agreed
             return
         try:
-            self._submit(step, data, signature, future)
+            self._submit(step, data, signature, future, contribute)
         except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
             self._steps.pop(step, None)
             if not future.done():
                 future.set_exception(exc)
 
-    def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult]) -> None:
+    def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
+                contribute: bool = True) -> None:
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
-                   started=self.scheduler.monotonic(), began=self.scheduler.now())
+                   started=self.scheduler.monotonic(), began=self.scheduler.now(), contribute=contribute)
         self._steps[step] = st
         if idle:
             self.membership.set_deadline(self.machine.watch_deadline_s())
@@ -312,7 +315,8 @@ class Node:
         per_chunk = max(1, self.cfg.chunk_bytes // max(1, st.submitted.itemsize))
         for chunk, start in st.offsets.items():
             piece = st.submitted[start:start + per_chunk]
-            self._handle(Submit(step=st.step, chunk=chunk, data=piece, signature=st.signature), raise_errors=True)
+            self._handle(Submit(step=st.step, chunk=chunk, data=piece, signature=st.signature,
+                                contribute=st.contribute), raise_errors=True)
 
     def active_steps(self) -> list[int]:
         """Steps submitted here and not finished yet, oldest first."""
@@ -621,9 +625,9 @@ class Node:
                 for dst in plan.lacking:
                     self._send(dst, msg)
         held, self._held_back = self._held_back, []
-        for step, data, signature, future in held:
+        for step, data, signature, future, contribute in held:
             try:
-                self._submit(step, data, signature, future)
+                self._submit(step, data, signature, future, contribute)
             except Exception as exc:
                 self._steps.pop(step, None)
                 future.set_exception(exc)

@@ -32,6 +32,7 @@ from ..api import FTTreeAllreduce
 from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMismatch
 from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
+from .elastic import StateTransfer
 
 __all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "attach", "broadcast_parameters",
            "check_same_layout", "close_gracefully", "synchronize"]
@@ -221,6 +222,7 @@ class GradientSync:
         self._bucket_of = {slot.param: spec.index for spec in self.buckets for slot in spec.slots}
         self._lock = threading.RLock()
         self.rounds = 0  # synchronizations submitted: the training steps fault windows count
+        self.contribute = True  # False while a joiner waits for its state: it takes part with zeros
         self.retried = 0  # buckets submitted again after the group voided them (StepRetry)
         self._reset()
         self.synchronized = False  # True from synchronize() until the next gradient arrives
@@ -309,7 +311,7 @@ class GradientSync:
                                 f"gradients are supported")
             dst.copy_(grad.detach().reshape(-1))
             flags[k] = 1
-        return self.ar.submit_array(buf, spec.signature)
+        return self.ar.submit_array(buf, spec.signature, contribute=self.contribute)
 
     # ---- step (caller thread) ------------------------------------------------------------
 
@@ -439,11 +441,87 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             named = [(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
                      for i, p in enumerate(group["params"])]
-        allreduce.mark_step(None)  # the broadcast and layout checks are setup: no fault window hits them
-        if broadcast:
-            broadcast_parameters(model if model is not None else named, allreduce)
+        joined = allreduce.joined_at
+        if joined is None:  # a joiner skips the setup collectives: the group ran them long ago
+            allreduce.mark_step(None)  # the broadcast and layout checks are setup: no fault window hits them
+            if broadcast:
+                broadcast_parameters(model if model is not None else named, allreduce)
         self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
-                                 backward_passes_per_step=backward_passes_per_step, average=average)
+                                 backward_passes_per_step=backward_passes_per_step, average=average,
+                                 check=joined is None)
+        self.model = model
+        self.step_count = 0  # the group's optimizer steps so far (a joiner takes it over)
+        self.scheduler: Any = None
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._kept: dict[int, list[torch.Tensor | None]] = {}  # a joiner's averaged gradients by training step
+        self.syncing = joined is not None  # a joiner waiting for its state
+        self.transfer = StateTransfer(allreduce, self._snapshot)
+        if joined is not None:
+            self.sync.rounds = joined[1]
+            self.sync.contribute = False
+            self._joined_step = joined[1]
+            self.transfer.request(joined[1])
+
+    def register_scheduler(self, scheduler: Any) -> None:
+        """Make an LR scheduler part of the state a joining worker takes over."""
+        self.scheduler = scheduler
+
+    def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Extra state a joiner takes over (an RNG state, a data position): `get()` returns
+        tensors, numbers, strings or lists/dicts of them; `set_(value)` restores it."""
+        self._extra[name] = (get, set_)
+
+    def _snapshot(self) -> dict[str, Any]:
+        model = (self.model.state_dict() if self.model is not None
+                 else {n: p.detach() for n, p in self.sync.params})
+        return {"model": model, "optimizer": torch.optim.Optimizer.state_dict(self), "step_count": self.step_count,
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "extra": {name: get() for name, (get, _set) in self._extra.items()}}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            if self.model is not None:
+                self.model.load_state_dict(state["model"])
+            else:
+                for name, p in self.sync.params:
+                    p.copy_(state["model"][name])
+        torch.optim.Optimizer.load_state_dict(self, state["optimizer"])
+        self.step_count = int(state["step_count"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for name, (_get, set_) in self._extra.items():
+            if name in state["extra"]:
+                set_(state["extra"][name])
+
+    def _keep_or_catch_up(self, step: int) -> None:
+        """A joiner: keep this step's averaged gradients; once the state is here, load it and
+        replay every kept step from the state's on, as the others applied them."""
+        self._kept[step] = [None if p.grad is None else p.grad.detach().clone() for _, p in self.sync.params]
+        got = self.transfer.poll(self._joined_step)
+        if got is None:
+            return
+        first, state = got
+        if first not in self._kept:
+            raise FTTreeError(f"rank {self.sync.ar.rank}: the training state is as of step {first}, but this "
+                              f"worker kept the gradients of steps {sorted(self._kept)}")
+        self._load(state)
+        replay = sorted(t for t in self._kept if t >= first)
+        for t in replay:
+            with torch.no_grad():
+                for (_, p), g in zip(self.sync.params, self._kept[t], strict=True):
+                    p.grad = g
+            super().step()
+            self.step_count += 1
+            if t != replay[-1] and self.scheduler is not None:
+                self.scheduler.step()  # the caller steps it after this step()
+        self._kept.clear()
+        self.syncing = False
+        self.sync.contribute = True
+        record = self.transfer.record
+        if record is not None:
+            self.transfer.record = type(record)(donor=record.donor, user_step=record.user_step, nbytes=record.nbytes,
+                                                seconds=record.seconds, donors_asked=record.donors_asked,
+                                                replayed=len(replay))
 
     def synchronize(self) -> None:
         """Average the gradients now (for clipping before step(); step() then skips it)."""
@@ -456,5 +534,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.sync.synchronized:
             self.sync.synchronize()
+        step = self.sync.rounds - 1  # the training step whose gradients are averaged now
+        if self.syncing:
+            self._keep_or_catch_up(step)
+            return loss
+        self.transfer.serve(step)  # the state before this step's update, for joiners that asked
         super().step()
+        self.step_count += 1
         return loss

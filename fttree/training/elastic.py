@@ -1,0 +1,190 @@
+"""State from a peer: how a worker that joins a running job gets the model and optimizer state.
+
+A joiner is admitted at a training step U (net/node.py). From U on it takes part in every
+allreduce, but with zeros that are not counted (`contribute=False`), and keeps each step's
+averaged gradients. Meanwhile it asks a member (the donor) for the training state; the donor
+serialises it at its next step boundary T >= U (the state after step T-1's update), without
+pausing, and sends it in pieces over the node's links with a digest of the whole. Once the
+state is in and checked, the joiner loads it and replays its kept gradients of steps T, T+1, ...
+through the same optimizer code path the others ran, so it ends bit for bit where they are, and
+contributes from the next step. If the donor does not deliver in time (it died, or left), the
+joiner asks the next member; a state of a later step only means fewer gradients to replay.
+
+The state is a torch.save of plain tensors and numbers (loaded with weights_only=True): the
+model's state_dict, the optimizer's, a registered LR scheduler's, the group's optimizer step
+count, and registered extra state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.messages import STATE_DTYPE, Kind, Message
+from ..errors import PeerError
+
+if TYPE_CHECKING:
+    from ..api import FTTreeAllreduce
+
+log = logging.getLogger("fttree.training.elastic")
+
+CHUNK_BYTES = 1 << 20
+
+
+def serialize(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def deserialize(data: bytes) -> dict[str, Any]:
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(loaded, dict):
+        raise PeerError(f"the training state received is a {type(loaded).__name__}, not a dict")
+    return loaded
+
+
+def state_digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass
+class _Incoming:
+    """The pieces of one state being received."""
+
+    donor: int
+    user_step: int
+    total: int
+    digest: str
+    pieces: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """What a finished transfer cost, for tests and benchmarks."""
+
+    donor: int
+    user_step: int  # the training step the state is as of
+    nbytes: int
+    seconds: float  # from the first request to the state being checked
+    donors_asked: tuple[int, ...]
+    replayed: int  # steps replayed after loading
+
+
+class StateTransfer:
+    """Both sides of the state transfer for one worker. `snapshot()` builds the state dict on
+    the caller's thread; frames arrive on the node's loop thread (`_on_frame`)."""
+
+    def __init__(self, ar: FTTreeAllreduce, snapshot: Callable[[], dict[str, Any]],
+                 wait_s: float | None = None) -> None:
+        self.ar = ar
+        self.snapshot = snapshot
+        self.wait_s = wait_s if wait_s is not None else max(2.0, ar.config.step_timeout_s)
+        self._lock = threading.Lock()
+        self._requests: dict[int, int] = {}  # joiner -> the earliest training step it can use
+        self._incoming: _Incoming | None = None
+        self._ready: tuple[int, dict[str, Any], int, int] | None = None  # (user_step, state, donor, nbytes)
+        self._asked: list[int] = []
+        self._asked_at = 0.0
+        self._started_at = 0.0
+        self.served = 0  # states this worker sent as a donor
+        self.record: TransferRecord | None = None
+        assert ar.node is not None
+        ar.node.elastic_listeners.append(self._on_frame)
+
+    # ---- joiner ------------------------------------------------------------------------------
+
+    def request(self, user_step: int) -> None:
+        """Ask a donor for the state as of `user_step` or later (again, of another donor, if
+        the last one did not deliver within `wait_s`)."""
+        members = [r for r in self.ar.view.members if r != self.ar.rank]
+        if not members:
+            raise PeerError(f"rank {self.ar.rank} has no member to take the training state from")
+        untried = [r for r in members if r not in self._asked] or members
+        donor = untried[0]
+        if not self._asked:
+            self._started_at = time.monotonic()
+        self._asked.append(donor)
+        self._asked_at = time.monotonic()
+        with self._lock:
+            self._incoming = None
+        log.info("rank %d asks rank %d for the training state as of step %d", self.ar.rank, donor, user_step)
+        self.ar.send_frame(donor, Message(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=user_step))
+
+    def poll(self, user_step: int) -> tuple[int, dict[str, Any]] | None:
+        """The state, once fully received and checked: (its training step, the state dict).
+        Asks the next donor if this one is late or gone."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is not None:
+            step, state, donor, nbytes = ready
+            self.record = TransferRecord(donor=donor, user_step=step, nbytes=nbytes,
+                                         seconds=time.monotonic() - self._started_at, donors_asked=tuple(self._asked),
+                                         replayed=0)
+            return step, state
+        current = self._asked[-1] if self._asked else None
+        if current is None or time.monotonic() - self._asked_at > self.wait_s or current not in self.ar.view:
+            self.request(user_step)
+        return None
+
+    # ---- donor ---------------------------------------------------------------------------------
+
+    def serve(self, user_step: int) -> None:
+        """At a step boundary (the state is as of training step `user_step`): serve the joiners
+        waiting for a state of this step or earlier."""
+        with self._lock:
+            due = [j for j, first in self._requests.items() if first <= user_step]
+            for j in due:
+                del self._requests[j]
+        if not due:
+            return
+        data = serialize(self.snapshot())
+        digest = state_digest(data)
+        total = max(1, -(-len(data) // CHUNK_BYTES))
+        for j in due:
+            for i in range(total):
+                piece = data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
+                self.ar.send_frame(j, Message(kind=Kind.STATE, src=self.ar.rank, user_step=user_step, chunk=i,
+                                              world=total, signature=digest, dtype=STATE_DTYPE, numel=len(piece),
+                                              payload=piece))
+            self.served += 1
+            log.info("rank %d sent rank %d the training state as of step %d (%d bytes in %d pieces)", self.ar.rank, j,
+                     user_step, len(data), total)
+
+    # ---- frames (the node's loop thread) -----------------------------------------------------
+
+    def _on_frame(self, msg: Message) -> None:
+        if msg.kind is Kind.STATE_REQUEST:
+            with self._lock:
+                self._requests[msg.src] = max(msg.user_step, self._requests.get(msg.src, -1))
+            return
+        if msg.kind is not Kind.STATE or msg.payload is None:
+            return
+        with self._lock:
+            inc = self._incoming
+            if inc is None or (inc.donor, inc.user_step, inc.digest) != (msg.src, msg.user_step, msg.signature):
+                if not self._asked or msg.src != self._asked[-1]:
+                    return  # from a donor given up on
+                inc = self._incoming = _Incoming(donor=msg.src, user_step=msg.user_step, total=msg.world,
+                                                 digest=msg.signature)
+            inc.pieces[msg.chunk] = bytes(msg.payload)
+            if len(inc.pieces) < inc.total:
+                return
+            self._incoming = None
+        data = b"".join(inc.pieces[i] for i in range(inc.total))
+        if state_digest(data) != inc.digest:
+            log.error("rank %d: the training state from rank %d does not match its digest; asking again",
+                      self.ar.rank, inc.donor)
+            self._asked_at = 0.0  # poll() asks the next donor
+            return
+        state = deserialize(data)
+        with self._lock:
+            self._ready = (inc.user_step, state, inc.donor, len(data))

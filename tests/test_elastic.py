@@ -1,0 +1,240 @@
+"""Elastic membership with real workers over TCP (threads of one process): a killed rank is
+restarted and takes its state from a live peer, ending bit for bit where the others are; a new
+rank grows the group; a graceful leave costs no timeout; a donor that dies mid-transfer is
+replaced by another."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+import fttree
+from fttree.errors import GroupLeft
+from tests.conftest import local_peers
+
+MAX_STEPS = 400
+SETTINGS = dict(timeout_s=0.2, step_timeout_s=10.0)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank * 100_003 + step)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def fingerprint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in model.state_dict().values():
+        h.update(t.numpy().tobytes())
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.numpy().tobytes())
+    h.update(str([g["lr"] for g in opt.param_groups]).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class Run:
+    """What one worker saw, per training step: a fingerprint of its state after the step,
+    the contributors common to the step's buckets, and whether it was still syncing."""
+
+    prints: dict[int, str] = field(default_factory=dict)
+    contributors: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    synced_from: int | None = None
+    error: BaseException | None = None
+    transfer: object = None
+    steps_run: int = 0
+
+
+def train(rank: int, peers: list[str], run: Run, *, crash_at: int | None = None, join: bool = False,
+          on_step: Callable[[int], None] | None = None, leave_at: int | None = None,
+          transfer_wait_s: float | None = None) -> None:
+    ar = fttree.FTTreeAllreduce(rank, peers, join=join, **SETTINGS).start()  # type: ignore[arg-type]
+    try:
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = fttree.DistributedOptimizer(inner, model, allreduce=ar)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+        opt.register_scheduler(sched)
+        if transfer_wait_s is not None:
+            opt.transfer.wait_s = transfer_wait_s
+        step = opt.sync.rounds
+        synced_for = 0
+        while step < MAX_STEPS:
+            if crash_at is not None and step == crash_at:
+                ar.crash(f"test: rank {rank} killed at training step {step}")
+            if leave_at is not None and step == leave_at:
+                ar.leave()
+                return
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+            run.steps_run += 1
+            if not opt.syncing:
+                if run.synced_from is None:
+                    run.synced_from = step
+                    run.transfer = opt.transfer.record
+                run.prints[step] = fingerprint(model, opt)
+            assert ar.last is not None
+            run.contributors[step] = ar.last.contributors
+            # every worker learns the same count of synced joiners, so all stop at the same step
+            flag = torch.tensor([1.0 if (join and not opt.syncing) else 0.0])
+            synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) > 0 else 0
+            if on_step is not None:
+                on_step(step)
+            step += 1
+            if synced_for >= 8:
+                break
+    except GroupLeft as exc:
+        if crash_at is None:
+            run.error = exc
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        run.error = exc
+    finally:
+        ar.close()
+
+
+def run_threads(targets: list[Callable[[], None]], limit_s: float = 120) -> None:
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+        assert not t.is_alive(), "a worker did not finish within its deadline"
+
+
+def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_for_bit() -> None:
+    peers = local_peers(4)
+    runs = {r: Run() for r in range(4)}
+    rejoined = Run()
+    restart = threading.Event()
+
+    def watch(step: int) -> None:
+        if step == 15:
+            restart.set()
+
+    def restarted() -> None:
+        assert restart.wait(60), "rank 0 never reached step 15"
+        train(2, peers, rejoined)
+
+    run_threads([lambda: train(0, peers, runs[0], on_step=watch), lambda: train(1, peers, runs[1]),
+                 lambda: train(2, peers, runs[2], crash_at=10), lambda: train(3, peers, runs[3]), restarted])
+    for r in (0, 1, 3):
+        assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
+    assert rejoined.error is None, repr(rejoined.error)
+    assert rejoined.synced_from is not None and rejoined.synced_from >= 15
+    # from its catch-up on, the restarted worker holds the others' parameters and optimizer state bit for bit
+    for step, fp in rejoined.prints.items():
+        for r in (0, 1, 3):
+            assert runs[r].prints[step] == fp, f"rank 2 differs from rank {r} after step {step}"
+    after = [s for s in rejoined.prints if s > rejoined.synced_from]
+    assert after, "the run ended before the restarted worker contributed"
+    for step in after:
+        assert 2 in runs[0].contributors[step], f"rank 2 is not among the contributors of step {step}"
+    for step in range(10, 15):
+        assert 2 not in runs[0].contributors[step]
+    record = rejoined.transfer
+    assert record is not None and record.nbytes > 0  # type: ignore[attr-defined]
+
+
+def test_a_new_rank_grows_the_group() -> None:
+    peers = local_peers(6)
+    runs = {r: Run() for r in range(6)}
+    grow = threading.Event()
+
+    def watch(step: int) -> None:
+        if step == 5:
+            grow.set()
+
+    def joiner(r: int) -> Callable[[], None]:
+        def go() -> None:
+            assert grow.wait(60), "rank 0 never reached step 5"
+            train(r, peers, runs[r], join=True)
+        return go
+
+    first = peers[:4]
+    run_threads([lambda: train(0, first, runs[0], on_step=watch), lambda: train(1, first, runs[1]),
+                 lambda: train(2, first, runs[2]), lambda: train(3, first, runs[3]), joiner(4), joiner(5)])
+    for r, run in runs.items():
+        assert run.error is None, f"rank {r}: {run.error!r}"
+    last = max(runs[0].prints)
+    assert set(runs[0].contributors[last]) == set(range(6))
+    for r in (4, 5):
+        assert runs[r].prints[last] == runs[0].prints[last]
+
+
+def test_a_graceful_leave_costs_no_timeout() -> None:
+    peers = local_peers(4)
+    runs = {r: Run() for r in range(4)}
+    stop_after = 30
+
+    def capped(r: int, **kw: object) -> Callable[[], None]:
+        def go() -> None:
+            train(r, peers, runs[r], **kw)  # type: ignore[arg-type]
+        return go
+
+    global MAX_STEPS
+    saved, MAX_STEPS = MAX_STEPS, stop_after
+    try:
+        run_threads([capped(0), capped(1), capped(2, leave_at=12), capped(3)])
+    finally:
+        MAX_STEPS = saved
+    for r in (0, 1, 3):
+        assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
+        assert runs[r].steps_run == stop_after
+        assert all(2 not in c for s, c in runs[r].contributors.items() if s >= 12)
+    assert runs[2].error is None
+
+
+def test_a_donor_that_dies_mid_transfer_is_replaced() -> None:
+    peers = local_peers(4)
+    runs = {r: Run() for r in range(4)}
+    rejoined = Run()
+    restart = threading.Event()
+    kill_donor = threading.Event()
+
+    def watch(step: int) -> None:
+        if step == 8:
+            restart.set()
+
+    def donor(step: int) -> None:
+        # rank 0 is the first member asked; it dies as soon as rank 3 has been asked
+        if restart.is_set() and not kill_donor.is_set() and step >= 9:
+            kill_donor.set()
+
+    def restarted() -> None:
+        assert restart.wait(60)
+        train(3, peers, rejoined, transfer_wait_s=1.0)
+
+    def rank0() -> None:
+        ar_crash_at = None
+        del ar_crash_at
+        train(0, peers, runs[0], on_step=lambda s: (watch(s), donor(s)))
+
+    # rank 3 is killed at step 5 and comes back; rank 0 (its first donor) is killed right after
+    # the restarted rank asks for the state
+    run_threads([lambda: train(0, peers, runs[0], on_step=watch, crash_at=12), lambda: train(1, peers, runs[1]),
+                 lambda: train(2, peers, runs[2]), lambda: train(3, peers, runs[3], crash_at=5), restarted])
+    for r in (1, 2):
+        assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
+    assert rejoined.error is None, repr(rejoined.error)
+    last = max(rejoined.prints)
+    assert rejoined.prints[last] == runs[1].prints[last] == runs[2].prints[last]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_numpy() -> None:
+    np.seterr(all="ignore")
