@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import fttree
+from fttree.core.messages import STATE_DTYPE, Kind, Message
 from fttree.errors import GroupLeft
+from fttree.training import elastic
 from tests.conftest import local_peers
 
 MAX_STEPS = 400
@@ -59,7 +61,8 @@ class Run:
 
 def train(rank: int, peers: list[str], run: Run, *, crash_at: int | None = None, join: bool = False,
           on_step: Callable[[int], None] | None = None, leave_at: int | None = None,
-          transfer_wait_s: float | None = None) -> None:
+          transfer_wait_s: float | None = None, joiners: int = 1,
+          setup: Callable[[fttree.FTTreeAllreduce, fttree.DistributedOptimizer], None] | None = None) -> None:
     ar = fttree.FTTreeAllreduce(rank, peers, join=join, **SETTINGS).start()  # type: ignore[arg-type]
     try:
         model = make_model()
@@ -69,6 +72,8 @@ def train(rank: int, peers: list[str], run: Run, *, crash_at: int | None = None,
         opt.register_scheduler(sched)
         if transfer_wait_s is not None:
             opt.transfer.wait_s = transfer_wait_s
+        if setup is not None:
+            setup(ar, opt)
         step = opt.sync.rounds
         synced_for = 0
         while step < MAX_STEPS:
@@ -91,17 +96,17 @@ def train(rank: int, peers: list[str], run: Run, *, crash_at: int | None = None,
             assert ar.last is not None
             run.contributors[step] = ar.last.contributors
             # every worker learns the same count of synced joiners, so all stop at the same step
-            flag = torch.tensor([1.0 if (join and not opt.syncing) else 0.0])
-            synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) > 0 else 0
+            flag = torch.tensor([1.0 if (ar.joined_at is not None and not opt.syncing) else 0.0])
+            synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) >= joiners else 0
             if on_step is not None:
                 on_step(step)
             step += 1
             if synced_for >= 8:
                 break
     except GroupLeft as exc:
-        if crash_at is None:
+        if crash_at is None and setup is None:
             run.error = exc
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
+    except BaseException as exc:  # reported by the test
         run.error = exc
     finally:
         ar.close()
@@ -128,14 +133,15 @@ def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_fo
 
     def restarted() -> None:
         assert restart.wait(60), "rank 0 never reached step 15"
-        train(2, peers, rejoined)
+        train(2, peers, rejoined, join=False)
 
     run_threads([lambda: train(0, peers, runs[0], on_step=watch), lambda: train(1, peers, runs[1]),
                  lambda: train(2, peers, runs[2], crash_at=10), lambda: train(3, peers, runs[3]), restarted])
     for r in (0, 1, 3):
         assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
     assert rejoined.error is None, repr(rejoined.error)
-    assert rejoined.synced_from is not None and rejoined.synced_from >= 15
+    assert rejoined.synced_from is not None
+    assert rejoined.synced_from >= 15
     # from its catch-up on, the restarted worker holds the others' parameters and optimizer state bit for bit
     for step, fp in rejoined.prints.items():
         for r in (0, 1, 3):
@@ -147,7 +153,8 @@ def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_fo
     for step in range(10, 15):
         assert 2 not in runs[0].contributors[step]
     record = rejoined.transfer
-    assert record is not None and record.nbytes > 0  # type: ignore[attr-defined]
+    assert isinstance(record, elastic.TransferRecord)
+    assert record.nbytes > 0
 
 
 def test_a_new_rank_grows_the_group() -> None:
@@ -162,12 +169,13 @@ def test_a_new_rank_grows_the_group() -> None:
     def joiner(r: int) -> Callable[[], None]:
         def go() -> None:
             assert grow.wait(60), "rank 0 never reached step 5"
-            train(r, peers, runs[r], join=True)
+            train(r, peers, runs[r], join=True, joiners=2)
         return go
 
     first = peers[:4]
-    run_threads([lambda: train(0, first, runs[0], on_step=watch), lambda: train(1, first, runs[1]),
-                 lambda: train(2, first, runs[2]), lambda: train(3, first, runs[3]), joiner(4), joiner(5)])
+    run_threads([lambda: train(0, first, runs[0], on_step=watch, joiners=2),
+                 lambda: train(1, first, runs[1], joiners=2), lambda: train(2, first, runs[2], joiners=2),
+                 lambda: train(3, first, runs[3], joiners=2), joiner(4), joiner(5)])
     for r, run in runs.items():
         assert run.error is None, f"rank {r}: {run.error!r}"
     last = max(runs[0].prints)
@@ -199,40 +207,56 @@ def test_a_graceful_leave_costs_no_timeout() -> None:
     assert runs[2].error is None
 
 
+def die_mid_transfer(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimizer) -> None:
+    """Make this worker a donor that sends half of the state's pieces and then dies."""
+    transfer = opt.transfer
+
+    def serve(user_step: int) -> None:
+        with transfer._lock:
+            due = [j for j, first in transfer._requests.items() if first <= user_step]
+        if not due:
+            return
+        data = elastic.serialize(transfer.snapshot())
+        digest = elastic.state_digest(data)
+        size = 512
+        total = -(-len(data) // size)
+        for i in range(total // 2):
+            piece = data[i * size:(i + 1) * size]
+            ar.send_frame(due[0], Message(kind=Kind.STATE, src=ar.rank, user_step=user_step, chunk=i, world=total,
+                                          signature=digest, dtype=STATE_DTYPE, numel=len(piece), payload=piece))
+        ar.crash(f"test: donor rank {ar.rank} killed in the middle of a transfer")
+
+    transfer.serve = serve  # type: ignore[method-assign]
+
+
 def test_a_donor_that_dies_mid_transfer_is_replaced() -> None:
     peers = local_peers(4)
     runs = {r: Run() for r in range(4)}
     rejoined = Run()
     restart = threading.Event()
-    kill_donor = threading.Event()
 
     def watch(step: int) -> None:
         if step == 8:
             restart.set()
 
-    def donor(step: int) -> None:
-        # rank 0 is the first member asked; it dies as soon as rank 3 has been asked
-        if restart.is_set() and not kill_donor.is_set() and step >= 9:
-            kill_donor.set()
-
     def restarted() -> None:
-        assert restart.wait(60)
-        train(3, peers, rejoined, transfer_wait_s=1.0)
+        assert restart.wait(60), "rank 1 never reached step 8"
+        train(3, peers, rejoined)
 
-    def rank0() -> None:
-        ar_crash_at = None
-        del ar_crash_at
-        train(0, peers, runs[0], on_step=lambda s: (watch(s), donor(s)))
-
-    # rank 3 is killed at step 5 and comes back; rank 0 (its first donor) is killed right after
-    # the restarted rank asks for the state
-    run_threads([lambda: train(0, peers, runs[0], on_step=watch, crash_at=12), lambda: train(1, peers, runs[1]),
+    run_threads([lambda: train(0, peers, runs[0], setup=die_mid_transfer),
+                 lambda: train(1, peers, runs[1], on_step=watch),
                  lambda: train(2, peers, runs[2]), lambda: train(3, peers, runs[3], crash_at=5), restarted])
     for r in (1, 2):
         assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
     assert rejoined.error is None, repr(rejoined.error)
+    record = rejoined.transfer
+    assert isinstance(record, elastic.TransferRecord)
+    assert record.donors_asked[0] == 0
+    assert record.donor != 0
     last = max(rejoined.prints)
     assert rejoined.prints[last] == runs[1].prints[last] == runs[2].prints[last]
+    assert 0 not in runs[1].contributors[last]
+    assert 3 in runs[1].contributors[last]
 
 
 @pytest.fixture(autouse=True)

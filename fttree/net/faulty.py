@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from ..core.faults import FaultSchedule
 from ..core.messages import Message
+from .address import Address
 from .scheduler import Scheduler
 from .transport import Transport, TransportEvents, TransportStatus
 
@@ -115,6 +116,9 @@ class FaultyTransport:
                 self.scheduler.call_later(verdict.delay_s, lambda: self.inner.send(dst, msg))
                 return
         self.inner.send(dst, msg)
+
+    def add_peer(self, rank: int, address: Address) -> None:
+        self.inner.add_peer(rank, address)
 
     def backlog_bytes(self, dst: int) -> int:
         return self.inner.backlog_bytes(dst)

@@ -70,7 +70,8 @@ from ..core.protocol import (
     Void,
 )
 from ..core.view import View
-from ..errors import GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
+from ..errors import ConfigError, GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
+from .address import parse_address
 from .scheduler import Handle, Scheduler
 from .transport import Transport, TransportStatus
 
@@ -380,6 +381,7 @@ class Node:
             return  # not a member yet: nothing to tell
         known = self._incarnations.get(msg.src)
         if msg.code == 0:
+            self._learn_address(msg)
             if known is None and not (self._completed or self.view.epoch):
                 self._incarnations[msg.src] = msg.incarnation  # a peer of the first start
             restarted = known is not None and known != msg.incarnation
@@ -391,10 +393,17 @@ class Node:
             return
         if self.stopped is not None:
             return
-        if msg.src in self.membership.view and known in (None, msg.incarnation):
+        if msg.src in self.membership.view and (known in (None, msg.incarnation)
+                                                or self._candidates.get(msg.src) == msg.incarnation):
             return  # a member's own late or repeated request: it is in already
         self._candidates[msg.src] = msg.incarnation
+        self._learn_address(msg)
         self._member(ControlReceived(msg=msg))
+
+    def _learn_address(self, msg: Message) -> None:
+        """A rank that was not in the first peers list is reachable at the address it sent."""
+        with contextlib.suppress(ValueError, ConfigError):
+            self.transport.add_peer(msg.src, parse_address(msg.reason))
 
     def _on_join_reply(self, msg: Message) -> None:
         if not self.joining or self.joined_at is not None:
@@ -437,8 +446,6 @@ class Node:
                     list(inst.joined))
         self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
         for r in inst.joined:
-            if r in self._candidates:
-                self._incarnations[r] = self._candidates.pop(r)
             self.transport.send(r, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=1, epoch=inst.view.epoch,
                                            members=inst.view.members, step=first_step, user_step=inst.activate_at))
         for listener in self.view_listeners:
@@ -603,6 +610,9 @@ class Node:
                 case Installed() if action.activate_at >= 0:
                     self._pending = action  # a join: the tree switches at that training step
                     self._evicted = ()
+                    for r in action.joined:  # this process is that rank now: its repeated asks are not a restart
+                        if r in self._candidates:
+                            self._incarnations[r] = self._candidates.pop(r)
                 case Installed():
                     self._install(action)
                 case Hold(on=on):

@@ -217,7 +217,8 @@ class TcpTransport:
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        self.rank, self.world, self.addresses = rank, len(addresses), list(addresses)
+        self.rank, self.world = rank, len(addresses)
+        self.addresses: dict[int, Address] = dict(enumerate(addresses))
         self.me = addresses[rank]
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -248,6 +249,13 @@ class TcpTransport:
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
             raise PeerError(f"rank {self.rank} cannot listen on {self.me}: {exc.strerror or exc}{hint}") from None
+
+    def add_peer(self, rank: int, address: Address) -> None:
+        """A rank that joined after the start: reachable from now on at `address`."""
+        if rank == self.rank or self.addresses.get(rank) == address:
+            return
+        self.addresses[rank] = address
+        self.stats.setdefault(rank, _LinkStats())
 
     def _link(self, peer: int) -> _OutLink:
         link = self._out.get(peer)
@@ -296,9 +304,10 @@ class TcpTransport:
         """Stop, first giving queued frames up to `flush_s` to go out (a peer may still need
         the last step's result or relay from us). With `abort`, as a killed process would:
         nothing more goes out, every connection is reset and the listener is gone at once."""
-        busy = [link.idle.wait() for link in self._out.values() if link.connected.is_set() and not link.idle.is_set()]
-        if busy and not abort:
-            waits = [asyncio.ensure_future(b) for b in busy]
+        busy = [] if abort else [link for link in self._out.values()
+                                 if link.connected.is_set() and not link.idle.is_set()]
+        if busy:
+            waits = [asyncio.ensure_future(link.idle.wait()) for link in busy]
             await asyncio.wait(waits, timeout=flush_s)
             for w in waits:
                 w.cancel()
@@ -326,11 +335,13 @@ class TcpTransport:
     def _check_hello(self, hello: Message, peer_host: str) -> int:
         if hello.kind != Kind.HELLO:
             raise FrameError(f"first frame is {hello.kind.name}, expected HELLO")
-        if hello.world != self.world:
-            raise FrameError(f"peer runs a world of {hello.world} workers, this rank has {self.world}")
+        # a grown group's joiner knows more ranks than the first start did: it says so in `world`
+        limit = max(self.world, hello.world)
         src = hello.src
-        if not 0 <= src < self.world or src == self.rank:
-            raise FrameError(f"peer claims rank {src}, which is not another rank of 0..{self.world - 1}")
+        if not 0 <= src < limit or src == self.rank:
+            raise FrameError(f"peer claims rank {src}, which is not another rank of 0..{limit - 1}")
+        if src not in self.addresses:
+            return src  # a joiner: its address arrives with its JOIN
         expected = self.addresses[src].host
         if is_ip(expected) and is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
             raise FrameError(f"connection from {peer_host} claims rank {src}, whose address is {expected} "
@@ -443,7 +454,7 @@ class _Inbound(asyncio.BufferedProtocol):
             return
         if msg.src != self.src:
             raise FrameError(f"frame says it is from rank {msg.src} on rank {self.src}'s connection")
-        stats = t.stats[self.src]
+        stats = t.stats.setdefault(self.src, _LinkStats())  # a joiner's first frames come before its address
         stats.frames_received += 1
         stats.bytes_received += PREFIX.size + len(head) + (0 if payload is None else len(payload))
         t.events.on_message(msg)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..core.messages import Message
+from .address import Address
 
 
 class TransportEvents(Protocol):
@@ -76,6 +77,9 @@ class Transport(Protocol):
         """Connect to each peer, or raise PeerError naming those still unreachable."""
 
     def send(self, dst: int, msg: Message) -> None: ...
+
+    def add_peer(self, rank: int, address: Address) -> None:
+        """A rank that joined after the start, reachable from now on at `address`."""
 
     def backlog_bytes(self, dst: int) -> int:
         """Bytes queued on the link to `dst` and not yet on the wire."""

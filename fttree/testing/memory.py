@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.messages import Message, decode, encode
+from ..net.address import Address
 from ..net.transport import LinkStatus, TransportEvents, TransportStatus
 from .clock import SimClock
 
@@ -63,6 +64,9 @@ class MemoryTransport:
 
     def send(self, dst: int, msg: Message) -> None:
         self.network.transmit(self.rank, dst, msg)
+
+    def add_peer(self, rank: int, address: Address) -> None:
+        return None  # every rank of the network is reachable by number
 
     def backlog_bytes(self, dst: int) -> int:
         return 0
