@@ -52,6 +52,18 @@ def deserialize(data: bytes) -> dict[str, Any]:
     return loaded
 
 
+def frozen_copy(value: Any) -> Any:
+    """A copy of a state (dicts, lists, tuples of tensors and numbers) whose tensors training
+    can no longer change: it is serialised on another thread while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: frozen_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(frozen_copy(v) for v in value)
+    return value
+
+
 def state_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -146,7 +158,12 @@ class StateTransfer:
                 del self._requests[j]
         if not due:
             return
-        data = serialize(self.snapshot())
+        state = frozen_copy(self.snapshot())  # about a millisecond for the thesis MLP; the rest off the training thread
+        threading.Thread(target=self._send, args=(due, user_step, state), name="fttree-state-donor",
+                         daemon=True).start()
+
+    def _send(self, due: list[int], user_step: int, state: dict[str, Any]) -> None:
+        data = serialize(state)
         digest = state_digest(data)
         total = max(1, -(-len(data) // CHUNK_BYTES))
         for j in due:
