@@ -44,7 +44,9 @@ def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
     (lambda: b"GET / HTTP/1.1\r\n\r\n", "bad frame magic"),
     (lambda: PREFIX.pack(b"FT", VERSION, 5, 1 << 40), "exceeds the limit"),
     (lambda: _hello(1, 3)[:-1] + b"\xc1", "not valid msgpack"),
-    (lambda: _hello(1, 9), "world of 9 workers"),
+    # a peer of a job of another size: its world may be a grown group's, but the address is wrong
+    (lambda: _hello(1, 9), "claims rank 1, whose address is 127.0.0.2"),
+    (lambda: _hello(-1, 3), "claims rank -1"),
     (lambda: _hello(7, 3), "claims rank 7"),
     (lambda: _hello(1, 3), "claims rank 1, whose address is 127.0.0.2"),  # sent from 127.0.0.100
 ])
