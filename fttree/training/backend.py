@@ -40,7 +40,6 @@ from ..errors import ConfigError
 from ..net.node import StepResult
 from .buckets import copy_divided, digest, wire_dtype
 from .ddp import pending_future
-from .optim import close_gracefully
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
 
@@ -290,7 +289,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         return self._unsupported("recv")
 
     def shutdown(self) -> None:
-        close_gracefully(self.allreduce_handle)
+        self.allreduce_handle.close()  # waits (bounded) for peers that may still need this rank
 
     def abort(self) -> None:
         self.allreduce_handle.close()
