@@ -12,6 +12,7 @@ from pathlib import Path
 def run_python(code: str) -> str:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # an error swallowed by an import hook is still an error
     return done.stdout
 
 
@@ -28,7 +29,8 @@ def test_import_fttree_alone_makes_the_backend_work_whichever_is_imported_first(
         print(dist.get_backend(), t.tolist())
         dist.destroy_process_group()
     """
-    for first in ("import fttree\nimport torch", "import torch\nimport fttree"):
+    for first in ("import fttree\nimport torch", "import torch\nimport fttree",
+                  "import fttree.training.optim\nimport torch"):  # a submodule that imports torch itself
         out = run_python(first + "\n" + textwrap.dedent(body))
         assert out.strip() == "fttree [1.0, 1.0, 1.0]", (first, out)
 
