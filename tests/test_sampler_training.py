@@ -81,7 +81,7 @@ def train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, epochs: int = 
                     opt.step(contribute=False)
                 else:
                     x, y, _ = batch
-                    nn.functional.cross_entropy(model(x), y).backward()
+                    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                     opt.step()
             except StepAborted:  # GroupLeft, or the steps in flight when this rank was killed
                 assert ar.node is not None
@@ -186,7 +186,7 @@ def test_an_empty_contribution_is_counted_in_no_average() -> None:
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(2 * BATCH, 12, generator=g), torch.randint(0, 4, (2 * BATCH,), generator=g)
     ref = mlp(0)
-    nn.functional.cross_entropy(ref(x), y).backward()
+    nn.functional.cross_entropy(ref(x), y).backward()  # type: ignore[no-untyped-call]
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
 
     def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[torch.Tensor], TrainingStep | None]:
@@ -198,7 +198,7 @@ def test_an_empty_contribution_is_counted_in_no_average() -> None:
             opt.step(contribute=False)
         else:
             sl = slice(rank * BATCH, (rank + 1) * BATCH)
-            nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+            nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()  # type: ignore[no-untyped-call]
             opt.step()
         return [p.detach().clone() for p in model.parameters()], opt.last_step
 
@@ -212,7 +212,7 @@ def test_an_empty_contribution_is_counted_in_no_average() -> None:
 
 
 def test_a_step_where_nobody_has_data_changes_nothing() -> None:
-    def body(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
+    def body(rank: int, ar: FTTreeAllreduce) -> list[bool]:
         model = mlp(0)
         opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model,
                                           allreduce=ar)
@@ -238,7 +238,7 @@ def test_misuses_of_commit_from_and_contribute_are_named() -> None:
         errors.append(str(exc.value))
         batch = next(iter(sampler))
         opt.zero_grad()
-        nn.functional.cross_entropy(model(DATA.x[batch]), DATA.y[batch]).backward()
+        nn.functional.cross_entropy(model(DATA.x[batch]), DATA.y[batch]).backward()  # type: ignore[no-untyped-call]
         with pytest.raises(ConfigError) as exc:
             opt.synchronize(contribute=False)
         errors.append(str(exc.value))
