@@ -280,3 +280,26 @@ def test_commit_from_a_plain_allreduce_loop() -> None:
     assert all(done for _, done in results)
     assert sorted(i for mine, _ in results for i in mine) == list(range(40))
 
+
+
+def test_train_mlp_audits_every_epoch_through_a_crash() -> None:
+    """The example: a worker dies mid-epoch and every complete epoch is still trained once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
+    proc = subprocess.run([sys.executable, str(script), "-n", "3", "--steps", "7", "--faults", "crash 2 @2",
+                           "--json", "--warmup", "0"], capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]  # rank 2's exit code: it crashed
+    assert "rank 2 crashed at step 2" in proc.stderr
+    *_, audits_line, summary_line = proc.stdout.strip().splitlines()
+    audits, summary = json.loads(audits_line)["audits"], json.loads(summary_line)
+    assert summary["steps"] == 7
+    assert summary["exactly_once"] is True
+    complete = [a for a in audits if a["complete"]]
+    assert complete, audits
+    assert all(a["once"] and a["committed"] == a["distinct"] for a in complete)
+    assert any(a["departed"] == [2] for a in complete), "the crash was not in a complete epoch"
+    assert all(a["repeated"] == 0 for a in audits)
