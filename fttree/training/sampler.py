@@ -701,6 +701,11 @@ class ElasticSampler:
                 raise ConfigError(f"rank {self.rank} has no batch at step {step} of epoch {self.epoch} but "
                                   f"contributed gradients: use opt.step(contribute=False), so the average "
                                   f"leaves it out")
+        strangers = sorted(set(contributors) - set(self.members))
+        if strangers:
+            raise ConfigError(f"ranks {strangers} contributed to {key[0]} {key[1]} but are not in this sampler's "
+                              f"view {list(self.members)}: they joined the group, and commit_from does not "
+                              f"follow joins yet (a joiner needs the epoch history: ElasticSampler.from_history)")
         event = self.commit(step, contributors, members)
         self._source_step = key
         return event
