@@ -11,8 +11,9 @@
      that moves there, and what modulo placement (HVAC before FT-HVAC) would move.
 2. Sampler overhead per step against one step of the thesis MLP (784-512-10, batch 100, SGD,
    forward + backward + update on this CPU), measured in the same run: one epoch of
-   iteration and commits on the fast path, epoch start included; and the cost of one commit
-   that moves samples (a death), which happens once per membership change.
+   iteration and commits (commit_from a DistributedOptimizer step record) on the fast path,
+   epoch start included; and the cost of one commit that moves samples (a death), which
+   happens once per membership change.
 
     python examples/bench_sampler.py
 """
@@ -33,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_common import BATCH, thesis_mlp
 
+from fttree.training.optim import TrainingStep
 from fttree.training.ring import HashRing, item_positions
 from fttree.training.sampler import ElasticSampler, MoveEvent, loader_horizon
 
@@ -122,11 +124,26 @@ def _mlp_step_s(iters: int, threads: int) -> float:
     return statistics.median(times)
 
 
+class _Optimizer:
+    """What commit_from reads from a DistributedOptimizer: its record of the last step."""
+
+    def __init__(self) -> None:
+        self.last_step: TrainingStep | None = None
+        self.rounds = 0
+
+    def step(self, members: tuple[int, ...], batch: list[int]) -> None:
+        self.last_step = TrainingStep(step=self.rounds, contributors=members, epoch=0, members_next=members,
+                                      contributed=bool(batch))
+        self.rounds += 1
+
+
 def sampler_step_s(n: int, epochs: int) -> tuple[float, float, int]:
-    """Per-step cost over whole epochs (set_epoch, every batch as a list, every commit), the
-    epoch start alone, and the steps per epoch, for rank 0 of n workers."""
+    """Per-step cost over whole epochs (set_epoch, every batch as a list, every commit as the
+    training loop makes it: commit_from an optimizer's step record), the epoch start alone,
+    and the steps per epoch, for rank 0 of n workers."""
     members = tuple(range(n))
     s = ElasticSampler(SIZE, BATCH, rank=0, members=members, horizon=HORIZON)  # placement, once per member set
+    opt = _Optimizer()
     per_step, starts = [], []
     for epoch in range(1, epochs + 1):
         t0 = time.perf_counter()
@@ -135,9 +152,11 @@ def sampler_step_s(n: int, epochs: int) -> tuple[float, float, int]:
         first = next(it)
         starts.append(time.perf_counter() - t0)
         steps = 1
-        s.commit(0, members)
-        for _ in it:
-            s.commit(steps, members)
+        opt.step(members, first)
+        s.commit_from(opt)
+        for batch in it:
+            opt.step(members, batch)
+            s.commit_from(opt)
             steps += 1
         per_step.append((time.perf_counter() - t0) / steps)
         assert first is not None

@@ -73,6 +73,20 @@ def load_data(images: str | None, labels: str | None) -> Dataset:
     return Dataset(x[:-n_test], y[:-n_test], x[-n_test:], y[-n_test:], name)
 
 
+class IndexedSamples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """(image, label, index): the index lets each worker report exactly which samples it
+    trained on, for the per-epoch exactly-once audit."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], int(i)
+
+
 def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = BATCH) -> torch.Tensor:
     """Rank `rank`'s slice of the global batch of `step`: one shuffle per epoch, shared by all
     workers, so N workers see exactly what one process with batch N x `batch` would."""
@@ -134,8 +148,9 @@ class Progress:
         width = 20
         done = round(width * (step + 1) / self.steps)
         bar = "#" * done + "-" * (width - done)
-        print(f"step {step:4d} of {self.steps} [{bar}] {seconds * 1000:8.1f} ms  loss {loss:.4f}  "
-              f"acc {acc:.2f}{'  ' + note if note else ''}", flush=True)
+        scores = "loss      -  acc    -" if loss != loss else f"loss {loss:.4f}  acc {acc:.2f}"  # nan: no batch
+        print(f"step {step:4d} of {self.steps} [{bar}] {seconds * 1000:8.1f} ms  {scores}"
+              f"{'  ' + note if note else ''}", flush=True)
 
     def summary(self, warmup: int, extra: dict[str, object]) -> None:
         if not self.enabled:

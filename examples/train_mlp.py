@@ -9,6 +9,13 @@ Without --images the data is scikit-learn's bundled digits upsampled to 28x28 (n
 --images/--labels take MNIST idx files (.gz or not). Fault windows count training steps
 (DistributedOptimizer marks them; its setup collectives are never hit).
 
+With fttree the data comes from fttree.ElasticSampler: every sample goes to exactly one
+worker per epoch, and when a worker dies (--faults "crash 4 @12") its samples not yet trained
+go to the survivors. After each epoch the workers add up which samples they trained in
+committed steps (one allreduce of a count per sample) and rank 0 prints how many were
+committed and whether each was committed once. --cache-dir keeps each worker's samples on
+local disk (fttree.CachedDataset) and reports how many had to be fetched.
+
 On several machines run one worker per machine yourself:
     FTTREE_RANK=r FTTREE_PEERS=peers.txt python examples/train_mlp.py --steps 50
 """
@@ -16,6 +23,7 @@ On several machines run one worker per machine yourself:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +36,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_common import (
     BATCH,
+    Dataset,
+    IndexedSamples,
     Progress,
     accuracy,
     batch_indices,
@@ -56,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of progress lines")
     p.add_argument("--deadline", type=float, default=600.0, help="stop the local workers after this many seconds")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="DataLoader worker processes per training worker (default 0: load in-process)")
+    p.add_argument("--cache-dir", help="keep each worker's samples in DIR/rank<r> (fttree.CachedDataset); "
+                                       "implies --stable")
+    p.add_argument("--stable", action="store_true",
+                   help="sampler stable mode: each sample stays on its worker across epochs")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     return p.parse_args(argv)
 
 
@@ -109,6 +126,22 @@ def train(args: argparse.Namespace) -> int:
         print(f"{world} workers ({args.comm}), {data.name}: {len(data.x_train)} train / {len(data.x_test)} test, "
               f"batch {BATCH} per worker, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     progress = Progress(args.steps, enabled=rank == 0, as_json=args.json)
+    if args.comm == "fttree":
+        try:
+            audits = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
+        except Exception as exc:
+            print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return 1
+        if rank == 0 and args.json:
+            print(json.dumps({"audits": audits}), flush=True)  # before the summary: that stays the last line
+        progress.summary(args.warmup, {"comm": args.comm, "workers": world,
+                                       "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
+                                       "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
+                                       "detours": sum(n.kind.value == "detour" for n in recoveries),
+                                       "epochs": len(audits),
+                                       "exactly_once": all(a["once"] for a in audits if a["complete"])})
+        close()
+        return 0
     try:
         for step in range(args.steps):
             idx = batch_indices(len(data.x_train), step, world, rank)
@@ -134,6 +167,110 @@ def train(args: argparse.Namespace) -> int:
                                    "detours": sum(n.kind.value == "detour" for n in recoveries)})
     close()
     return 0
+
+
+def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
+                       progress: Progress, recoveries: list[Any]) -> list[dict[str, Any]]:
+    """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
+    optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
+    ends with an audit of what was committed. Returns the audits."""
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    import fttree
+
+    rank, n_train = ar.rank, len(data.x_train)
+    dataset: Any = IndexedSamples(data.x_train, data.y_train)
+    cache = None
+    if args.cache_dir:
+        cache = dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{rank}")
+    sampler = fttree.ElasticSampler(n_train, BATCH, rank=rank, members=ar.view.members, seed=args.seed,
+                                    stable=args.stable or cache is not None,
+                                    horizon=fttree.loader_horizon(args.loader_workers))
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers,
+                        collate_fn=fttree.CollateOrNone(), timeout=120 if args.loader_workers else 0)
+    loss_fn = nn.CrossEntropyLoss()
+    audits: list[dict[str, Any]] = []
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        trained: list[int] = []  # samples this rank trained in steps that list it as a contributor
+        fetched_before = cache.stats().fetched if cache is not None else 0
+        for batch in loader:
+            seen = len(recoveries)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            if batch is None:  # nothing left for this rank this epoch: take part, counted in no average
+                opt.step(contribute=False)
+                loss_value, acc, note = float("nan"), float("nan"), "no batch left: empty contribution"
+            else:
+                x, y, idx = batch
+                out = model(x)
+                loss = loss_fn(out, y)
+                loss.backward()
+                opt.step()
+                loss_value, acc, note = loss.item(), float((out.argmax(1) == y).float().mean()), ""
+            done = opt.last_step
+            if batch is not None and rank in done.contributors:
+                trained.extend(idx.tolist())
+            sampler.commit_from(opt)
+            seconds = time.perf_counter() - t0
+            new = recoveries[seen:]
+            note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
+            progress.step(step, seconds, loss_value, acc, note)
+            step += 1
+            if step >= args.steps:
+                break
+        fetched = (cache.stats().fetched if cache is not None else 0) - fetched_before
+        audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
+                                  quiet=args.json))
+        epoch += 1
+    return audits
+
+
+def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n_train: int,
+                quiet: bool) -> dict[str, Any]:
+    """Add up, over all workers, how often each sample was trained in a committed step: one
+    allreduce of a count per sample (plus each rank's cache fetches). Workers that left the
+    view cannot answer; what they committed comes from the survivors' samplers (every member
+    computes the same history), added once, by the lowest surviving rank."""
+    import numpy as np
+
+    world = ar.world
+    counts = np.zeros(n_train + world, dtype=np.int32)
+    np.add.at(counts, trained, 1)
+    departed = sorted(set(sampler.history().members) - set(sampler.members))
+    gone: dict[int, int] = {}
+    if ar.rank == min(sampler.members):
+        for r in departed:
+            theirs = sampler.committed(r)
+            gone[r] = len(theirs)
+            np.add.at(counts, theirs, 1)
+    counts[n_train + ar.rank] = fetched
+    ar.mark_step(None)  # an audit, not a training step: fault windows do not count it
+    total = ar.allreduce(counts)
+    per_sample, fetches = total[:n_train], total[n_train:]
+    answered = ar.last.contributors if ar.last is not None else ()
+    complete = sampler.finished
+    info = {"epoch": epoch, "complete": complete, "committed": int(per_sample.sum()),
+            "distinct": int((per_sample > 0).sum()), "repeated": int((per_sample > 1).sum()),
+            "missing": int((per_sample == 0).sum()), "once": bool(complete and (per_sample == 1).all()),
+            "departed": departed, "answered": list(answered), "fetched": int(fetches.sum()),
+            "moved": sum(e.pool for e in sampler.stats().events)}
+    if ar.rank == 0 and not quiet:
+        left = f"; ranks {departed} left the view ({info['moved']} of their samples went to the survivors; " \
+               f"{sum(gone.values())} they had committed are counted from the survivors' samplers)" if departed else ""
+        cache = f"; cache fetches {info['fetched']}" if fetches.any() else ""
+        if complete:
+            verdict = "each once" if info["once"] else \
+                f"NOT exactly once: {info['repeated']} repeated, {info['missing']} missing"
+            print(f"epoch {epoch}: {info['committed']} of {n_train} samples committed, {verdict}{left}{cache}",
+                  flush=True)
+        else:
+            verdict = "none twice" if not info["repeated"] else f"{info['repeated']} TWICE"
+            print(f"epoch {epoch} stopped at --steps: {info['committed']} of {n_train} samples committed so far, "
+                  f"{verdict}{left}{cache}", flush=True)
+    return info
 
 
 def main() -> int:

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from .core.config import Config
     from .net.node import StepResult
     from .training.backend import allreduce_of
+    from .training.cache import CachedDataset
     from .training.ddp import comm_hook
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
+    from .training.sampler import CollateOrNone, ElasticSampler, loader_horizon
 
 __version__ = "0.1.0"
 
@@ -47,6 +49,10 @@ _LAZY = {
     "allreduce_of": "fttree.training.backend",
     "Config": "fttree.core.config",
     "broadcast_parameters": "fttree.training.optim",
+    "ElasticSampler": "fttree.training.sampler",
+    "CollateOrNone": "fttree.training.sampler",
+    "loader_horizon": "fttree.training.sampler",
+    "CachedDataset": "fttree.training.cache",
 }
 
 
@@ -58,9 +64,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CachedDataset",
+    "CollateOrNone",
     "Config",
     "ConfigError",
     "DistributedOptimizer",
+    "ElasticSampler",
     "FTTreeAllreduce",
     "FTTreeError",
     "FrameError",
@@ -75,5 +84,6 @@ __all__ = [
     "attach",
     "broadcast_parameters",
     "comm_hook",
+    "loader_horizon",
     "synchronize",
 ]

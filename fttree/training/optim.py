@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -34,7 +35,7 @@ from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
 from .elastic import StateTransfer
 
-__all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "attach", "broadcast_parameters",
+__all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "TrainingStep", "attach", "broadcast_parameters",
            "check_same_layout", "close_gracefully", "synchronize"]
 
 Named = list[tuple[str, torch.Tensor]]
@@ -42,6 +43,21 @@ Named = list[tuple[str, torch.Tensor]]
 
 class ModelMismatch(TensorMismatch):
     """Workers hold different models (or bucket plans); raised on every worker."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingStep:
+    """A finished training step as every survivor sees it, bit for bit alike (they all hold the
+    same bucket results), so a data sampler can follow it without messages of its own
+    (`ElasticSampler.commit_from(opt)`)."""
+
+    step: int  # training step, counted from 0 as fault windows count them
+    contributors: tuple[int, ...]  # ranks in the result of every bucket (sorted): whose batch the step holds
+    epoch: int  # newest view epoch among the buckets' results
+    # The view for the next step: the contributors. Not `ar.view` read after the step: a view
+    # change can be installed at any moment, so two survivors could read different views.
+    members_next: tuple[int, ...]
+    contributed: bool  # False: this rank gave an empty contribution (synchronize(contribute=False))
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -224,6 +240,7 @@ class GradientSync:
         self.rounds = 0  # synchronizations submitted: the training steps fault windows count
         self.contribute = True  # False while a joiner waits for its state: it takes part with zeros
         self.retried = 0  # buckets submitted again after the group voided them (StepRetry)
+        self.last_step: TrainingStep | None = None  # the newest training step that finished here
         self._reset()
         self.synchronized = False  # True from synchronize() until the next gradient arrives
         if check:
@@ -241,6 +258,7 @@ class GradientSync:
         self._next = 0  # first bucket not yet submitted
         self._callback_queued = False
         self._marked = False  # this round's buckets are marked as training step `rounds`
+        self._touched = False  # a gradient arrived in this round
 
     def detach(self) -> None:
         """Remove the hooks; gradients are left local from now on."""
@@ -264,6 +282,7 @@ class GradientSync:
         with self._lock:
             self._mark_round()
             self.synchronized = False
+            self._touched = True
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -296,9 +315,16 @@ class GradientSync:
             self._futures[self._next] = self._launch(self.buckets[self._next])
             self._next += 1
 
-    def _launch(self, spec: BucketSpec) -> Future[StepResult]:
-        buf = np.empty(spec.size, dtype=spec.dtype)
-        flat, flags = torch.from_numpy(buf), buf[spec.numel:]
+    def _launch(self, spec: BucketSpec, contribute: bool = True) -> Future[StepResult]:
+        # One element after the flags counts the workers whose data is in the sum (1 here, 0
+        # for an empty contribution): averages divide by it, not by every rank in the step.
+        buf = np.empty(spec.size + 1, dtype=spec.dtype)
+        signature = f"{spec.signature} +count"
+        if not contribute:
+            buf.fill(0)
+            return self.ar.submit_array(buf, signature, contribute=self.contribute)
+        buf[spec.size] = 1
+        flat, flags = torch.from_numpy(buf), buf[spec.numel:spec.size]
         for k, slot in enumerate(spec.slots):
             grad = self.params[slot.param][1].grad
             dst = flat[slot.offset:slot.offset + slot.numel]
@@ -311,24 +337,41 @@ class GradientSync:
                                 f"gradients are supported")
             dst.copy_(grad.detach().reshape(-1))
             flags[k] = 1
-        return self.ar.submit_array(buf, spec.signature, contribute=self.contribute)
+        return self.ar.submit_array(buf, signature, contribute=self.contribute)
 
     # ---- step (caller thread) ------------------------------------------------------------
 
-    def synchronize(self) -> None:
-        """Submit what is left, wait for every bucket, write the averaged gradients back."""
+    def synchronize(self, contribute: bool = True) -> None:
+        """Submit what is left, wait for every bucket, write the averaged gradients back.
+
+        `contribute=False` takes part in the step with an empty contribution (zeros, counted in
+        no average): for a worker with no batch left, which must still join every step."""
         with self._lock:
+            if not contribute and self._touched:
+                raise ConfigError(f"fttree rank {self.ar.rank}: synchronize(contribute=False) after backward "
+                                  f"produced gradients in training step {self.rounds}: for an empty batch skip "
+                                  f"backward")
             self._mark_round()
-            self._flush()
+            if contribute:
+                self._flush()
+            else:
+                for b in range(len(self.buckets)):
+                    self._futures[b] = self._launch(self.buckets[b], contribute=False)
             futures = [f for f in self._futures if f is not None]
             self._reset()
+            step, counted = self.rounds, self.contribute  # counted: False for a joiner awaiting its state
             self.rounds += 1  # submitted: the next gradients belong to the next training step
-        outcomes = self._settle_retrying(futures)
-        for spec, res in zip(self.buckets, _first_error(outcomes), strict=True):
+        outcomes = self._settle_retrying(futures, contribute)
+        results = _first_error(outcomes)
+        for spec, res in zip(self.buckets, results, strict=True):
             self._write_back(spec, res)
+        common = sorted(set.intersection(*(set(res.contributors) for res in results)))
+        self.last_step = TrainingStep(step=step, contributors=tuple(common), epoch=max(res.epoch for res in results),
+                                      members_next=tuple(common), contributed=contribute and counted)
         self.synchronized = True
 
-    def _settle_retrying(self, futures: list[Future[StepResult]]) -> list[StepResult | FTTreeError]:
+    def _settle_retrying(self, futures: list[Future[StepResult]], contribute: bool = True
+                         ) -> list[StepResult | FTTreeError]:
         """Wait for every bucket. Buckets the group voided after losing a worker (StepRetry,
         on_node_failure="rollback") are submitted again on the new view, from the gradients
         still in .grad; every survivor voided the same ones, so they agree on the new steps."""
@@ -343,7 +386,7 @@ class GradientSync:
             self.retried += len(again)
             futures = list(futures)
             for i in again:
-                futures[i] = self._launch(self.buckets[i])
+                futures[i] = self._launch(self.buckets[i], contribute)
             for i, out in zip(again, _settle([futures[i] for i in again], self.ar, context), strict=True):
                 outcomes[i] = out
         return outcomes
@@ -352,8 +395,8 @@ class GradientSync:
         # res.data is read, never written: at the root it is also the payload of the result
         # still queued for the children.
         data = res.data
-        flat, flags = torch.from_numpy(data[:spec.numel]), data[spec.numel:]
-        divisor = len(res.contributors) if self.average else 1
+        flat, flags = torch.from_numpy(data[:spec.numel]), data[spec.numel:spec.size]
+        divisor = round(float(data[spec.size])) if self.average else 1  # workers whose data is in the sum
         with torch.no_grad():
             for k, slot in enumerate(spec.slots):
                 if flags[k] == 0:  # no worker produced this gradient: leave it None, like one process would
@@ -449,6 +492,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
                                  backward_passes_per_step=backward_passes_per_step, average=average,
                                  check=joined is None)
+        self._rounds_at_step = -1  # sync.rounds when step() last returned
         self.model = model
         self.step_count = 0  # the group's optimizer steps so far (a joiner takes it over)
         self.scheduler: Any = None
@@ -523,17 +567,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                 seconds=record.seconds, donors_asked=record.donors_asked,
                                                 replayed=len(replay))
 
-    def synchronize(self) -> None:
-        """Average the gradients now (for clipping before step(); step() then skips it)."""
-        self.sync.synchronize()
+    def synchronize(self, contribute: bool = True) -> None:
+        """Average the gradients now (for clipping before step(); step() then skips it).
+        `contribute=False`: an empty contribution, see GradientSync.synchronize."""
+        self.sync.synchronize(contribute)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, contribute: bool = True) -> Any:
+        """Average, then step. `contribute=False` (no batch: zero_grad() and no backward)
+        still takes part in the step, counted in no average."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.sync.synchronized:
-            self.sync.synchronize()
+        # An empty contribution produces no gradient, so nothing has cleared `synchronized`: it
+        # still runs its step unless synchronize(contribute=False) did since the last step().
+        if not self.sync.synchronized or (not contribute and self.sync.rounds == self._rounds_at_step):
+            self.sync.synchronize(contribute)
+        self._rounds_at_step = self.sync.rounds
         step = self.sync.rounds - 1  # the training step whose gradients are averaged now
         if self.syncing:
             self._keep_or_catch_up(step)
@@ -542,3 +592,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().step()
         self.step_count += 1
         return loss
+
+    @property
+    def last_step(self) -> TrainingStep | None:
+        """The newest training step that finished here: its contributors and next view."""
+        return self.sync.last_step

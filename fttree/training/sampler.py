@@ -47,16 +47,30 @@ All members must use the same config (size, batch size, seed, stable, horizon, v
 factor): it is part of the history (`EpochHistory.config`), which a joining or restarted rank
 replays (`ElasticSampler.from_history`) to compute its own queue.
 
-Use (the loader must deliver batches in order: DataLoader's default in_order=True):
+Use with fttree.DistributedOptimizer (the loader must deliver batches in order: DataLoader's
+default in_order=True). `commit_from(opt)` after each `opt.step()` is the whole integration:
 
-    sampler = ElasticSampler(len(ds), 100, rank=rank, members=view, stable=True,
+    sampler = ElasticSampler(len(ds), 100, rank=ar.rank, members=ar.view.members, stable=True,
                              horizon=loader_horizon(num_workers=2, prefetch_factor=2))
     loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, collate_fn=CollateOrNone())
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for step, batch in enumerate(loader, start=sampler.next_step):
-            ...  # forward/backward, or an empty contribution when batch is None
-            sampler.commit(step, contributors_of_step, view_after_step)
+        for batch in loader:
+            opt.zero_grad()
+            if batch is None:                 # nothing left for this rank: it still takes part,
+                opt.step(contribute=False)    # counted in no average
+            else:
+                loss_fn(model(batch[0]), batch[1]).backward()
+                opt.step()
+            sampler.commit_from(opt)          # contributors of every bucket; next view
+
+What commit_from reads (`opt.last_step`, the same on every survivor): a training step's
+contributors are the ranks in the result of *every* gradient bucket of the step (a rank that
+died during backward may be in the first buckets and not the last: its batch is not
+committed and goes to the survivors); the view for the next step is those contributors, not
+`ar.view` read after the step, which a concurrent view change could make differ between ranks.
+A step that fails (`StepAborted` from `opt.step()`) commits nothing: see "limits" in the
+README. With one plain `ar.allreduce` per step, `commit_from(ar)` reads `ar.last` instead.
 """
 
 from __future__ import annotations
@@ -554,6 +568,8 @@ class ElasticSampler:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
         self.config, self.rank = config, rank
         self._plan = _Epoch(config, epoch, members)
+        if not hasattr(self, "_source_step"):  # kept across epochs: the source's steps only grow
+            self._source_step: tuple[str, int] | None = None
 
     @classmethod
     def from_history(cls, history: EpochHistory, *, rank: int) -> ElasticSampler:
@@ -650,6 +666,49 @@ class ElasticSampler:
         contrib = _same_or_checked(contributors, view, "contributors")
         nxt = view if members_next is None else _same_or_checked(members_next, view, "members_next")
         return self._plan.commit(step, contrib, nxt)
+
+    def commit_from(self, source: Any) -> MoveEvent | None:
+        """Commit the next step (`next_step`) from what `source` saw of the step it just
+        finished: a DistributedOptimizer or GradientSync (`last_step`: the contributors common
+        to all its gradient buckets) or an FTTreeAllreduce (`last`, for loops with one allreduce
+        per step). Call it once after each step; every member gets the same outcome from the
+        allreduce, so all samplers stay alike with no messages of their own."""
+        step = self.next_step
+        if hasattr(source, "last_step"):
+            rec = source.last_step
+            if rec is None:
+                raise ConfigError(f"commit_from: {type(source).__name__} has finished no training step yet: "
+                                  f"call opt.step() first")
+            key, contributors, members = ("training step", int(rec.step)), rec.contributors, rec.members_next
+            contributed: bool | None = bool(rec.contributed)
+        elif hasattr(source, "last") and hasattr(source, "view"):
+            res = source.last
+            if res is None:
+                raise ConfigError("commit_from: the allreduce handle has finished no step yet")
+            key, contributors, members, contributed = ("allreduce step", int(res.step)), res.contributors, \
+                res.contributors, None
+        else:
+            raise ConfigError(f"commit_from takes a DistributedOptimizer, GradientSync or FTTreeAllreduce, "
+                              f"not {type(source).__name__}")
+        if self._source_step is not None and key[0] == self._source_step[0] and key[1] <= self._source_step[1]:
+            raise ConfigError(f"commit_from: {key[0]} {key[1]} is already committed; call it once after each step")
+        if contributed is not None and self.rank in contributors:
+            has_batch = len(self._plan.batch(self.rank, step)) > 0
+            if has_batch and not contributed:
+                raise ConfigError(f"rank {self.rank} stepped with contribute=False at step {step} of epoch "
+                                  f"{self.epoch}, but its batch there has samples: they would count as trained")
+            if contributed and not has_batch:
+                raise ConfigError(f"rank {self.rank} has no batch at step {step} of epoch {self.epoch} but "
+                                  f"contributed gradients: use opt.step(contribute=False), so the average "
+                                  f"leaves it out")
+        strangers = sorted(set(contributors) - set(self.members))
+        if strangers:
+            raise ConfigError(f"ranks {strangers} contributed to {key[0]} {key[1]} but are not in this sampler's "
+                              f"view {list(self.members)}: they joined the group, and commit_from does not "
+                              f"follow joins yet (a joiner needs the epoch history: ElasticSampler.from_history)")
+        event = self.commit(step, contributors, members)
+        self._source_step = key
+        return event
 
     # ---- audits --------------------------------------------------------------------------
 

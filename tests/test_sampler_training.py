@@ -1,0 +1,319 @@
+"""ElasticSampler driven by DistributedOptimizer: seven in-process workers train over loopback
+TCP, one dies mid-epoch, and the samples the workers trained on in steps that committed them
+are the dataset, each once. The sampler learns every commit from `opt.last_step` alone
+(`commit_from`), so this is the integration the data layer's unit tests leave out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import fttree
+from fttree import ConfigError, FTTreeAllreduce, StepAborted
+from fttree.training.optim import TrainingStep
+from fttree.training.sampler import CollateOrNone, ElasticSampler, loader_horizon
+
+from .test_torch_optim import assert_params_close, mlp, ok, run_ranks
+
+WORLD = 7
+SIZE = 7 * 4 * 9 + 5  # not a multiple of the global batch: the last batches are partial or empty
+BATCH = 4
+
+
+class Indexed(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Features, a label and the sample's own index, so a worker can say what it trained on."""
+
+    def __init__(self, size: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+DATA = Indexed(SIZE)
+
+
+@dataclass
+class Outcome:
+    rank: int
+    died_at: int | None = None  # training step at which opt.step() raised GroupLeft
+    trained: list[int] = field(default_factory=list)  # samples of batches whose step lists this rank
+    own_committed: list[int] = field(default_factory=list)  # this rank's sampler.committed()
+    committed: dict[int, list[int]] = field(default_factory=dict)  # what this rank's sampler says each rank committed
+    loads: tuple[tuple[int, int], ...] = ()
+    finished: bool = False
+    steps: list[TrainingStep] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+def train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, epochs: int = 1,
+          before_optimizer: Callable[[int, FTTreeAllreduce, nn.Module], None] | None = None) -> Outcome:
+    """One worker's loop, as a user writes it: the sampler feeds the loader, commit_from(opt)
+    after each step, an empty contribution when the batch is None."""
+    out = Outcome(rank=rank)
+    model = mlp(0)
+    if before_optimizer is not None:
+        before_optimizer(rank, ar, model)
+    opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar,
+                                      bucket_mb=0.0005)  # several buckets per step
+    assert len(opt.sync.buckets) > 1
+    sampler = ElasticSampler(SIZE, BATCH, rank=rank, members=ar.view.members, seed=3,
+                             horizon=loader_horizon(loader_workers, 2))
+    loader = DataLoader(DATA, batch_sampler=sampler, num_workers=loader_workers, collate_fn=CollateOrNone(),
+                        prefetch_factor=2 if loader_workers else None, timeout=60 if loader_workers else 0)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.trained = []
+        for batch in loader:
+            opt.zero_grad()
+            try:
+                if batch is None:
+                    opt.step(contribute=False)
+                else:
+                    x, y, _ = batch
+                    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                    opt.step()
+            except StepAborted:  # GroupLeft, or the steps in flight when this rank was killed
+                assert ar.node is not None
+                if ar.node.stopped is None:
+                    raise  # a survivor's step failed: a real error
+                out.died_at = opt.sync.rounds - 1
+                out.own_committed = sampler.committed().tolist()
+                return out
+            step = opt.last_step
+            assert step is not None
+            out.steps.append(step)
+            if batch is not None and rank in step.contributors:
+                out.trained.extend(batch[2].tolist())
+            sampler.commit_from(opt)
+    out.own_committed = sampler.committed().tolist()
+    out.committed = {r: sampler.committed(r).tolist() for r in range(WORLD)}
+    out.loads = tuple(sorted(sampler.stats().loads.items()))
+    out.finished = sampler.finished
+    out.params = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def check_exactly_once(outcomes: list[Outcome], dead: int) -> None:
+    """Survivors' trained samples plus the dead rank's commits (as the survivors' samplers tell
+    them) are the dataset, each once; every survivor computed the same assignment and the same
+    model."""
+    gone = outcomes[dead]
+    assert gone.died_at is not None, f"rank {dead} did not die"
+    survivors = [o for o in outcomes if o.rank != dead]
+    for o in survivors:
+        assert o.died_at is None, f"rank {o.rank} died"
+        assert o.finished, f"rank {o.rank} did not finish the epoch"
+        assert sorted(o.trained) == sorted(o.own_committed), f"rank {o.rank}: trained != committed()"
+    first = survivors[0]
+    for o in survivors[1:]:
+        assert o.committed == first.committed, f"rank {o.rank} disagrees with rank {first.rank} on the commits"
+        assert o.loads == first.loads
+        assert [(s.step, s.contributors) for s in o.steps] == [(s.step, s.contributors) for s in first.steps]
+        for a, b in zip(o.params, first.params, strict=True):
+            assert torch.equal(a, b), f"rank {o.rank}'s model differs from rank {first.rank}'s"
+    # What the dead rank committed before it died: its own record and the survivors' agree.
+    assert sorted(first.committed[dead]) == sorted(gone.own_committed)
+    everything = [i for o in survivors for i in o.trained] + first.committed[dead]
+    assert len(everything) == SIZE, f"{len(everything) - len(set(everything))} repeats, " \
+                                    f"{SIZE - len(set(everything))} missing"
+    assert sorted(everything) == list(range(SIZE))
+    assert dead not in first.steps[-1].contributors
+    assert any(dead in s.contributors for s in first.steps), "the victim never trained"
+
+
+@pytest.mark.parametrize("loader_workers", [0, 2], ids=["in-process loader", "num_workers=2"])
+def test_a_worker_killed_mid_epoch_loses_and_repeats_nothing(loader_workers: int) -> None:
+    """Rank 4 dies at training step 3 (`crash 4 @3`: its sockets reset as with a SIGKILL) with
+    batches prefetched; the survivors take over its uncommitted samples."""
+    outcomes = ok(run_ranks(WORLD, lambda r, ar: train(r, ar, loader_workers=loader_workers), deadline_s=120,
+                            faults="crash 4 @3"))
+    assert outcomes[4].died_at == 3
+    check_exactly_once(outcomes, dead=4)
+
+
+def test_a_worker_dying_between_its_gradient_buckets_has_its_batch_retrained() -> None:
+    """Rank 2 dies during backward of step 4, after its first buckets were sent: it may be in
+    the first buckets' results and not in the last ones'. Its batch of that step is then not
+    committed (it is missing from the step's contributors) and a survivor trains it again."""
+    def crash_in_backward(rank: int, ar: FTTreeAllreduce, model: nn.Module) -> None:
+        if rank != 2:
+            return
+        # The first layer's weight is in the last bucket; this hook runs before the optimizer's
+        # (registered first), so the earlier buckets are sent and the last one never is.
+        first_layer = next(iter(model.parameters()))
+        rounds = {"n": 0}
+
+        def hook(_p: torch.Tensor) -> None:
+            rounds["n"] += 1
+            if rounds["n"] == 5:
+                ar.crash("rank 2 killed during backward (test)")
+        first_layer.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+    outcomes = ok(run_ranks(WORLD, lambda r, ar: train(r, ar, loader_workers=0, before_optimizer=crash_in_backward),
+                            deadline_s=120))
+    assert outcomes[2].died_at == 4
+    check_exactly_once(outcomes, dead=2)
+
+
+def test_two_epochs_after_a_death_the_second_deals_the_dataset_to_the_survivors() -> None:
+    outcomes = ok(run_ranks(WORLD, lambda r, ar: train(r, ar, loader_workers=0, epochs=2), deadline_s=120,
+                            faults="crash 6 @2"))
+    survivors = [o for o in outcomes if o.rank != 6]
+    assert outcomes[6].died_at == 2
+    everything = sorted(i for o in survivors for i in o.trained)  # epoch 1 only: `trained` restarts per epoch
+    assert everything == list(range(SIZE))
+    assert all(o.committed[6] == [] for o in survivors)  # not a member of epoch 1
+    assert {o.steps[-1].step for o in survivors} == {survivors[0].steps[-1].step}
+
+
+# ---- the optimizer's side: empty contributions and the step record --------------------------
+
+
+def test_an_empty_contribution_is_counted_in_no_average() -> None:
+    """Rank 2 has no batch: the average is over ranks 0 and 1 only, as one process training on
+    their two batches would compute it."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2 * BATCH, 12, generator=g), torch.randint(0, 4, (2 * BATCH,), generator=g)
+    ref = mlp(0)
+    nn.functional.cross_entropy(ref(x), y).backward()  # type: ignore[no-untyped-call]
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[torch.Tensor], TrainingStep | None]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, allreduce=ar,
+                                          bucket_mb=0.0005)
+        opt.zero_grad()
+        if rank == 2:
+            opt.step(contribute=False)
+        else:
+            sl = slice(rank * BATCH, (rank + 1) * BATCH)
+            nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], opt.last_step
+
+    results = ok(run_ranks(3, body))
+    want = [p.detach() for p in ref.parameters()]
+    for rank, (params, step) in enumerate(results):
+        assert_params_close(params, want, f"rank {rank}")
+        assert step is not None
+        assert (step.step, step.contributors, step.members_next, step.contributed) == (0, (0, 1, 2), (0, 1, 2),
+                                                                                       rank != 2)
+
+
+def test_a_step_where_nobody_has_data_changes_nothing() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> list[bool]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model,
+                                          allreduce=ar)
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            opt.zero_grad()
+            opt.step(contribute=False)
+        assert opt.sync.rounds == 2  # each empty step ran: nobody skipped a step number
+        assert all(p.grad is None for p in model.parameters())
+        return [torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True)]
+
+    assert all(all(same) for same in ok(run_ranks(3, body)))
+
+
+def test_misuses_of_commit_from_and_contribute_are_named() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> list[str]:
+        model = mlp(0)
+        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=ar)
+        sampler = ElasticSampler(30, 5, rank=rank, members=ar.view.members)
+        errors = []
+        with pytest.raises(ConfigError) as exc:
+            sampler.commit_from(opt)
+        errors.append(str(exc.value))
+        batch = next(iter(sampler))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(DATA.x[batch]), DATA.y[batch]).backward()  # type: ignore[no-untyped-call]
+        with pytest.raises(ConfigError) as exc:
+            opt.synchronize(contribute=False)
+        errors.append(str(exc.value))
+        opt.step()
+        sampler.commit_from(opt)
+        with pytest.raises(ConfigError) as exc:
+            sampler.commit_from(opt)
+        errors.append(str(exc.value))
+        opt.zero_grad()
+        opt.step(contribute=False)  # rank has a batch at step 1: skipping it would lose samples
+        with pytest.raises(ConfigError) as exc:
+            sampler.commit_from(opt)
+        errors.append(str(exc.value))
+        with pytest.raises(ConfigError) as exc:
+            sampler.commit_from(object())
+        errors.append(str(exc.value))
+        return errors
+
+    for errors in ok(run_ranks(3, body)):
+        assert "has finished no training step yet" in errors[0]
+        assert "after backward produced gradients in training step 0" in errors[1]
+        assert "training step 0 is already committed" in errors[2]
+        assert "stepped with contribute=False at step 1" in errors[3]
+        assert "not object" in errors[4]
+
+
+def test_commit_from_a_plain_allreduce_loop() -> None:
+    """One allreduce per step (no optimizer): commit_from(ar) reads ar.last."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[int], bool]:
+        sampler = ElasticSampler(40, 3, rank=rank, members=ar.view.members, seed=1)
+        mine = []
+        for batch in sampler:
+            ar.allreduce(np.ones(2, dtype=np.float32))
+            mine.extend(batch)
+            sampler.commit_from(ar)
+        return mine, sampler.finished
+
+    results = ok(run_ranks(3, body))
+    assert all(done for _, done in results)
+    assert sorted(i for mine, _ in results for i in mine) == list(range(40))
+
+
+
+def test_train_mlp_audits_every_epoch_through_a_crash() -> None:
+    """The example: a worker dies mid-epoch and every complete epoch is still trained once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
+    proc = subprocess.run([sys.executable, str(script), "-n", "3", "--steps", "7", "--faults", "crash 2 @2",
+                           "--json", "--warmup", "0"], capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]  # rank 2's exit code: it crashed
+    assert "rank 2 crashed at step 2" in proc.stderr
+    *_, audits_line, summary_line = proc.stdout.strip().splitlines()
+    audits, summary = json.loads(audits_line)["audits"], json.loads(summary_line)
+    assert summary["steps"] == 7
+    assert summary["exactly_once"] is True
+    complete = [a for a in audits if a["complete"]]
+    assert complete, audits
+    assert all(a["once"] and a["committed"] == a["distinct"] for a in complete)
+    assert any(a["departed"] == [2] for a in complete), "the crash was not in a complete epoch"
+    assert all(a["repeated"] == 0 for a in audits)
+
+
+def test_a_joiner_in_the_contributors_is_named_until_joins_are_followed() -> None:
+    """Joins (elastic.py) admit ranks the sampler has never dealt to: commit_from says so
+    instead of computing an assignment the joiner cannot share."""
+    sampler = ElasticSampler(30, 5, rank=0, members=range(3))
+    record = TrainingStep(step=0, contributors=(0, 1, 2, 3), epoch=1, members_next=(0, 1, 2, 3), contributed=True)
+
+    class Source:
+        last_step = record
+
+    with pytest.raises(ConfigError, match=r"ranks \[3\] contributed to training step 0 .* joined the group"):
+        sampler.commit_from(Source())
+    assert sampler.next_step == 0  # nothing committed
