@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -90,16 +90,28 @@ class FTTreeAllreduce:
     `step_timeout_s` bounds a whole step, after which it raises StepAborted naming what it
     waited for. `faults` is an in-process fault schedule (see fttree.core.faults).
     `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.status.control).
+    `join=True` asks the running group named by `peers` to admit this rank (a restarted worker
+    finds the group by itself); `join="HOST:PORT"` asks through that member, and then `peers`
+    needs only this rank's own address, as `{rank: "host:port"}` (README: "Elastic jobs").
     """
 
-    def __init__(self, rank: int, peers: Sequence[str | Address], *, config: Config | None = None,
+    def __init__(self, rank: int, peers: Sequence[str | Address] | Mapping[int, str | Address], *,
+                 config: Config | None = None,
                  faults: str | FaultSchedule | None = None, http_port: int | None = None,
-                 http_host: str | None = None, http_token: str | None = None, join: bool = False,
+                 http_host: str | None = None, http_token: str | None = None, join: bool | str = False,
                  **settings: Any) -> None:
-        addresses = [p if isinstance(p, Address) else parse_address(p) for p in peers]
-        if not addresses:
+        table = dict(peers.items()) if isinstance(peers, Mapping) else dict(enumerate(peers))
+        if not table:
             raise ConfigError("peers is empty: list one host:port per rank")
-        parse_peers([str(a) for a in addresses])  # duplicate check
+        known = {r: p if isinstance(p, Address) else parse_address(p) for r, p in table.items()}
+        parse_peers([str(a) for a in known.values()])  # duplicate check
+        if rank not in known:
+            raise ConfigError(f"rank {rank} has no address in peers (ranks {sorted(known)})")
+        self.contact = parse_address(join) if isinstance(join, str) else None
+        addresses = [known.get(r, known[rank]) for r in range(max(known) + 1)]
+        if len(known) != len(addresses) and self.contact is None:
+            raise ConfigError(f"peers names ranks {sorted(known)}: every rank 0..{max(known)} needs an address "
+                              f"(a mapping of some ranks only is for join='HOST:PORT')")
         try:
             check_rank(rank, len(addresses))
         except ValueError as exc:
@@ -125,7 +137,8 @@ class FTTreeAllreduce:
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None
         self.control: ControlServer | None = None
-        self.join = join
+        self.join = bool(join)
+        self._known = known
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -172,10 +185,11 @@ class FTTreeAllreduce:
         asyncio.set_event_loop(loop)
         scheduler = AsyncioScheduler(loop)
         cfg = self.config
-        tcp = TcpTransport(self.rank, self.peers, connect_timeout_s=cfg.connect_timeout_s,
+        tcp = TcpTransport(self.rank, self._known, connect_timeout_s=cfg.connect_timeout_s,
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
-        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join)
+        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
+                         contact=self.contact)
         self.monitor = Monitor(self.node, world=self.world)
         try:
             loop.run_until_complete(self.node.start())

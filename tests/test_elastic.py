@@ -59,7 +59,8 @@ class Run:
     steps_run: int = 0
 
 
-def train(rank: int, peers: list[str], run: Run, *, crash_at: int | None = None, join: bool = False,
+def train(rank: int, peers: list[str] | dict[int, str], run: Run, *, crash_at: int | None = None,
+          join: bool | str = False,
           on_step: Callable[[int], None] | None = None, leave_at: int | None = None,
           transfer_wait_s: float | None = None, joiners: int = 1,
           setup: Callable[[fttree.FTTreeAllreduce, fttree.DistributedOptimizer], None] | None = None) -> None:
@@ -169,7 +170,10 @@ def test_a_new_rank_grows_the_group() -> None:
     def joiner(r: int) -> Callable[[], None]:
         def go() -> None:
             assert grow.wait(60), "rank 0 never reached step 5"
-            train(r, peers, runs[r], join=True, joiners=2)
+            if r == 4:  # knows every address
+                train(r, peers, runs[r], join=True, joiners=2)
+            else:  # knows only itself and one member: join="HOST:PORT"
+                train(r, {r: peers[r]}, runs[r], join=peers[1], joiners=2)
         return go
 
     first = peers[:4]
@@ -262,3 +266,12 @@ def test_a_donor_that_dies_mid_transfer_is_replaced() -> None:
 @pytest.fixture(autouse=True)
 def _quiet_numpy() -> None:
     np.seterr(all="ignore")
+
+
+def test_a_joiner_configuration_that_cannot_work_is_named() -> None:
+    with pytest.raises(fttree.ConfigError, match="rank 3 has no address"):
+        fttree.FTTreeAllreduce(3, {1: "127.0.0.2:29500"}, join="127.0.0.1:29500")
+    with pytest.raises(fttree.ConfigError, match="every rank 0..2 needs an address"):
+        fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"})
+    with pytest.raises(fttree.ConfigError, match="expected host:port"):
+        fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"}, join="no-port-here")

@@ -120,6 +120,9 @@ class FaultyTransport:
     def add_peer(self, rank: int, address: Address) -> None:
         self.inner.add_peer(rank, address)
 
+    def address_of(self, rank: int) -> str:
+        return self.inner.address_of(rank)
+
     def backlog_bytes(self, dst: int) -> int:
         return self.inner.backlog_bytes(dst)
 

@@ -71,12 +71,13 @@ from ..core.protocol import (
 )
 from ..core.view import View
 from ..errors import ConfigError, GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
-from .address import parse_address
+from .address import Address, parse_address
 from .scheduler import Handle, Scheduler
 from .transport import Transport, TransportStatus
 
 log = logging.getLogger("fttree.net.node")
 
+CONTACT = -2  # the transport's key for a joiner's contact, whose rank it does not know yet
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})
@@ -126,7 +127,7 @@ class Node:
     """One rank's protocol driver. Every method runs on the scheduler's thread (the node's loop)."""
 
     def __init__(self, rank: int, view: View, config: Config, transport: Transport, scheduler: Scheduler, *,
-                 join: bool = False, incarnation: int | None = None) -> None:
+                 join: bool = False, incarnation: int | None = None, contact: Address | None = None) -> None:
         self.rank = rank
         self.cfg = config
         self.machine = TreeMachine(rank, view, config)
@@ -150,7 +151,10 @@ class Node:
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
         # joins and leaves (see elastic.md in the README: "Elastic jobs")
         self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
-        self.joining = join  # this process asks a running group to admit it
+        self.joining = join or contact is not None  # this process asks a running group to admit it
+        self.contact = contact  # a member's address to ask first (a joiner that knows no other rank)
+        if contact is not None:
+            transport.add_peer(CONTACT, contact)
         self.joined_at: tuple[int, int] | None = None  # a joiner's (first allreduce step, first training step)
         self._incarnations: dict[int, int] = {}  # rank -> the process we take to be that rank
         self._candidates: dict[int, int] = {}  # rank -> the process that asked to join as it
@@ -216,8 +220,8 @@ class Node:
                 asked = [] if self._group is None else list(self._group[1])
                 raise PeerError(f"rank {self.rank} was not admitted to the running group within "
                                 f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked))
-            if self._group is None:
-                self._query(0, self.view.members)  # join=True without a known group: find it first
+            if self._group is None:  # find the group first: through the contact, or any rank we know
+                self._query(0, [CONTACT] if self.contact is not None else self.view.members)
             else:
                 self._query(1, self._group[1])
             self._answered.clear()
@@ -387,8 +391,10 @@ class Node:
             restarted = known is not None and known != msg.incarnation
             late = known is None and bool(self._completed or self.view.epoch)
             running = self.stopped is None and (restarted or late or msg.src not in self.membership.view)
+            members = self.membership.view.members
             reply = Message(kind=Kind.JOIN_REPLY, src=self.rank, code=0 if running else 2,
-                            epoch=self.membership.view.epoch, members=self.membership.view.members)
+                            epoch=self.membership.view.epoch, members=members,
+                            reason=",".join(f"{r}={self.transport.address_of(r)}" for r in members))
             self.transport.send(msg.src, reply)
             return
         if self.stopped is not None:
@@ -415,6 +421,11 @@ class Node:
             return
         if msg.code == 0:
             self._group = (msg.epoch, msg.members)
+            for item in msg.reason.split(","):  # where the members listen
+                rank, _, address = item.partition("=")
+                with contextlib.suppress(ValueError, ConfigError):
+                    if int(rank) != self.rank and address:
+                        self.transport.add_peer(int(rank), parse_address(address))
         elif msg.code == 1 and self.rank in msg.members:
             view = View(msg.epoch, msg.members)
             self.machine = TreeMachine(self.rank, view, self.cfg)

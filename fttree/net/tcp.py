@@ -19,7 +19,7 @@ import logging
 import socket
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -213,13 +213,15 @@ class _OutLink:
 class TcpTransport:
     """Frames over TCP for one rank; calls its events' `on_message` on the event loop per frame."""
 
-    def __init__(self, rank: int, addresses: Sequence[Address], *,
+    def __init__(self, rank: int, addresses: Sequence[Address] | Mapping[int, Address], *,
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        self.rank, self.world = rank, len(addresses)
-        self.addresses: dict[int, Address] = dict(enumerate(addresses))
-        self.me = addresses[rank]
+        # a joiner that knows only itself and a contact passes {rank: address}
+        self.addresses: dict[int, Address] = dict(addresses) if isinstance(addresses, Mapping) \
+            else dict(enumerate(addresses))
+        self.rank, self.world = rank, max(self.addresses) + 1
+        self.me = self.addresses[rank]
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.max_payload_bytes = max_payload_bytes
@@ -256,6 +258,10 @@ class TcpTransport:
             return
         self.addresses[rank] = address
         self.stats.setdefault(rank, _LinkStats())
+
+    def address_of(self, rank: int) -> str:
+        found = self.addresses.get(rank)
+        return "" if found is None else str(found)
 
     def _link(self, peer: int) -> _OutLink:
         link = self._out.get(peer)

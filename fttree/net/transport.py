@@ -81,6 +81,9 @@ class Transport(Protocol):
     def add_peer(self, rank: int, address: Address) -> None:
         """A rank that joined after the start, reachable from now on at `address`."""
 
+    def address_of(self, rank: int) -> str:
+        """Where `rank` listens ("" if unknown): a joiner learns the members' addresses so."""
+
     def backlog_bytes(self, dst: int) -> int:
         """Bytes queued on the link to `dst` and not yet on the wire."""
 

@@ -68,6 +68,9 @@ class MemoryTransport:
     def add_peer(self, rank: int, address: Address) -> None:
         return None  # every rank of the network is reachable by number
 
+    def address_of(self, rank: int) -> str:
+        return f"sim:{rank}"
+
     def backlog_bytes(self, dst: int) -> int:
         return 0
 
