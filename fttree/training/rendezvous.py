@@ -19,6 +19,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from ..net.address import Address, parse_address
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["exchange", "local_host", "peers_from_env_store", "pick_port", "store_from_env"]
+__all__ = ["exchange", "guard", "local_host", "peers_from_env_store", "pick_port", "store_from_env"]
 
 
 def _env(name: str) -> str:
@@ -145,3 +146,49 @@ def peers_from_env_store(rank: int, world: int, timeout_s: float) -> list[Addres
         with contextlib.suppress(Exception):
             store.wait([f"{prefix}/all-read"], timedelta(seconds=timeout_s))
     return peers
+
+
+# ---- running under torchrun's agent -------------------------------------------------------
+
+
+def guard(argv: list[str]) -> int:
+    """Run `python SCRIPT ARGS...` as a child and report success to torchrun's agent whatever it does.
+
+    torchrun's agent treats one failed worker as the failure of its whole group: it stops the
+    node's other workers and, with restarts left, re-rendezvouses every node. fttree needs
+    neither (the survivors evict the dead rank and go on), so under the guard the agent only
+    sees workers that succeeded; the failure is printed here and shows in fttree's view and
+    /status. A stop the agent asks for (SIGTERM/SIGINT/SIGHUP) is passed on to the child and
+    its real exit status returned.
+    """
+    import signal
+    import subprocess
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: torchrun [torchrun options] -m fttree.training.rendezvous SCRIPT [ARGS...]\n"
+              "Runs SCRIPT; if it fails or is killed, exits 0 so torchrun's agent keeps the other workers running.",
+              file=sys.stderr)
+        return 2 if not argv else 0
+    child = subprocess.Popen([sys.executable, "-u", *argv])
+    asked: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        asked.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    rc = child.wait()
+    if asked:
+        return rc if rc >= 0 else 128 - rc
+    if rc != 0:
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+        print(f"fttree guard: rank {_env('RANK') or '?'} (pid {child.pid}, {argv[0]}) {how}; telling torchrun it "
+              f"succeeded so the agent does not stop this node's other workers (the group goes on without it)",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guard(sys.argv[1:]))
