@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .training.ddp import comm_hook
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
     from .training.sampler import CollateOrNone, ElasticSampler, loader_horizon
+    from .training.state import sync_state
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ _LAZY = {
     "CollateOrNone": "fttree.training.sampler",
     "loader_horizon": "fttree.training.sampler",
     "CachedDataset": "fttree.training.cache",
+    "sync_state": "fttree.training.state",
 }
 
 
@@ -85,5 +87,6 @@ __all__ = [
     "broadcast_parameters",
     "comm_hook",
     "loader_horizon",
+    "sync_state",
     "synchronize",
 ]

@@ -147,7 +147,10 @@ class FTTreeAllreduce:
         """Build from FTTREE_RANK/FTTREE_PEERS, or torchrun's RANK/WORLD_SIZE.
 
         FTTREE_PEERS is a comma-separated host:port list or a file with one per line. Without
-        it, WORLD_SIZE workers on this machine use 127.0.0.1 and ports FTTREE_BASE_PORT + rank.
+        it, under torchrun (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) each rank publishes its own
+        address in the rendezvous store and reads everyone's (fttree.training.rendezvous), so
+        jobs span hosts; with WORLD_SIZE alone, the workers are on this machine at 127.0.0.1
+        and ports FTTREE_BASE_PORT + rank.
         """
         env = os.environ
         rank_text = env.get("FTTREE_RANK", env.get("RANK"))
@@ -158,6 +161,12 @@ class FTTreeAllreduce:
             path = Path(peers_text)
             lines = path.read_text().splitlines() if "," not in peers_text and path.is_file() else peers_text.split(",")
             peers = parse_peers(lines)
+        elif env.get("WORLD_SIZE", "").isdigit() and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+            from .training.rendezvous import peers_from_env_store
+
+            given = {k: v for k, v in kwargs.items() if k == "startup_timeout_s"}
+            wait = Config.build(kwargs.get("config"), **given).startup_timeout_s
+            peers = peers_from_env_store(int(rank_text), int(env["WORLD_SIZE"]), wait)
         elif env.get("WORLD_SIZE", "").isdigit():
             base = int(env.get("FTTREE_BASE_PORT", "29600"))
             peers = [Address("127.0.0.1", base + r) for r in range(int(env["WORLD_SIZE"]))]

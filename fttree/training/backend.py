@@ -23,9 +23,7 @@ FTTREE_CHUNK_BYTES, FTTREE_HOST, FTTREE_PORT.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -40,6 +38,7 @@ from ..errors import ConfigError
 from ..net.node import StepResult
 from .buckets import copy_divided, digest, wire_dtype
 from .ddp import pending_future
+from .rendezvous import exchange, local_host, pick_port
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
 
@@ -298,34 +297,6 @@ class FTTreeProcessGroup(dist.ProcessGroup):
 # ---- setup --------------------------------------------------------------------------------
 
 
-def _local_host() -> str:
-    """FTTREE_HOST, else the address of the interface that reaches MASTER_ADDR (no packet
-    is sent: a UDP connect only picks a route), else loopback."""
-    if os.environ.get("FTTREE_HOST"):
-        return os.environ["FTTREE_HOST"]
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        if master == "localhost" or ipaddress.ip_address(master).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
-def _pick_port(host: str) -> int:
-    base = os.environ.get("FTTREE_PORT")
-    if base:
-        return int(base) + int(os.environ.get("LOCAL_RANK", "0"))
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _env_seconds(name: str) -> float | None:
     text = os.environ.get(name)
     if not text:
@@ -337,11 +308,9 @@ def _env_seconds(name: str) -> float | None:
 
 
 def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> FTTreeAllreduce:
-    host = _local_host()
-    me = f"{host}:{_pick_port(host)}"
-    store.set(f"fttree/peer/{rank}", me)
-    peers = [store.get(f"fttree/peer/{r}").decode() for r in range(world)]
+    host = local_host()
     startup = timeout.total_seconds() if timeout is not None else 300.0
+    peers = exchange(store, rank, world, f"{host}:{pick_port(host)}", max(1.0, min(startup, 600.0)))
     settings: dict[str, Any] = {"startup_timeout_s": max(1.0, min(startup, 600.0))}
     for env, field in (("FTTREE_TIMEOUT", "timeout_s"), ("FTTREE_STEP_TIMEOUT", "step_timeout_s")):
         seconds = _env_seconds(env)
