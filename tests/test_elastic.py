@@ -271,7 +271,7 @@ def _quiet_numpy() -> None:
 def test_a_joiner_configuration_that_cannot_work_is_named() -> None:
     with pytest.raises(fttree.ConfigError, match="rank 3 has no address"):
         fttree.FTTreeAllreduce(3, {1: "127.0.0.2:29500"}, join="127.0.0.1:29500")
-    with pytest.raises(fttree.ConfigError, match="every rank 0..2 needs an address"):
+    with pytest.raises(fttree.ConfigError, match=r"every rank 0\.\.2 needs an address"):
         fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"})
     with pytest.raises(fttree.ConfigError, match="expected host:port"):
         fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"}, join="no-port-here")
