@@ -1,7 +1,7 @@
 """Join and leave figures: how fast a restarted worker is admitted and synced, and what that
 costs the others.
 
-    python examples/bench_elastic.py -n 4 --steps 120
+    fttree bench --elastic            (or: python -m fttree.tools.bench_elastic -n 4 --steps 120)
 
 n workers (threads of this process, each its own FTTreeAllreduce over TCP on 127.0.0.x) train
 the thesis's MLP (784-512-10, 407,050 parameters, SGD with momentum 0.9, batch 100 of synthetic
@@ -18,13 +18,15 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-import fttree
-from fttree.errors import GroupLeft
-from fttree.training.elastic import TransferRecord
+from ..api import FTTreeAllreduce
+from ..errors import GroupLeft
+from ..training.elastic import TransferRecord
+from ..training.optim import DistributedOptimizer
 
 
 def thesis_mlp() -> torch.nn.Module:
@@ -44,10 +46,10 @@ class Seen:
 
 def worker(rank: int, peers: list[str], seen: Seen, steps: int, *, crash_at: int | None = None,
            leave_at: int | None = None, on_step: object = None, asked_at: list[int] | None = None) -> None:
-    ar = fttree.FTTreeAllreduce(rank, peers, timeout_s=0.2, step_timeout_s=15).start()
+    ar = FTTreeAllreduce(rank, peers, timeout_s=0.2, step_timeout_s=15).start()
     try:
         model = thesis_mlp()
-        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                           allreduce=ar)
         if ar.joined_at is not None:
             seen.admitted_at = ar.joined_at[1]
@@ -63,7 +65,8 @@ def worker(rank: int, peers: list[str], seen: Seen, steps: int, *, crash_at: int
             x, y = torch.randn(100, 784, generator=gen), torch.randint(0, 10, (100,), generator=gen)
             began = time.perf_counter()
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            torch.autograd.backward(loss)
             opt.step()
             seen.times[step] = time.perf_counter() - began
             if seen.synced_at is None and ar.joined_at is not None and not opt.syncing:
@@ -79,16 +82,22 @@ def worker(rank: int, peers: list[str], seen: Seen, steps: int, *, crash_at: int
         ar.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=120)
-    args = parser.parse_args()
-    n, steps = args.workers, args.steps
+    args = parser.parse_args(argv)
+    run(args.workers, args.steps, parser.error)
+
+
+def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
+    """Run the pattern and print its figures."""
     if n < 3:
-        parser.error("-n must be at least 3 (one restarts, one leaves)")
+        error("-n must be at least 3 (one restarts, one leaves)")
+        return
     if steps < 60:
-        parser.error("--steps must be at least 60")
+        error("--steps must be at least 60")
+        return
     with socket.socket() as probe:  # a port free now; every worker binds its own 127.0.0.x with it
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
