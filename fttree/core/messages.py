@@ -18,6 +18,7 @@ from enum import IntEnum
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ..errors import FrameError
 
@@ -27,8 +28,13 @@ PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
-#: dtypes allowed on the wire (numpy `dtype.str`); bfloat16 travels as float32, see api.py.
-WIRE_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8"})
+#: dtypes allowed on the wire (numpy `dtype.str`, and "bf16") and their bytes per element. A
+#: bfloat16 *tensor* travels as float32 (see api.py); "bf16" is float32 data compressed on the wire.
+WIRE_ITEMSIZE = {"<f2": 2, "<f4": 4, "<f8": 8, "<i4": 4, "<i8": 8, "bf16": 2}
+WIRE_DTYPES = frozenset(WIRE_ITEMSIZE)
+BF16 = "bf16"  # the top 16 bits of a float32, rounded to nearest even (numpy has no bfloat16)
+#: Config.compression -> the wire dtype float32 data travels as (other dtypes travel as they are)
+COMPRESSIONS = {"bf16": BF16, "fp16": "<f2"}
 
 
 class Kind(IntEnum):
@@ -225,7 +231,7 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
     elif kind in DATA_KINDS:
         if dtype not in WIRE_DTYPES:
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
-        if numel < 0 or numel * int(dtype[-1]) != payload_len:
+        if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
@@ -272,3 +278,52 @@ def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAY
     head = bytes(frame[PREFIX.size : PREFIX.size + head_len])
     payload = memoryview(frame)[PREFIX.size + head_len :] if payload_len else None
     return decode_header(head, payload)
+
+
+# ---- wire compression -------------------------------------------------------------------------
+#
+# Float32 data may travel as bfloat16 or float16 (Config.compression): half the bytes. Every hop
+# decodes to float32, adds in float32 and encodes again; the root's result is decoded from its
+# own encoding, so what every rank holds is the same float32 values bit for bit.
+
+
+def encode_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): round to nearest, ties to even, as hardware does.
+    Overflow rounds to infinity; a NaN stays a (quiet) NaN of the same sign."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    u = f.view(np.uint32)
+    t = np.right_shift(u, 16)
+    t &= 1
+    t += 0x7FFF  # with the lowest kept bit: ties go to the even neighbour
+    t += u  # wraps only for negative NaNs, fixed below
+    t >>= 16
+    out = t.astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        out[nan] = (np.right_shift(u[nan], 16) | 0x0040).astype(np.uint16)
+    return out
+
+
+def decode_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly."""
+    wide = np.left_shift(np.asarray(bits, dtype=np.uint16), 16, dtype=np.uint32)
+    return wide.view(np.float32)
+
+
+def to_wire(a: np.ndarray, wire: str) -> np.ndarray:
+    """`a` (1-D) as it travels as `wire`: itself when `wire` is its dtype, else encoded."""
+    if wire == a.dtype.str:
+        return a
+    if wire == BF16:
+        return encode_bf16(a)
+    return a.astype(np.dtype(wire))
+
+
+def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str) -> np.ndarray:
+    """The `dtype` array a payload of `wire` holds: a view of the payload when nothing was
+    encoded, else a new decoded array."""
+    if wire == dtype:
+        return np.frombuffer(payload, dtype=np.dtype(dtype))
+    if wire == BF16:
+        return decode_bf16(np.frombuffer(payload, dtype=np.uint16)).astype(np.dtype(dtype), copy=False)
+    return np.frombuffer(payload, dtype=np.dtype(wire)).astype(np.dtype(dtype))
