@@ -30,8 +30,9 @@ class Payload:
     every step is checked bit for bit, at the cost of one fill and one compare per step (into
     preallocated buffers: fresh 100 MB arrays would cost page faults on every step)."""
 
-    def __init__(self, rank: int, world: int, size: int) -> None:
+    def __init__(self, rank: int, world: int, size: int, rtol: float = 0.0) -> None:
         self.rank, self.world, self.size = rank, world, size
+        self.rtol = rtol  # wire compression rounds: accept this relative error (the contributions are positive)
         self.base = (np.arange(size, dtype=np.float32) % 5).astype(np.float32)
         self.base_sum = self.base * np.float32(world)
         self.buf = np.empty(size, dtype=np.float32)
@@ -47,6 +48,9 @@ class Payload:
         if flat.shape != self.base.shape or flat.dtype != self.base.dtype:
             return False
         np.subtract(flat, total, out=self._scratch)
+        if self.rtol:
+            np.subtract(self._scratch, self.base_sum, out=self._scratch)
+            return bool(np.abs(self._scratch).max() <= self.rtol * (float(self.base_sum.max()) + float(total)))
         return bool(np.array_equal(self._scratch, self.base_sum))
 
 
@@ -99,6 +103,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ft", action="store_true", help="plain tree (no backup links)")
     p.add_argument("--timeout-policy", default=None, help="static or adaptive (needs API support)")
     p.add_argument("--no-link-memory", action="store_true", help="re-detect a broken link in every step")
+    p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
+                   help="wire compression (the check then allows its rounding)")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
     return p.parse_args(argv)
 
@@ -118,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["timeout_policy"] = args.timeout_policy
     if args.no_link_memory:
         kwargs["link_memory"] = False
+    if args.compression:
+        kwargs["compression"] = args.compression
     try:
         ar = FTTreeAllreduce(args.rank, peers, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
                              startup_timeout_s=args.startup_timeout, faults=args.faults,
@@ -127,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rank {args.rank}: {exc}", file=sys.stderr)
         return 1
     notes = StepNotes(ar)
-    payload = Payload(args.rank, ar.world, args.size)
+    # a rounding per hop (leaf to root, and the result): depth + 2 unit roundoffs of the sum
+    rtol = {"bf16": 2.0**-8, "fp16": 2.0**-11}.get(args.compression or "", 0.0) * (ar.world.bit_length() + 2)
+    payload = Payload(args.rank, ar.world, args.size, rtol)
     profiler = _start_profile(ar) if args.profile else None
     emit({"kind": "ready", "rank": args.rank, "at": time.monotonic()})
     failed = False
