@@ -209,8 +209,27 @@ def _str(header: dict[Any, Any], key: str, name: str) -> str:
     return value
 
 
+_INT, _INTS, _STR, _BOOL = range(4)
+#: header key -> (Message field, its name in errors, type)
+_FIELDS: dict[str, tuple[str, str, int]] = {
+    "f": ("src", "src", _INT), "ep": ("epoch", "epoch", _INT), "s": ("step", "step", _INT),
+    "c": ("chunk", "chunk", _INT), "o": ("origin", "origin", _INT), "t": ("target", "target", _INT),
+    "n": ("contributors", "contributors", _INTS), "d": ("dtype", "dtype", _STR), "e": ("numel", "numel", _INT),
+    "g": ("signature", "signature", _STR), "r": ("reason", "reason", _STR), "m": ("missing", "missing", _INTS),
+    "ab": ("code", "abort code", _INT), "qb": ("queued_bytes", "queued bytes", _INT),
+    "pl": ("planned", "planned", _BOOL), "w": ("world", "world", _INT), "bl": ("ballot", "ballot", _INT),
+    "ac": ("accepted", "accepted ballot", _INT), "pp": ("proposed", "proposed epoch", _INT),
+    "mb": ("members", "members", _INTS), "cm": ("committed", "committed", _INTS), "pn": ("plan", "plan", _INTS),
+    "st": ("steps", "steps", _INTS), "us": ("user_step", "user step", _INT),
+    "in": ("incarnation", "incarnation", _INT), "ts": ("training_step", "training step", _INT),
+}
+
+
 def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
-    """Build a Message from a header and payload, validating types, kind and sizes."""
+    """Build a Message from a header and payload, validating types, kind and sizes.
+
+    One pass over the header's keys (unknown keys are ignored): every frame goes through
+    here, hundreds per step, so it avoids a lookup and a call per Message field."""
     try:
         header = msgpack.unpackb(head, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -222,9 +241,28 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         kind = Kind(raw_kind)
     except ValueError:
         raise FrameError(f"unknown message kind {raw_kind}") from None
+    fields: dict[str, Any] = {"src": -1}
+    for key, value in header.items():
+        spec = _FIELDS.get(key)
+        if spec is None:
+            continue
+        name, label, kind_of = spec
+        if kind_of == _INT:
+            if type(value) is not int:
+                raise FrameError(f"frame field {label} must be an integer, got {value!r}")
+        elif kind_of == _INTS:
+            if type(value) is not list or not all(type(v) is int for v in value):
+                raise FrameError(f"frame field {label} must be a list of integers")
+            value = tuple(value)
+        elif kind_of == _STR:
+            if type(value) is not str:
+                raise FrameError(f"frame field {label} must be a string")
+        elif type(value) is not bool:
+            raise FrameError(f"frame field {label} must be true or false, got {value!r}")
+        fields[name] = value
     payload_len = 0 if payload is None else len(payload)
-    dtype = _str(header, "d", "dtype")
-    numel = _int(header, "e", 0, "numel")
+    dtype: str = fields.get("dtype", "")
+    numel: int = fields.get("numel", 0)
     if kind is Kind.STATE:
         if dtype != STATE_DTYPE or numel != payload_len:
             raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
@@ -235,36 +273,7 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
-    return Message(
-        kind=kind,
-        src=_int(header, "f", -1, "src"),
-        epoch=_int(header, "ep", 0, "epoch"),
-        step=_int(header, "s", -1, "step"),
-        chunk=_int(header, "c", 0, "chunk"),
-        origin=_int(header, "o", -1, "origin"),
-        target=_int(header, "t", -1, "target"),
-        contributors=_ints(header, "n", "contributors"),
-        dtype=dtype,
-        numel=numel,
-        signature=_str(header, "g", "signature"),
-        reason=_str(header, "r", "reason"),
-        missing=_ints(header, "m", "missing"),
-        code=_int(header, "ab", 0, "abort code"),
-        queued_bytes=_int(header, "qb", 0, "queued bytes"),
-        planned=_bool(header, "pl", "planned"),
-        world=_int(header, "w", 0, "world"),
-        ballot=_int(header, "bl", 0, "ballot"),
-        accepted=_int(header, "ac", 0, "accepted ballot"),
-        proposed=_int(header, "pp", 0, "proposed epoch"),
-        members=_ints(header, "mb", "members"),
-        committed=_ints(header, "cm", "committed"),
-        plan=_ints(header, "pn", "plan"),
-        steps=_ints(header, "st", "steps"),
-        user_step=_int(header, "us", -1, "user step"),
-        incarnation=_int(header, "in", 0, "incarnation"),
-        training_step=_int(header, "ts", -1, "training step"),
-        payload=payload if payload_len else None,
-    )
+    return Message(kind=kind, payload=payload if payload_len else None, **fields)
 
 
 def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
