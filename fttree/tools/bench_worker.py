@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -145,17 +146,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in range(args.steps):
             data = payload.fill(step)
             error, exact = "", False
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu, start = time.process_time(), time.monotonic()
             try:
                 out = ar.allreduce(data)
             except FTTreeError as exc:
                 error = str(exc)
             end, cpu = time.monotonic(), time.process_time() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if not error:
                 exact = payload.check(out, step)
             failed |= not exact
             emit({"kind": "step", "rank": args.rank, "step": step, "start": start, "end": end,
-                  "duration_s": end - start, "cpu_s": cpu, "exact": exact, "error": error,
+                  "duration_s": end - start, "cpu_s": cpu, "page_faults": faults, "exact": exact, "error": error,
                   "events": notes.pop(step)})
         emit({"kind": "done", "rank": args.rank})
         if profiler is not None:
