@@ -64,7 +64,7 @@ def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int],
     return res
 
 
-def test_bandwidth_table_and_targets() -> None:
+def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
     world, size, steps = 7, 4_000_000, 4
     bound = b.ring_bound_bytes(size, world)
     opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
@@ -88,6 +88,8 @@ def test_bandwidth_table_and_targets() -> None:
     assert "Tables 1-2" not in table  # no matrix under --uplink
     data = json.loads(json.dumps(summary.to_json({}, ["fttree", "bench"]), default=str))
     assert len(data["bandwidth"]) == 3
+    pytest.importorskip("matplotlib")
+    assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 
 
 # ---- against the kernel -------------------------------------------------------------------

@@ -917,14 +917,18 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
     if o.sweep_workers and o.sweep_sizes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for world in o.sweep_workers:
-            lines = [(f"fttree {p}", "-o", "fttree", p) for p in summary.sweep_policies()] + [("gloo", "--s", "gloo",
-                                                                                               "static")]
-            for name, style, kind, pol in lines:
-                pts = [(s * 4, m) for s in o.sweep_sizes if (m := summary.nofault(kind, world, s, pol)) is not None]
+            lines = [(f"fttree {p}", "-o", "fttree", p, "") for p in summary.sweep_policies()]
+            lines += [(f"fttree {c}", "-^", "fttree", (summary.sweep_policies() or ["static"])[0], c)
+                      for c in o.compressions]
+            lines.append(("gloo", "--s", "gloo", "static", ""))
+            for name, style, kind, pol, comp in lines:
+                pts = [(s * 4, m) for s in o.sweep_sizes
+                       if (m := summary.nofault(kind, world, s, pol, comp)) is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, label=f"{name}, {world} workers")
+        where = f", uplinks {o.uplink} per rank" if o.uplink else ", loopback"
         ax.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="median step (s)",
-               title="allreduce time by tensor size, no fault")
+               title=f"allreduce time by tensor size, no fault{where}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / "size_sweep.png"
