@@ -53,6 +53,25 @@ def test_uplink_plan_shapes_every_run_and_binds_gloo(tmp_path: Path) -> None:
     assert b.Uplinks("100mbit", name="x").wrap(["true"]) == ["ip", "netns", "exec", "x", "true"]
 
 
+def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
+    # 100 MB behind 100 Mbit/s: an interior rank sends 300 MB, 24 s
+    watch, step, settings = b.uplink_timeouts(25_000_000, 100e6, "", 0.5, 30.0)
+    assert watch == pytest.approx(12.0)
+    assert step == pytest.approx(106.0)
+    assert settings == (("adaptive_ceiling_s", "24"),)
+    assert b.uplink_timeouts(25_000_000, 100e6, "bf16", 0.5, 30.0)[0] == pytest.approx(6.0)
+    assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),))
+    opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
+                          sweep_policies=("static",))
+    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree"]
+    cmd = b.worker_commands(ft, tmp_path)[0]
+    assert cmd[cmd.index("--set") + 1] == "adaptive_ceiling_s=24"
+    assert cmd[cmd.index("--step-timeout") + 1] == "106.0"
+    assert ft.deadline_s() > ft.steps * 106
+    summary = b.Summary(opts=opts, results=[b.RunResult(spec=ft)], notes=[])
+    assert summary.find("fttree", 7, 25_000_000, 0.5) is not None  # found whatever its scaled timeout
+
+
 def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int], steps: int = 4,
           compression: str = "") -> b.RunResult:
     spec = b.RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",

@@ -125,6 +125,7 @@ class RunSpec:
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
     compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
+    settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
 
     @property
     def label(self) -> str:
@@ -140,6 +141,7 @@ class RunSpec:
         per_step = 5.0 + 3 * self.timeout_s + self.size * 4 / 20e6  # generous: a 2-core box shared with others
         if self.uplink_bps:
             per_step += 3 * (self.size * 4 * 8) / self.uplink_bps  # a tree's interior rank sends 3N
+            per_step = max(per_step, self.step_timeout_s)  # a failed step still ends within the run
         return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
 
     def pattern_of(self, step: int) -> str:
@@ -273,6 +275,8 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args.append("--no-link-memory")
     if spec.kind == "fttree" and spec.compression:
         args += ["--compression", spec.compression]
+    for field_name, value in spec.settings:
+        args += ["--set", f"{field_name}={value}"]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
             for r in range(spec.world)]
 
@@ -410,6 +414,24 @@ def format_rate(bps: float) -> str:
     return f"{bps:g} bit/s"
 
 
+def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
+                    step_timeout_s: float) -> tuple[float, float, tuple[tuple[str, str], ...]]:
+    """(timeout_s, step_timeout_s, other settings) for fttree under uplinks of `bps`.
+
+    The defaults suit a LAN: a backup watch allows 0.5 s plus queued bytes at 50 MB/s
+    (timeouts.py), and a neighbour silent for 4 s at most is suspected. Behind a 100 Mbit/s
+    uplink shared by three tree links, one 4 MiB chunk takes a second and a 100 MB step half a
+    minute, so every watch would fire and relays would clog the backup links. Scaled to the
+    expected step time T (an interior rank sends 3N): watches T/2, node deadlines up to 2T,
+    and the step deadline 4T + 10 s. A fault then costs about T/2, which is what waiting for
+    data queued behind a slow uplink costs anyway."""
+    nbytes = size * 4 * (0.5 if compression else 1.0)
+    step_s = 3 * nbytes * 8 / bps
+    watch = max(timeout_s, step_s / 2)
+    ceiling = max(2.0, step_s)
+    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),)
+
+
 def ring_bound_bytes(size: int, world: int) -> float:
     """The least any rank can send in an allreduce of `size` float32 (every rank must send
     2N(p-1)/p bytes for the others to get its share in and the sum out): the ring's figure."""
@@ -540,6 +562,20 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
     return steps, "; ".join(rules), tuple(windows), skipped
 
 
+def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str) -> RunSpec:
+    """One fttree point of the size sweep (timeouts scaled to the uplinks, if any)."""
+    warmup, measured = sweep_steps(size)
+    timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
+    settings: tuple[tuple[str, str], ...] = ()
+    if opts.uplink:
+        timeout_s, step_timeout_s, settings = uplink_timeouts(size, opts.uplink_bps, compression, timeout_s,
+                                                              step_timeout_s)
+    return RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
+                   timeout_s=timeout_s, policy=policy, purpose="sweep", compression=compression,
+                   step_timeout_s=step_timeout_s, chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory,
+                   uplink_bps=opts.uplink_bps, settings=settings)
+
+
 def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
     """Every run the options ask for, and notes on what is left out and why."""
     notes: list[str] = []
@@ -571,13 +607,9 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
             for pol in sweep_policies:
                 if size == opts.size and world in opts.workers and pol in policies:
                     continue  # the matrix runs measure this point already
-                runs.append(RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
-                                    timeout_s=opts.timeouts[0], policy=pol, purpose="sweep",
-                                    **ft_common, uplink_bps=bps))  # type: ignore[arg-type]
+                runs.append(_sweep_run(opts, world, size, pol, ""))
             for comp in opts.compressions:
-                runs.append(RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
-                                    timeout_s=opts.timeouts[0], policy=(sweep_policies or ["static"])[0],
-                                    purpose="sweep", compression=comp, **ft_common, uplink_bps=bps))  # type: ignore[arg-type]
+                runs.append(_sweep_run(opts, world, size, (sweep_policies or ["static"])[0], comp))
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
                                     purpose="sweep", uplink_bps=bps))
@@ -598,7 +630,8 @@ class Summary:
         for r in self.results:
             s = r.spec
             if (s.kind == kind and s.world == world and s.size == size and s.compression == compression
-                    and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s)
+                    and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s
+                         or bool(s.uplink_bps and s.purpose == "sweep"))  # timeouts scaled to the uplinks
                     and (kind != "fttree" or s.policy == policy)):
                 return r
         return None

@@ -106,6 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-link-memory", action="store_true", help="re-detect a broken link in every step")
     p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                    help="wire compression (the check then allows its rounding)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other Config field (numbers as numbers), e.g. adaptive_ceiling_s=8")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
     return p.parse_args(argv)
 
@@ -127,6 +129,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["link_memory"] = False
     if args.compression:
         kwargs["compression"] = args.compression
+    for item in args.settings:
+        field, _, text = item.partition("=")
+        value: Any = text
+        for convert in (int, float):
+            try:
+                value = convert(text)
+                break
+            except ValueError:
+                pass
+        kwargs[field] = value
     try:
         ar = FTTreeAllreduce(args.rank, peers, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
                              startup_timeout_s=args.startup_timeout, faults=args.faults,
