@@ -239,3 +239,50 @@ def test_cli_launch_kills_for_real_and_exits_0() -> None:
     assert "worker 1: killed by fault injection (crash 1 @12): SIGKILL of pid" in out
     assert "(exit code -9)" in out
     assert "all exact: yes" in out
+
+
+# ---- training through a crash ------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def train(script: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[float]]:
+    """Run a training example on 7 workers; rank 0's loss per step comes back."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "-n", "7", "--steps", "30", *args],
+                          capture_output=True, text=True, timeout=400, check=False)
+    losses = {int(line.split()[1]): float(line.split("loss ")[1].split()[0])
+              for line in proc.stdout.splitlines() if line.startswith("step ") and "loss " in line}
+    assert sorted(losses) == list(range(30)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, [losses[s] for s in range(30)]
+
+
+def assert_still_learning(losses: list[float]) -> None:
+    """The loss keeps falling after the crash at step 12, not only before it."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    before, around, end = mean(losses[:5]), mean(losses[10:15]), mean(losses[25:])
+    assert before > around > end, (before, around, end, losses)
+    assert end < losses[12] - 0.2, losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_train_mlp_trains_to_the_end_through_a_crash() -> None:
+    proc, losses = train("train_mlp.py", "--faults", "crash 4 @12")
+    assert_still_learning(losses)
+    assert "evicted [4]" in proc.stdout + proc.stderr
+    # train_mlp.py reports the crashed rank's own stop as its exit status; nobody else may stop.
+    exited = [line for line in proc.stderr.splitlines() if line.startswith("--- rank ")]
+    assert exited == ["--- rank 4 exited with 1:"], proc.stderr[-3000:]
+    assert "rank 4 crashed at step 12 (fault injection: crash 4 @12)" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_train_ddp_on_the_fttree_backend_survives_a_crash() -> None:
+    proc, losses = train("train_ddp.py", "--faults", "crash 4 @12")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_still_learning(losses)
+    assert "workers 7" in proc.stdout
+    assert "workers_at_end 6" in proc.stdout
