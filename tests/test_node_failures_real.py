@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,6 +85,35 @@ def test_a_node_gate_holds_only_its_own_rank(tmp_path: Path) -> None:
     assert (tmp_path / f"{NODE_TAG}ready-3-2").exists()
     (tmp_path / f"{NODE_TAG}go-3-2").touch()
     gate(3)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat: T when stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_stopped_victim_is_continued_when_the_driver_closes(tmp_path: Path) -> None:
+    """Even when the run ends early (an error, a deadline), no process is left stopped."""
+    from fttree.tools.nodefaults import NodeFaultDriver
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
+    try:
+        (fault,) = node_faults(FaultSchedule("hang 0 @0.."), steps=5)
+        driver = NodeFaultDriver([fault], world=2, gate_dir=tmp_path, echo=lambda line: None)  # rank 1 never reports
+        (tmp_path / f"{NODE_TAG}ready-0-0").touch()  # as the worker's gate would
+        with driver:
+            driver.start({0: sleeper})
+            deadline = time.monotonic() + 30
+            while process_state(sleeper.pid) != "T":
+                assert time.monotonic() < deadline, "the victim was never stopped"
+                time.sleep(0.01)
+            assert driver.gone_now() == {0}
+            assert (tmp_path / f"{NODE_TAG}go-0-0").exists()  # waiting for it when it wakes up
+        assert process_state(sleeper.pid) != "T"
+        assert "never continued" not in (driver.fate(0) or "")
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
 
 
 # ---- real processes ----------------------------------------------------------------------------

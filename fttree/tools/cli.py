@@ -173,10 +173,13 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
                        launch_dir=launch_dir,
                        deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s())
         return
+    from .realfaults import sigterm_as_interrupt
+
     try:
-        result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
-                            deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
-                            echo=click.echo, schedule=schedule)
+        with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
+            result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
+                                deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
+                                echo=click.echo, schedule=schedule)
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     if not result.ok:
