@@ -138,6 +138,7 @@ class FTTreeAllreduce:
         self.monitor: Monitor | None = None
         self.control: ControlServer | None = None
         self.join = bool(join)
+        self.crashed: str | None = None  # why crash() stopped this rank (fault injection), if it did
         self._known = known
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -304,6 +305,7 @@ class FTTreeAllreduce:
         """Die as a killed process would (fault injection, tests): every connection of this rank
         is reset and its listener closed at once; this and every later step fails with GroupLeft
         naming `reason`. The handle stays usable for close()."""
+        self.crashed = reason
         loop, node = self._loop, self.node
         if loop is None or node is None or loop.is_closed():
             return
