@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -77,12 +78,17 @@ def topology(world: int) -> None:
 @click.option("--gate-steps", default="", hidden=True, help="Comma-separated steps to wait before.")
 @click.option("--node-gate-steps", default="", hidden=True,
               help="Steps before which this rank waits for the node-fault driver (fttree launch: crash, hang).")
+@click.option("--join", "join", default=None, metavar="HOST:PORT",
+              help="Join a running job through the member at HOST:PORT (a new rank; --peers names it too). "
+                   "A restarted worker needs no flag: it finds the running group by itself.")
 @_job_options
 @worker_options
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
-           node_gate_steps: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str) -> None:
-    """Run one worker of a multi-machine job: checked allreduce steps of a known sum."""
+           node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
+           on_node_failure: str) -> None:
+    """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
+    makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
 
     try:
@@ -90,10 +96,12 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
         ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
                              startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
-                             on_node_failure=on_node_failure, **http_kwargs(rank, peers))
+                             on_node_failure=on_node_failure, join=join or False, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
+    leave_asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: leave_asked.append(signum))
     gate = node_gate = None
     if gate_dir is not None:
         from .nodefaults import NODE_TAG, StepGate
@@ -114,6 +122,10 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
             else:
                 status = "exact" if rec.exact else f"FAILED: {rec.error or 'wrong sum'}"
                 click.echo(f"rank {rank} step {rec.step:3d} {rec.duration_s * 1000:8.1f} ms {status}")
+            if leave_asked:  # SIGTERM: leave after this step, so nobody waits for this rank
+                ar.leave()
+                click.echo(f"rank {rank} left the group after step {rec.step} (SIGTERM)", err=True)
+                break
         if gate is not None:
             gate(steps)  # stay up (serving as a backup) until every rank has its last result
         linger(ar)
