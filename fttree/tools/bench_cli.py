@@ -92,14 +92,17 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--long-run", type=click.IntRange(min=1100), default=None, metavar="STEPS",
               help="Instead of the matrix: STEPS steps of 3 workers, 25 chunks a step, and the median of the last "
                    "500 step times over steps 100-599 (target <= 1.1: nothing may grow with the steps run).")
+@click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
+              help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
+                   "and synced from a peer, then a graceful leave; the thesis MLP).")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
 def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: str, sizes_text: str,
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
-          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None, dry_run: bool,
-          strict: bool, out_dir: Path) -> None:
+          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
+          elastic: int | None, dry_run: bool, strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -109,6 +112,11 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
 
     if long_run is not None:
         _long_run(long_run, step_timeout, out_dir, dry_run)
+        return
+    if elastic is not None:
+        from .bench_elastic import run as run_elastic
+
+        run_elastic(elastic, 120, error=lambda why: click.echo(why, err=True))
         return
 
     def positive(text: str) -> int:
