@@ -79,7 +79,7 @@ def train(rank: int, peers: list[str] | dict[int, str], run: Run, *, crash_at: i
             opt.transfer.wait_s = transfer_wait_s
         if setup is not None:
             setup(ar, opt)
-        step = opt.sync.rounds
+        step = opt.sync.next_round()  # a joiner is admitted here
         synced_for = 0
         while step < MAX_STEPS:
             if crash_at is not None and step == crash_at:

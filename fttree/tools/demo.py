@@ -91,6 +91,7 @@ def run_steps(ar: FTTreeAllreduce, steps: int, size: int,
     its result equals the sum over the contributors it reports (all ranks, unless a worker died).
     A StepRetry (on_node_failure="rollback") runs the step again with the same contribution."""
     notes = StepNotes(ar)
+    ar.admit()  # a joiner is let in now, ready to run its first step
     first = 0 if ar.joined_at is None else ar.joined_at[1]  # a joiner starts at the group's step
     for step in range(first, steps):
         data = contribution(ar.rank, step, size)
