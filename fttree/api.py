@@ -138,6 +138,7 @@ class FTTreeAllreduce:
         self.monitor: Monitor | None = None
         self.control: ControlServer | None = None
         self.join = bool(join)
+        self.crashed: str | None = None  # why crash() stopped this rank (fault injection), if it did
         self._known = known
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -202,8 +203,6 @@ class FTTreeAllreduce:
         self.monitor = Monitor(self.node, world=self.world)
         try:
             loop.run_until_complete(self.node.start())
-            if self.node.joined_at is not None:  # joined a running group: its step numbers from here on
-                self._next_step = self._marks.next_step = self.node.joined_at[0]
             if self.http_port is not None:
                 loop.run_until_complete(self._start_control())
         except BaseException as exc:
@@ -274,6 +273,7 @@ class FTTreeAllreduce:
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
         check_flat(flat)  # before a step number is used: peers would wait for it
+        self.admit()  # a joiner's first step: now it takes part
         future: Future[StepResult] = Future()
         future.add_done_callback(self._remember)  # first, so `last` is set before any user callback runs
         with self._lock:
@@ -304,6 +304,7 @@ class FTTreeAllreduce:
         """Die as a killed process would (fault injection, tests): every connection of this rank
         is reset and its listener closed at once; this and every later step fails with GroupLeft
         naming `reason`. The handle stays usable for close()."""
+        self.crashed = reason
         loop, node = self._loop, self.node
         if loop is None or node is None or loop.is_closed():
             return
@@ -343,6 +344,27 @@ class FTTreeAllreduce:
         """The number the next allreduce step submitted here will have."""
         return self._next_step
 
+    @property
+    def joining(self) -> bool:
+        """True for a worker that joins a running group (restarted, or new with join=...): it is
+        admitted at its first step (or at admit()), and skips the setup the group did long ago."""
+        return self.node is not None and self.node.joining
+
+    def admit(self) -> None:
+        """A joiner: be admitted into the running group now (its first step does this by itself).
+        Afterwards `joined_at` and `step` say where in the group's steps this worker starts."""
+        loop, node = self._loop, self.node
+        if loop is None or node is None or not node.joining or node.joined_at is not None:
+            return
+        limit = self.config.startup_timeout_s + 10
+        try:
+            asyncio.run_coroutine_threadsafe(node.admit(), loop).result(timeout=limit)
+        except FutureTimeout:
+            raise PeerError(f"rank {self.rank}: not admitted within {limit:g} s (event loop stuck?)") from None
+        assert node.joined_at is not None
+        with self._lock:  # the group's step numbers from here on
+            self._next_step = self._marks.next_step = node.joined_at[0]
+
     def mark_step(self, user_step: int | None) -> None:
         """Allreduce steps submitted from now on belong to `user_step` (a training step; None:
         setup, which no fault window hits), so that fault windows (`faults=`, POST /faults)
@@ -350,6 +372,7 @@ class FTTreeAllreduce:
         of one training step. DistributedOptimizer marks its steps itself; a plain torch loop
         over the backend calls this once per iteration. Without marks, windows count allreduce
         steps."""
+        self.admit()  # a joiner's first step: now it takes part
         with self._lock:
             self._marks.mark(self._next_step, user_step)
             first = self._next_step

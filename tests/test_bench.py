@@ -152,7 +152,8 @@ def test_failed_steps_stay_out_of_medians_and_miss_the_target() -> None:
 
 
 def test_both_timeout_policies_get_a_column() -> None:
-    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), sweep_workers=(), gloo=False, plain=False)
+    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), sweep_workers=(), gloo=False, plain=False,
+                          node_patterns=())
     runs, _ = b.plan(opts)
     assert [r.policy for r in runs] == ["static", "adaptive"]
     cmd = b.worker_commands(runs[1], Path("/tmp"))[0]
@@ -222,3 +223,45 @@ def test_long_run_figure_compares_the_last_500_steps_with_steps_100_to_599() -> 
     assert "MISSED" in longrun.render(growing)
     with pytest.raises(ValueError, match="at least 1100 steps"):
         longrun.spec(1000)
+
+
+def test_node_patterns_are_runs_of_their_own_beside_a_plain_tree_of_the_survivors() -> None:
+    opts = b.BenchOptions(workers=(3, 7), timeouts=(0.5,), policies=("static", "adaptive"), sweep_workers=(),
+                          gloo=False, plain=False)
+    runs, notes = b.plan(opts)
+    node = {(r.world, r.node_faults) for r in runs if r.purpose == "node"}
+    assert node == {(7, "crash 4 @8"), (7, "crash 1 @8"), (7, "crash 0 @8"), (7, "hang 2 @8..10"),
+                    (3, "crash 2 @8"), (3, "crash 0 @8"), (3, "hang 2 @8..10")}
+    assert all(r.policy == "adaptive" and not r.faults for r in runs if r.purpose == "node")
+    assert sorted(r.world for r in runs if r.purpose == "survivors") == [2, 6]
+    assert any("crash interior" in n and n.startswith("3 workers") for n in notes)
+    hang = next(r for r in runs if r.node_faults.startswith("hang") and r.world == 7)
+    assert hang.steps == 8 + b.HANG_STEPS + b.NODE_LATER
+    assert hang.pattern_of(7) == "none"
+    assert hang.pattern_of(10) == "hang"
+    assert hang.pattern_of(11) == "after"
+
+
+@pytest.mark.slow
+def test_node_failure_pattern_runs_and_prints_its_columns(tmp_path: Path) -> None:
+    """A worker process really killed: the run completes on the survivors and the table has the
+    node-failure columns and the false-eviction count (no timing asserted)."""
+    args = ["--workers", "4", "--timeouts", "0.5", "--policies", "adaptive", "--patterns", "none,1,crash-leaf",
+            "--size", "256", "--sizes", "", "--no-gloo", "--clean-steps", "2", "--fig11-trials", "0",
+            "--no-plots", "--strict", "--out", str(tmp_path)]
+    out = CliRunner().invoke(bench_cmd, args)
+    assert out.exit_code == 0, out.output
+    for column in ("Node failures", "no fault", "faulted", "extra", "later/plain", "detection", "signal->view",
+                   "crash leaf      crash 3 @8", "False evictions in the 1 link-fault runs (1 fault): 0"):
+        assert column in out.output, column
+    assert "crash leaf (crash 3 @8), 4 workers: faulted step" in out.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    (node,) = [r for r in data["runs"] if r["spec"]["purpose"] == "node"]
+    assert node["ok"], node["error"]
+    assert node["exit_codes"]["3"] == -9
+    assert node["evictions"] == [[3, 1]]
+    assert node["detection_s"] is not None
+    assert node["signal_to_view_s"] is not None
+    assert all(3 not in rec["ranks"] for step, recs in node["records"].items() if int(step) >= 8 for rec in recs)
+    (link,) = [r for r in data["runs"] if r["spec"]["purpose"] == "matrix" and r["spec"]["kind"] == "fttree"]
+    assert link["evictions"] == []

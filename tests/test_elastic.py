@@ -6,9 +6,13 @@ replaced by another."""
 from __future__ import annotations
 
 import hashlib
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,7 +79,7 @@ def train(rank: int, peers: list[str] | dict[int, str], run: Run, *, crash_at: i
             opt.transfer.wait_s = transfer_wait_s
         if setup is not None:
             setup(ar, opt)
-        step = opt.sync.rounds
+        step = opt.sync.next_round()  # a joiner is admitted here
         synced_for = 0
         while step < MAX_STEPS:
             if crash_at is not None and step == crash_at:
@@ -275,3 +279,57 @@ def test_a_joiner_configuration_that_cannot_work_is_named() -> None:
         fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"})
     with pytest.raises(fttree.ConfigError, match="expected host:port"):
         fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"}, join="no-port-here")
+
+
+def _worker(rank: int, peers_file: str, steps: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "fttree", "worker", "--rank", str(rank), "--peers", peers_file,
+                             "--steps", str(steps), "--size", "64", "--timeout", "0.2", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _read_until(proc: subprocess.Popen[str], needle: str, limit_s: float = 90) -> list[str]:
+    """Lines of `proc`'s stdout up to the first containing `needle` (a deadline, not a sleep)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    timer = threading.Timer(limit_s, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if needle in line:
+                return lines
+    finally:
+        timer.cancel()
+    raise AssertionError(f"no {needle!r} within {limit_s} s; got {lines[-5:]}")
+
+
+def test_the_worker_command_joins_with_join_and_leaves_on_sigterm(tmp_path: Path) -> None:
+    peers = local_peers(4)
+    first, grown = tmp_path / "first.txt", tmp_path / "grown.txt"
+    first.write_text("\n".join(peers[:3]) + "\n")
+    grown.write_text("\n".join(peers) + "\n")
+    steps = 400
+    procs = [_worker(r, str(first), steps) for r in range(3)]
+    try:
+        _read_until(procs[0], "step  10 ")
+        joiner = _worker(3, str(grown), steps, "--join", peers[0])
+        procs.append(joiner)
+        _read_until(joiner, "exact")  # admitted: it runs steps of the group with the group's sums
+        procs[1].send_signal(signal.SIGTERM)
+        out = {}
+        for r, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=300)
+            out[r] = (p.returncode, stdout, stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in (0, 2, 3):
+        code, stdout, stderr = out[r]
+        assert code == 0, stderr[-2000:]
+        assert f"rank {r} step {steps - 1} " in stdout
+        assert "FAILED" not in stdout
+    code, _stdout, stderr = out[1]
+    assert code == 0, stderr[-2000:]
+    assert "rank 1 left the group after step" in stderr

@@ -9,6 +9,7 @@ everywhere, a result only counts ranks of the view it ran in, and nothing hangs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -16,12 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fttree import StepAborted, StepResult
+from fttree import FTTreeAllreduce, StepAborted, StepResult
 from fttree.core.membership import Installed, confirmed_dead
 from fttree.core.view import View
 from fttree.errors import GroupLeft, StepRetry
 from fttree.testing.sim import SimNetwork
 
+from .conftest import cluster
 from .test_protocol_sim import contributions
 
 Event = tuple[float, Callable[[], None]]  # (seconds after the step starts, what happens)
@@ -292,3 +294,34 @@ def test_fraction_of_random_node_failure_schedules_that_finish(capsys: pytest.Ca
         lines.append(f"{kind:>22}: {done}/{total} finish every step on every survivor")
     with capsys.disabled():
         print("\nrandom node failures (worlds 7 and 15, failures in step 2 of 5):\n  " + "\n  ".join(lines))
+
+
+def test_an_in_process_partition_silences_membership_frames_too() -> None:
+    """`partition` in the in-process fault layer acts as a firewall would: the pings and the
+    view agreement across it are dropped as well, so the majority evicts the minority and goes
+    on, and the minority says it has no majority (before, only tree frames were dropped, and
+    the steps of the window timed out with everyone still a member)."""
+    outcome: dict[int, list[object]] = {}
+    with cluster(7, timeout_s=0.2, step_timeout_s=8.0, faults="partition 1,3,4 @2..4") as handles:
+        def run(h: FTTreeAllreduce) -> None:
+            got: list[object] = []
+            try:
+                for _ in range(6):
+                    h.allreduce(np.full(4, float(h.rank + 1)))
+                    assert h.last is not None
+                    got.append(h.last.contributors)
+            except GroupLeft as exc:
+                got.append(exc)
+            outcome[h.rank] = got
+
+        threads = [threading.Thread(target=run, args=(h,)) for h in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    for r in (1, 3, 4):
+        assert isinstance(outcome[r][-1], GroupLeft), outcome[r]
+        assert "minority 3 of 7" in str(outcome[r][-1])
+    for r in (0, 2, 5, 6):
+        assert len(outcome[r]) == 6, outcome[r]
+        assert outcome[r][-1] == (0, 2, 5, 6)

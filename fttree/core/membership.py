@@ -530,7 +530,8 @@ class Membership:
             return
         r.accepts.add(msg.src)
         assert r.value is not None
-        if self._majority(r.accepts) and set(r.value.members) <= r.accepts:
+        # every member of the new view that is in this one (a joiner accepts nothing: it is not in yet)
+        if self._majority(r.accepts) and set(r.value.members) & set(self.view.members) <= r.accepts:
             self._decide(now, out)
 
     def _decide(self, now: float, out: list[MemberAction]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..core.faults import FaultSchedule
-from ..core.messages import Message
+from ..core.messages import VIEW_KINDS, Message
 from .address import Address
 from .scheduler import Scheduler
 from .transport import Transport, TransportEvents, TransportStatus
@@ -76,10 +76,19 @@ class FaultyTransport:
 
     # ---- as the inner transport's events ---------------------------------------------------
 
+    def _step_of(self, msg: Message, *, inbound: bool) -> int | None:
+        """The user step a frame belongs to. Membership frames (pings, suspicions, the view
+        agreement) carry no step of their own: they belong to the step this rank is in now, so a
+        cut, an isolation or a partition silences them too, as a firewall would."""
+        if msg.kind in VIEW_KINDS:
+            current = self.marks.next_step - 1
+            return self.marks.user_step(current) if current >= 0 else None
+        return self.marks.user_step(msg.step, inbound=inbound)
+
     def on_message(self, msg: Message) -> None:
         assert self._events is not None
         if self.schedule:
-            step = self.marks.user_step(msg.step, inbound=True)
+            step = self._step_of(msg, inbound=True)
             if step is not None and self.schedule.blocks(msg.src, self.rank, step):
                 self._drops[msg.src] += 1
                 return
@@ -106,7 +115,7 @@ class FaultyTransport:
         await self.inner.wait_for_peers(peers, deadline_s)
 
     def send(self, dst: int, msg: Message) -> None:
-        step = self.marks.user_step(msg.step) if self.schedule else None
+        step = self._step_of(msg, inbound=False) if self.schedule else None
         if step is not None:
             verdict = self.schedule.verdict(self.rank, dst, step)
             if verdict.drop:

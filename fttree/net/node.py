@@ -186,7 +186,19 @@ class Node:
         if not self.joining and await self._group_running(end):
             self.joining = True
         if self.joining:
-            await self._join(end)
+            return  # admit() asks to be let in, once the caller is ready to take part (its first step)
+        await self._connect_neighbours(end)
+
+    async def admit(self) -> None:
+        """A joiner: ask the group to admit this rank, then connect to its tree neighbours. Called
+        at the caller's first step, so nobody waits for a joiner still building its model."""
+        if self.joined_at is not None or not self.joining:
+            return
+        end = self.scheduler.now() + self.cfg.startup_timeout_s
+        await self._join(end)
+        await self._connect_neighbours(end)
+
+    async def _connect_neighbours(self, end: float) -> None:
         peers = sorted(self.neighbours)
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.transport.status().address, peers)
         await self.transport.wait_for_peers(peers, max(0.5, end - self.scheduler.now()))

@@ -10,6 +10,13 @@ One fault-tolerant run covers every fault pattern of a (workers, timeout, policy
 in-process fault schedule opens one window per pattern, the first at steps 5-10 as in the
 thesis's Figs. 14-17, with clean steps between windows. So startup is paid once per cell, and
 the per-step trace of the run *is* the figure. No-fault times are the clean steps of that run.
+
+Node failures are runs of their own (a dead worker does not come back): one per pattern (crash
+of a leaf, of an interior rank, of the root; a hang), where the bench kills (SIGKILL) or stops
+(SIGSTOP, later SIGCONT) one worker process by pid before step NODE_STEP (nodefaults.py), beside
+a plain tree of the survivors. They report the faulted step minus the run's no-fault median,
+the later steps against that plain tree, and how long detection and agreement took. The link
+patterns' runs report their false evictions: ranks the group left out although none had died.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -32,11 +40,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.faults import FaultKind, FaultSchedule
 from ..errors import ConfigError
 from . import SOURCE_ROOT
 from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
 from .launch import local_peers
+from .nodefaults import NodeFault, NodeFaultDriver, node_faults
 
 # ---- what the thesis reports ---------------------------------------------------------------
 
@@ -51,9 +61,44 @@ FIGURE_OF_WORLD = {3: 14, 7: 15, 15: 16, 31: 17}  # Figs. 14-17: time per iterat
 # Links cut by each pattern: at the same height (parallel) or at consecutive heights (serial).
 PATTERN_LINKS: dict[str, list[tuple[int, int]]] = {"1": [(1, 0)], "2p": [(3, 1), (5, 2)], "2s": [(3, 1), (1, 0)]}
 POLICIES = ("static", "adaptive")
+# Node failures (issue 11): runs of their own, a worker killed or stopped before NODE_STEP.
+NODE_PATTERNS = ("crash-leaf", "crash-interior", "crash-root", "hang")
+PATTERN_NAMES.update({"crash-leaf": "crash leaf", "crash-interior": "crash interior", "crash-root": "crash root",
+                      "hang": "hang"})
+NODE_STEP = 8  # warm-up 0-1, no-fault steps 2-7, the fault before step 8
+HANG_STEPS = 3  # a hang lasts until the others have finished this many steps without the victim
+NODE_LATER = 10  # steps after the fault (after the hang's window) measured against the plain tree
+# Targets of issue 11, seconds over the no-fault median, and the later-steps ratio.
+NODE_TARGET_S = {"crash-leaf": 1.0, "crash-interior": 1.0, "crash-root": 1.0, "hang": 3.0}
+LATER_TARGET = 1.2
 
 FIRST_WINDOW = 5  # the thesis's links fail between the 5th and the 10th iteration
 WARMUP_STEPS = 2
+
+
+def node_victim(world: int, pattern: str) -> int | None:
+    """The rank a node pattern strikes in a tree of `world`, or None where it does not apply:
+    a leaf that is not in the last slot (its hole gets filled), rank 1 when it has children,
+    the root, and for a hang rank 2 (interior from 7 workers on)."""
+    if world < 3:
+        return None  # one survivor of two is no majority
+    if pattern == "crash-leaf":
+        return world - 3 if world - 3 >= world // 2 else world - 1
+    if pattern == "crash-interior":
+        return 1 if world >= 4 else None
+    if pattern == "crash-root":
+        return 0
+    if pattern == "hang":
+        return 2
+    raise ConfigError(f"unknown node pattern {pattern!r}; known: {', '.join(NODE_PATTERNS)}")
+
+
+def node_rule(world: int, pattern: str, step: int = NODE_STEP) -> str | None:
+    """The fault schedule of a node pattern (None where it does not apply)."""
+    victim = node_victim(world, pattern)
+    if victim is None:
+        return None
+    return f"hang {victim} @{step}..{step + HANG_STEPS - 1}" if pattern == "hang" else f"crash {victim} @{step}"
 
 
 def thesis_figure(timeout_s: float, world: int, pattern: str) -> float | None:
@@ -119,13 +164,17 @@ class RunSpec:
     policy: str = "static"
     faults: str = ""
     windows: tuple[tuple[str, int, int], ...] = ()  # (pattern, first step, last step)
-    purpose: str = "matrix"  # "matrix" or "sweep"
+    purpose: str = "matrix"  # "matrix", "sweep", "node" (a node failure) or "survivors" (its plain baseline)
     step_timeout_s: float = 30.0
     chunk_bytes: int | None = None
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
     compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
+    node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
+
+    def struck(self) -> list[NodeFault]:
+        return node_faults(FaultSchedule(self.node_faults, world=self.world), self.steps) if self.node_faults else []
 
     @property
     def label(self) -> str:
@@ -145,9 +194,13 @@ class RunSpec:
         return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
 
     def pattern_of(self, step: int) -> str:
+        """The pattern a step ran under: "none" for a clean step, "after" for the steps after a
+        node failure (a smaller group: they are not no-fault steps of this run's world)."""
         for pattern, first, last in self.windows:
             if first <= step <= last:
                 return pattern
+            if self.purpose == "node" and step > last:
+                return "after"
         return "none"
 
 
@@ -167,23 +220,55 @@ class RunResult:
         of what it received) over the steps run."""
         return {r: b / self.spec.steps for r, b in self.sent_bytes.items()} if self.spec.steps else {}
 
+    membership: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its "membership" record
+    signalled: dict[int, float] = field(default_factory=dict)  # victim -> monotonic time of its SIGKILL/SIGSTOP
+
+    def counted_ranks(self, step: int) -> set[int]:
+        """Ranks whose record of `step` counts: all but those a node fault took out by then."""
+        return set(range(self.spec.world)) - {f.rank for f in self.spec.struck() if f.first <= step}
+
+    def counted(self, step: int) -> list[dict[str, Any]]:
+        want = self.counted_ranks(step)
+        return [r for rank, r in self.records.get(step, {}).items() if rank in want]
+
     def complete_steps(self) -> list[int]:
-        return sorted(s for s, recs in self.records.items() if len(recs) == self.spec.world)
+        return sorted(s for s, recs in self.records.items() if self.counted_ranks(s) <= set(recs))
 
     def step_time(self, step: int) -> float:
         """The slowest rank's time for the step (how long until it was done everywhere)."""
-        return max(float(r["duration_s"]) for r in self.records[step].values())
+        return max(float(r["duration_s"]) for r in self.counted(step))
 
     def step_cpu(self, step: int) -> float:
         """CPU seconds all ranks spent inside the step's allreduce call: what a loaded machine
         does not inflate (much), unlike wall time."""
-        return sum(float(r.get("cpu_s", 0.0)) for r in self.records[step].values())
+        return sum(float(r.get("cpu_s", 0.0)) for r in self.counted(step))
 
     def step_ok(self, step: int) -> bool:
-        return all(r["exact"] and not r["error"] for r in self.records[step].values())
+        return all(r["exact"] and not r["error"] for r in self.counted(step))
 
     def all_exact(self) -> bool:
-        return all(r["exact"] for recs in self.records.values() for r in recs.values())
+        return all(r["exact"] for s in self.records for r in self.counted(s))
+
+    def evictions(self) -> list[tuple[int, int]]:
+        """(rank, epoch) of every eviction any worker reported: in a run without node faults,
+        each is a false eviction."""
+        return sorted({(int(e["rank"]), int(e["epoch"])) for m in self.membership.values() for e in m["evictions"]})
+
+    def detection_s(self) -> float | None:
+        """The slowest survivor's time from the first suspicion it heard to the commit of the
+        view without the victim (the membership layer's `detected_after_s`)."""
+        times = [float(e["detected_after_s"]) for m in self.membership.values() for e in m["evictions"]]
+        return max(times) if times else None
+
+    def signal_to_view_s(self) -> float | None:
+        """From the SIGKILL or SIGSTOP to the last survivor installing the view without the
+        victim: detection, agreement and the message delays, end to end."""
+        if not self.signalled:
+            return None
+        at = min(self.signalled.values())
+        installs = [float(v["at"]) for m in self.membership.values() for v in m["views"]
+                    if set(v["evicted"]) & set(self.signalled)]
+        return max(installs) - at if installs else None
 
     @property
     def ok(self) -> bool:
@@ -213,8 +298,16 @@ class RunResult:
         """The first faulted step of the pattern's window: the one that pays for detection (later
         steps may route around a link already known broken)."""
         for p, first, _last in self.spec.windows:
-            if p == pattern and first in self.records and len(self.records[first]) == self.spec.world:
+            if p == pattern and first in self.complete_steps():
                 return self.step_time(first) if self.step_ok(first) else None
+        return None
+
+    def worst_of_window(self, pattern: str) -> float | None:
+        """The slowest step of the pattern's window (a hang's detection may land in any of them)."""
+        for p, first, last in self.spec.windows:
+            steps = [s for s in range(first, last + 1) if s in self.complete_steps()]
+            if p == pattern and steps and all(self.step_ok(s) for s in steps):
+                return max(self.step_time(s) for s in steps)
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -228,6 +321,9 @@ class RunResult:
             "cpu_medians_s": {p: self.cpu_median(p) for p in PATTERNS if self.times(p)},
             "failed_steps": self.failed_steps(),
             "sent_bytes": self.sent_bytes,
+            "evictions": self.evictions(), "detection_s": self.detection_s(),
+            "signal_to_view_s": self.signal_to_view_s(), "signalled": self.signalled,
+            "membership": self.membership,
             "records": {s: [recs[r] for r in sorted(recs)] for s, recs in sorted(self.records.items())},
         }
 
@@ -286,7 +382,9 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
     """Start the run's workers, gather their records, release them together, and clean up.
 
     Workers block after their last step until their stdin closes, so none tears down a link
-    while a slower peer still needs it. A worker that dies early ends the run at once. With
+    while a slower peer still needs it. A worker that dies early ends the run at once, unless
+    it is the victim of the run's node faults (the bench kills or stops it by pid, and always
+    continues a stopped one before the end). With
     `uplinks` the workers run in its namespace under fresh per-rank limits, and each rank's
     uplink counter is read once every rank is done (before the release)."""
     result = RunResult(spec=spec)
@@ -294,6 +392,10 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
     if uplinks is not None:
         uplinks.apply(spec.world)  # zeroes the counters
         cmds = [uplinks.wrap(cmd) for cmd in cmds]
+    struck = spec.struck()
+    driver = NodeFaultDriver(struck, world=spec.world, gate_dir=Path(tempfile.mkdtemp(prefix="gates-", dir=workdir)),
+                             echo=lambda line: None)
+    killed = {f.rank for f in struck if f.kind is FaultKind.CRASH}
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     procs: dict[int, subprocess.Popen[str]] = {}
     stderr: dict[int, list[str]] = defaultdict(list)
@@ -315,24 +417,26 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
     end = t0 + spec.deadline_s()
     ready: set[int] = set()
     done: set[int] = set()
+    finishers = set(range(spec.world)) - killed  # every rank but the killed ones reports "done"
     try:
         for rank, cmd in enumerate(cmds):
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=env, start_new_session=True)
+            proc = subprocess.Popen([*cmd, *driver.worker_args(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
             procs[rank] = proc
             for stream, into in ((proc.stdout, lines), (proc.stderr, None)):
                 pumps.append(threading.Thread(target=pump, args=(rank, stream, into), daemon=True))
                 pumps[-1].start()
-        while len(done) < spec.world:
+        driver.start(procs)
+        while not finishers <= done:
             try:
                 rank, line = lines.get(timeout=max(0.05, end - time.monotonic()))
             except queue.Empty:
                 steps = result.complete_steps()
                 result.error = (f"gave up after {spec.deadline_s():.0f} s with {len(steps)} of {spec.steps} steps "
-                                f"done on every rank; ranks not finished: {sorted(set(range(spec.world)) - done)}")
+                                f"done on every rank; ranks not finished: {sorted(finishers - done)}")
                 break
             if line is None:
-                if rank not in done:
+                if rank not in done and rank not in killed:
                     result.error = f"rank {rank} exited before its last step"
                     break
                 continue
@@ -349,8 +453,11 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
             elif kind == "step":
                 step = int(rec["step"])
                 result.records[step][rank] = rec
-                if len(result.records[step]) == spec.world:
+                driver.note_step(rank, step)
+                if rank in result.counted_ranks(step) and result.counted_ranks(step) <= set(result.records[step]):
                     on_step(step)
+            elif kind == "membership":
+                result.membership[rank] = rec
             elif kind == "done":
                 done.add(rank)
                 if uplinks is not None and len(done) == spec.world:
@@ -359,6 +466,7 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
                     except ConfigError as exc:
                         result.error = f"could not read the uplink counters: {exc}"
     finally:
+        driver.close()  # a stopped worker is continued before anything else: it could not even die
         result.wall_s = time.monotonic() - t0
         for proc in procs.values():
             if proc.stdin is not None:
@@ -375,9 +483,13 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
                 result.exit_codes[rank] = proc.wait(timeout=10)
         for thread in pumps:
             thread.join(timeout=2)  # the streams end with the processes
+    result.signalled = {rank: fired.at for rank, fired in driver.fired.items()}
+    if driver.error is not None and not result.error:
+        result.error = f"node fault injection failed: {driver.error}"
+    victims = {f.rank for f in struck}
     for rank in procs:
         result.stderr_tail[rank] = stderr[rank][-12:]
-        if result.exit_codes.get(rank) not in (0, None) and not result.error:
+        if result.exit_codes.get(rank) not in (0, None) and not result.error and rank not in victims:
             result.error = f"rank {rank} exited with code {result.exit_codes[rank]}"
     return result
 
@@ -533,6 +645,13 @@ class BenchOptions:
     def uplink_bps(self) -> float:
         return parse_rate(self.uplink) if self.uplink else 0.0
 
+    node_patterns: tuple[str, ...] = NODE_PATTERNS
+
+    @property
+    def node_policy(self) -> str:
+        """Node-failure runs use one policy: the API's default (adaptive) when it is measured."""
+        return "adaptive" if "adaptive" in self.policies else self.policies[0]
+
 
 def sweep_steps(size: int) -> tuple[int, int]:
     """(warmup, measured) steps for a size-sweep point: fewer for big tensors."""
@@ -613,7 +732,63 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
                                     purpose="sweep", uplink_bps=bps))
+    if not opts.uplink:  # node failures are about timeouts, not bandwidth
+        runs += node_runs(opts, notes)
     return runs, notes
+
+
+def node_window(pattern: str) -> tuple[int, int]:
+    """The steps a node pattern's fault covers: the crash's step, or the hang's window."""
+    return NODE_STEP, NODE_STEP + (HANG_STEPS - 1 if pattern == "hang" else 0)
+
+
+def node_runs(opts: BenchOptions, notes: list[str]) -> list[RunSpec]:
+    """One run per node pattern and worker count, and a plain tree of the survivors beside them."""
+    runs: list[RunSpec] = []
+    for world in opts.workers:
+        usable = []
+        for pattern in opts.node_patterns:
+            rule = node_rule(world, pattern)
+            if rule is None:
+                notes.append(f"{world} workers: pattern {PATTERN_NAMES[pattern]!r} is n/a (no such rank, or the "
+                             f"survivors would be no majority)")
+                continue
+            first, last = node_window(pattern)
+            runs.append(RunSpec(kind="fttree", world=world, size=opts.size, steps=last + 1 + NODE_LATER,
+                                timeout_s=opts.timeouts[0], policy=opts.node_policy, purpose="node", node_faults=rule,
+                                windows=((pattern, first, last),), step_timeout_s=opts.step_timeout_s,
+                                chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory))
+            usable.append(pattern)
+        if usable:
+            runs.append(RunSpec(kind="plain", world=world - 1, size=opts.size, steps=WARMUP_STEPS + opts.clean_steps,
+                                timeout_s=opts.timeouts[0], purpose="survivors", step_timeout_s=opts.step_timeout_s,
+                                chunk_bytes=opts.chunk_bytes))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """What the bench reports for one node-failure run."""
+
+    world: int
+    pattern: str
+    rule: str
+    nofault_s: float | None  # the run's own no-fault median (steps before the fault)
+    faulted_s: float | None  # the crash's step; for a hang the slowest step of its window
+    later_s: float | None  # median of the steps after the fault (its window)
+    plain_s: float | None  # a plain tree of the survivors (world - 1), no fault
+    detection_s: float | None
+    signal_to_view_s: float | None
+    failed: tuple[int, ...]
+    error: str
+
+    @property
+    def extra_s(self) -> float | None:
+        return None if self.faulted_s is None or self.nofault_s is None else self.faulted_s - self.nofault_s
+
+    @property
+    def later_ratio(self) -> float | None:
+        return None if self.later_s is None or not self.plain_s else self.later_s / self.plain_s
 
 
 # ---- summary -----------------------------------------------------------------------------------
@@ -626,10 +801,12 @@ class Summary:
     notes: list[str]
 
     def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
-             policy: str = "static", compression: str = "") -> RunResult | None:
+             policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep"),
+             compression: str = "") -> RunResult | None:
         for r in self.results:
             s = r.spec
-            if (s.kind == kind and s.world == world and s.size == size and s.compression == compression
+            if (s.kind == kind and s.world == world and s.size == size and s.purpose in purposes
+                    and s.compression == compression
                     and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s
                          or bool(s.uplink_bps and s.purpose == "sweep"))  # timeouts scaled to the uplinks
                     and (kind != "fttree" or s.policy == policy)):
@@ -640,12 +817,35 @@ class Summary:
                 compression: str = "") -> float | None:
         """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
         fault, or a spurious one on a big tensor), the baselines from their own runs."""
-        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy, compression)
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy,
+                      compression=compression)
         return None if r is None else r.median("none")
 
     def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
         r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy)
         return None if r is None else r.cpu_median("none")
+
+    def node_rows(self) -> list[NodeRow]:
+        rows = []
+        for r in self.results:
+            if r.spec.purpose != "node":
+                continue
+            pattern, first, last = r.spec.windows[0]
+            plain = self.find("plain", r.spec.world - 1, r.spec.size, purposes=("survivors", "matrix"))
+            faulted = r.first_of_window(pattern) if first == last else r.worst_of_window(pattern)
+            rows.append(NodeRow(world=r.spec.world, pattern=pattern, rule=r.spec.node_faults,
+                                nofault_s=r.median("none"), faulted_s=faulted, later_s=r.median("after"),
+                                plain_s=None if plain is None else plain.median("none"),
+                                detection_s=r.detection_s(), signal_to_view_s=r.signal_to_view_s(),
+                                failed=tuple(r.failed_steps()), error=r.error))
+        return rows
+
+    def false_evictions(self) -> tuple[int, list[str]]:
+        """Evictions in the link-fault runs (nobody died there, so each one is false): (runs
+        looked at, one line per eviction)."""
+        runs = [r for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "matrix" and r.spec.windows]
+        return len(runs), [f"{r.spec.label}: rank {rank} left out of view {epoch}" for r in runs
+                           for rank, epoch in r.evictions()]
 
     def sweep_policies(self) -> list[str]:
         return sorted({r.spec.policy for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "sweep"}
@@ -681,6 +881,26 @@ class Summary:
                         continue
                     out.append((max(first, med) <= limit, f"{what}: first faulted step {first:.3f} s, median "
                                                           f"{med:.3f} s (target <= {name})"))
+        for row in self.node_rows():
+            name = f"{PATTERN_NAMES[row.pattern]} ({row.rule}), {row.world} workers"
+            limit = NODE_TARGET_S[row.pattern]
+            if row.extra_s is None or row.failed or row.error:
+                out.append((False, f"{name}: failed steps {list(row.failed)} {row.error}".rstrip()))
+                continue
+            assert row.faulted_s is not None
+            assert row.nofault_s is not None
+            out.append((row.extra_s <= limit, f"{name}: faulted step {row.faulted_s:.3f} s - no fault "
+                                              f"{row.nofault_s:.3f} s = {row.extra_s:.3f} s (target <= {limit:g} s)"))
+            if row.later_ratio is not None:
+                assert row.later_s is not None
+                assert row.plain_s is not None
+                out.append((row.later_ratio <= LATER_TARGET,
+                            f"{name}: later steps {row.later_s:.3f} s / plain tree of {row.world - 1} "
+                            f"{row.plain_s:.3f} s = {row.later_ratio:.2f} (target <= {LATER_TARGET:g})"))
+        looked, false = self.false_evictions()
+        if looked:
+            out.append((not false, f"false evictions in the {looked} link-fault runs: {len(false)} (target 0)"
+                        + (f": {'; '.join(false[:3])}" if false else "")))
         if 7 in o.sweep_workers and 25_000_000 in o.sweep_sizes:
             gloo = self.nofault("gloo", 7, 25_000_000)
             for pol in self.sweep_policies():
@@ -695,19 +915,19 @@ class Summary:
                 out.append((ft <= 1.5 * gloo and not failed,
                             f"100 MB, 7 workers, {pol}: fttree/gloo {ft / gloo:.2f} (target <= 1.50){note}"))
         if o.uplink:
-            for row in self.bandwidth_rows():
-                if row["system"] == "gloo" or row["size"] * 4 < 16_000_000:
+            for bwr in self.bandwidth_rows():
+                if bwr["system"] == "gloo" or bwr["size"] * 4 < 16_000_000:
                     continue
-                what = f"uplinks {o.uplink}, {row['workers']} workers, {format_bytes(row['size'])}, {row['system']}"
-                gloo = self.nofault("gloo", row["workers"], row["size"])
-                compressed = row["system"].endswith(("bf16", "fp16"))
-                ratio = row["max_bytes"] / row["bound_bytes"]
+                what = f"uplinks {o.uplink}, {bwr['workers']} workers, {format_bytes(bwr['size'])}, {bwr['system']}"
+                gloo = self.nofault("gloo", bwr["workers"], bwr["size"])
+                compressed = bwr["system"].endswith(("bf16", "fp16"))
+                ratio = bwr["max_bytes"] / bwr["bound_bytes"]
                 if not compressed:  # the bound is float32's; a compressed run is judged by its time
                     out.append((ratio <= 1.10, f"{what}: busiest rank sends {ratio:.2f}x the 2N(p-1)/p bound "
                                                f"(target <= 1.10)"))
-                if gloo and row["median_s"]:
+                if gloo and bwr["median_s"]:
                     limit = 0.55 if compressed else 1.0
-                    out.append((row["median_s"] <= limit * gloo, f"{what}: step/gloo {row['median_s'] / gloo:.2f} "
+                    out.append((bwr["median_s"] <= limit * gloo, f"{what}: step/gloo {bwr['median_s'] / gloo:.2f} "
                                                                  f"(target <= {limit:.2f})"))
         return out
 
@@ -723,7 +943,7 @@ class Summary:
                 systems = [(f"fttree {p}", self.find("fttree", world, size, o.timeouts[0], p))
                            for p in self.sweep_policies()]
                 systems += [(f"fttree {c}", self.find("fttree", world, size, o.timeouts[0],
-                                                      (self.sweep_policies() or ["static"])[0], c))
+                                                      (self.sweep_policies() or ["static"])[0], compression=c))
                             for c in o.compressions]
                 systems.append(("gloo", self.find("gloo", world, size)))
                 for name, run in systems:
@@ -877,10 +1097,11 @@ def render(summary: Summary) -> str:
                 out.append(f"{world:>7} {format_bytes(size):>9} {_num(f32, 11)} " + " ".join(_num(c, 9) for c in comp)
                            + f" {_num(gloo, 8)} " + (f"{f32 / gloo:>9.2f}" if f32 and gloo else f"{'-':>9}") + " "
                            + " ".join(f"{c / gloo:>10.2f}" if c and gloo else f"{'-':>10}" for c in comp))
+    out += render_node_failures(summary)
     targets = summary.targets()
     if targets:
         out.append("")
-        out.append("Performance targets (issues 5 and 14)")
+        out.append("Performance targets (issues 5, 11 and 14)")
         out.extend(f"  [{'met ' if met else 'MISS'}] {text}" for met, text in targets)
     bad = [r for r in summary.results if not r.ok]
     if bad:
@@ -897,6 +1118,41 @@ def render(summary: Summary) -> str:
         out.append("")
         out.extend(f"note: {n}" for n in summary.notes)
     return "\n".join(out)
+
+
+def render_node_failures(summary: Summary) -> list[str]:
+    """The node-failure table: what a dead or hung worker costs, beside the link patterns."""
+    rows = summary.node_rows()
+    looked, false = summary.false_evictions()
+    if not rows and not looked:
+        return []
+    o = summary.opts
+    out = [""]
+    if rows:
+        out.append(f"Node failures: fttree t={o.timeouts[0]:g} s {o.node_policy}, {format_bytes(o.size)}; the bench "
+                   f"kills (SIGKILL) or stops (SIGSTOP, SIGCONT {HANG_STEPS} steps later) one worker process before "
+                   f"step {NODE_STEP}; seconds; [target]")
+        out.append(f"{'workers':>7}  {'pattern':<15} {'fault':<12} {'no fault':>8} {'faulted':>8} {'extra':>16} "
+                   f"{'later':>7} {'plain n-1':>9} {'later/plain':>14} {'detection':>9} {'signal->view':>12}  "
+                   f"failed steps")
+        for row in rows:
+            extra = "-" if row.extra_s is None else f"{row.extra_s:.3f} [<= {NODE_TARGET_S[row.pattern]:g}]"
+            ratio = "-" if row.later_ratio is None else f"{row.later_ratio:.2f} [<= {LATER_TARGET:g}]"
+            tail = f"{len(row.failed)} {list(row.failed)}" if row.failed else "0"
+            if row.error:
+                tail += f"  ! {row.error}"
+            out.append(f"{row.world:>7}  {PATTERN_NAMES[row.pattern]:<15} {row.rule:<12} {_num(row.nofault_s, 8)} "
+                       f"{_num(row.faulted_s, 8)} {extra:>16} {_num(row.later_s, 7)} {_num(row.plain_s, 9)} "
+                       f"{ratio:>14} {_num(row.detection_s, 9)} {_num(row.signal_to_view_s, 12)}  {tail}")
+        out.append("  faulted: the crash's step, or the slowest step of the hang's window; extra: faulted - no fault;"
+                   " later: median of the steps after it; detection: first suspicion to the new view (slowest "
+                   "survivor); signal->view: the kill or stop to the last survivor's new view")
+    if looked:
+        names = ", ".join(PATTERN_NAMES[p] for p in o.patterns if p != "none")
+        out.append(f"False evictions in the {looked} link-fault runs ({names or 'no fault windows'}): {len(false)} "
+                   f"[target 0]")
+        out.extend(f"  {line}" for line in false)
+    return out
 
 
 def _ms(v: float | None, width: int) -> str:
@@ -949,6 +1205,7 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+    paths += plot_node_failures(summary, out_dir, plt)
     if o.sweep_workers and o.sweep_sizes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for world in o.sweep_workers:
@@ -967,6 +1224,41 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / "size_sweep.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_node_failures(summary: Summary, out_dir: Path, plt: Any) -> list[Path]:
+    """Time per step of each node-failure run, the fault marked, beside the plain tree of the
+    survivors and the link patterns' no-fault median (log scale: a hang costs seconds)."""
+    paths = []
+    o = summary.opts
+    for world in o.workers:
+        runs = [r for r in summary.results if r.spec.purpose == "node" and r.spec.world == world]
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for r in runs:
+            steps = r.complete_steps()
+            pattern = r.spec.windows[0][0]
+            ax.plot(steps, [r.step_time(s) for s in steps], marker="o", ms=3,
+                    label=f"{PATTERN_NAMES[pattern]} ({r.spec.node_faults})")
+        first, last = NODE_STEP, NODE_STEP + HANG_STEPS - 1
+        ax.axvspan(first - 0.5, last + 0.5, color="tab:red", alpha=0.1, label=f"fault (steps {first}-{last})")
+        plain = summary.find("plain", world - 1, o.size, purposes=("survivors", "matrix"))
+        if plain is not None and (m := plain.median("none")) is not None:
+            ax.axhline(m, linestyle=":", color="grey", lw=1, label=f"plain tree of {world - 1}, no fault")
+        link = summary.nofault("fttree", world, o.size, o.node_policy)
+        if link is not None:
+            ax.axhline(link, linestyle="--", color="grey", lw=1, label=f"fttree {world}, no fault (link runs)")
+        ax.set(yscale="log", xlabel="step", ylabel="time per step (s)",
+               title=f"node failures, {world} workers ({format_bytes(o.size)}), t={o.timeouts[0]:g} s "
+                     f"{o.node_policy}")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        path = out_dir / f"node_failures_{world}workers.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -62,8 +62,10 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--workers", default="3,7", show_default=True, help="Worker counts of the Table 1-2 matrix (3,7,15,31).")
 @click.option("--timeouts", default="0.5,1.0", show_default=True,
               help="Backup timeouts in seconds (Table 1: 0.5, Table 2: 1).")
-@click.option("--patterns", default="none,1,2p,2s", show_default=True,
-              help="Fault patterns: none, 1 (cut 1-0), 2p (cut 3-1 and 5-2), 2s (cut 3-1 and 1-0).")
+@click.option("--patterns", default="none,1,2p,2s,crash-leaf,crash-interior,crash-root,hang", show_default=True,
+              help="Fault patterns: none, 1 (cut 1-0), 2p (cut 3-1 and 5-2), 2s (cut 3-1 and 1-0); node failures, "
+                   "each a run of its own with a worker process killed or stopped before step 8: crash-leaf, "
+                   "crash-interior (rank 1), crash-root, hang (rank 2, 3 steps).")
 @click.option("--policies", default="static,adaptive", show_default=True,
               help="Timeout policies; adaptive is skipped while fttree has no timeout_policy.")
 @click.option("--size", "size_text", default="mlp", show_default=True,
@@ -99,15 +101,19 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
                    "(--sizes, --sweep-workers). Needs root, ip and tc.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
               help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
+@click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
+              help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
+                   "and synced from a peer, then a graceful leave; the thesis MLP).")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
 def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: str, sizes_text: str,
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
-          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None, uplink: str,
-          compression_text: str, dry_run: bool, strict: bool, out_dir: Path) -> None:
-    """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree.
+          fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
+          elastic: int | None, uplink: str, compression_text: str, dry_run: bool, strict: bool, out_dir: Path) -> None:
+    """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
+    and measure node failures (a worker killed or stopped) beside the link patterns.
 
     Prints the tables and the issue's performance targets, and writes bench.json (every raw
     step time of every rank) and the PNG figures to --out."""
@@ -115,6 +121,11 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
 
     if long_run is not None:
         _long_run(long_run, step_timeout, out_dir, dry_run)
+        return
+    if elastic is not None:
+        from .bench_elastic import run as run_elastic
+
+        run_elastic(elastic, 300, error=lambda why: click.echo(why, err=True))
         return
 
     def positive(text: str) -> int:
@@ -124,8 +135,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return n
 
     def pattern(text: str) -> str:
-        if text not in b.PATTERNS:
-            raise ValueError(f"unknown pattern {text!r}; known: {', '.join(b.PATTERNS)}")
+        if text not in b.PATTERNS + b.NODE_PATTERNS:
+            raise ValueError(f"unknown pattern {text!r}; known: {', '.join(b.PATTERNS + b.NODE_PATTERNS)}")
         return text
 
     def policy(text: str) -> str:
@@ -156,9 +167,11 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
             raise ValueError("compressions are bf16 and fp16")
         return text
 
+    chosen = _split(patterns, pattern, "--patterns")
     opts = b.BenchOptions(
         workers=_split(workers, positive, "--workers"), timeouts=_split(timeouts, timeout, "--timeouts"),
-        patterns=_split(patterns, pattern, "--patterns") or ("none",), policies=_split(policies, policy, "--policies"),
+        patterns=tuple(p for p in chosen if p in b.PATTERNS) or ("none",),
+        node_patterns=tuple(p for p in chosen if p in b.NODE_PATTERNS), policies=_split(policies, policy, "--policies"),
         size=matrix_size, sweep_sizes=_split(sizes_text, b.parse_size, "--sizes"),
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
@@ -173,7 +186,9 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         click.echo(f"note: {n}", err=True)
     if dry_run:
         for r in runs:
-            click.echo(f"{r.label}: {r.steps} steps" + (f", faults {r.faults!r}" if r.faults else ""))
+            click.echo(f"{r.label}: {r.steps} steps" + (f", faults {r.faults!r}" if r.faults else "")
+                       + (f", node fault {r.node_faults!r} on the worker processes" if r.node_faults else "")
+                       + (" (plain tree of the survivors)" if r.purpose == "survivors" else ""))
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = b.machine_info()

@@ -1,93 +1,120 @@
 """Join and leave figures: how fast a restarted worker is admitted and synced, and what that
 costs the others.
 
-    fttree bench --elastic            (or: python -m fttree.tools.bench_elastic -n 4 --steps 120)
+    fttree bench --elastic 4        (or: python -m fttree.tools.bench_elastic -n 4 --steps 120)
 
-n workers (threads of this process, each its own FTTreeAllreduce over TCP on 127.0.0.x) train
+n worker processes (each its own FTTreeAllreduce over TCP on 127.0.0.x, one torch thread) train
 the thesis's MLP (784-512-10, 407,050 parameters, SGD with momentum 0.9, batch 100 of synthetic
-data). Rank n-1 is killed at step 10 and started again when rank 0 reaches step 20; later, rank
-n-2 leaves gracefully. Printed: steps from asking to admission, the state transfer's size and
-time, the others' step times while the joiner syncs against their median, and the time of the
-step in which a rank left against the median (a graceful leave pays no timeout).
+data). Rank n-1 is killed at step 10 (its process exits as a killed one would) and started again
+when rank 0 reaches step 20; near the end, rank n-2 leaves gracefully. Printed: steps from
+starting the new process to its admission, the state transfer's size and time, the other
+members' worst step while the joiner syncs against their own median, and the step in which a
+rank left against the median (a graceful leave pays no timeout).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
-from ..api import FTTreeAllreduce
-from ..errors import GroupLeft
-from ..training.elastic import TransferRecord
-from ..training.optim import DistributedOptimizer
+START_AT = 12  # rank 0's step at which the killed rank's new process starts
+CRASH_AT = 10
 
 
-def thesis_mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, leave_at: int | None) -> None:
+    """One worker process: a JSON line per training step on stdout."""
+    import time
 
+    import torch
 
-@dataclass
-class Seen:
-    times: dict[int, float] = field(default_factory=dict)  # training step -> seconds
-    asked_at_step: int | None = None
-    admitted_at: int | None = None
-    synced_at: int | None = None
-    record: TransferRecord | None = None
-    error: BaseException | None = None
+    from ..api import FTTreeAllreduce
+    from ..errors import GroupLeft
+    from ..training.optim import DistributedOptimizer
 
+    torch.set_num_threads(1)
 
-def worker(rank: int, peers: list[str], seen: Seen, steps: int, *, crash_at: int | None = None,
-           leave_at: int | None = None, on_step: object = None, asked_at: list[int] | None = None) -> None:
+    def say(**record: Any) -> None:
+        print(json.dumps(record), flush=True)
+
     ar = FTTreeAllreduce(rank, peers, timeout_s=0.2, step_timeout_s=15).start()
     try:
-        model = thesis_mlp()
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                          allreduce=ar)
-        if ar.joined_at is not None:
-            seen.admitted_at = ar.joined_at[1]
-            seen.asked_at_step = asked_at[0] if asked_at else None
-        step = opt.sync.rounds
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, allreduce=ar)
         gen = torch.Generator().manual_seed(rank)
-        while step < steps:
+        synced = not ar.joining
+        asked = time.time()  # a joiner is admitted inside its first backward (its first gradient hook)
+        step: int | None = None if ar.joining else opt.sync.next_round()
+        while step is None or step < steps:
             if crash_at is not None and step == crash_at:
                 ar.crash("bench: killed")
             if leave_at is not None and step == leave_at:
                 ar.leave()
+                say(left=step)
                 return
             x, y = torch.randn(100, 784, generator=gen), torch.randint(0, 10, (100,), generator=gen)
             began = time.perf_counter()
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            torch.autograd.backward(loss)
+            torch.autograd.backward(torch.nn.functional.cross_entropy(model(x), y))
             opt.step()
-            seen.times[step] = time.perf_counter() - began
-            if seen.synced_at is None and ar.joined_at is not None and not opt.syncing:
-                seen.synced_at, seen.record = step, opt.transfer.record
-            if callable(on_step):
-                on_step(step)
-            step += 1
+            done = opt.sync.rounds - 1
+            if step is None and ar.joined_at is not None:
+                say(joined=ar.joined_at[1], asked=asked)
+            say(step=done, s=time.perf_counter() - began, syncing=opt.syncing, wall=time.time())
+            if not synced and not opt.syncing:
+                synced = True
+                rec = opt.transfer.record
+                if rec is not None:
+                    say(synced=done, donor=rec.donor, as_of=rec.user_step, nbytes=rec.nbytes, seconds=rec.seconds,
+                        replayed=rec.replayed)
+            step = done + 1
     except GroupLeft:
         pass
-    except BaseException as exc:
-        seen.error = exc
     finally:
         ar.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-n", "--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=120)
-    args = parser.parse_args(argv)
-    run(args.workers, args.steps, parser.error)
+@dataclass
+class _Seen:
+    times: dict[int, float] = field(default_factory=dict)
+    walls: dict[int, float] = field(default_factory=dict)  # when each step ended (time.time())
+    events: dict[str, Any] = field(default_factory=dict)
+
+
+def _spawn(rank: int, peers: list[str], steps: int, seen: _Seen, *, crash_at: int | None = None,
+           leave_at: int | None = None, on_step: Callable[[int], None] | None = None) -> tuple[subprocess.Popen[str],
+                                                                                                 threading.Thread]:
+    cmd = [sys.executable, "-m", "fttree.tools.bench_elastic", "--worker", str(rank), "--peers", ",".join(peers),
+           "--steps", str(steps)]
+    if crash_at is not None:
+        cmd += ["--crash-at", str(crash_at)]
+    if leave_at is not None:
+        cmd += ["--leave-at", str(leave_at)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            record = json.loads(line)
+            if "step" in record:
+                seen.times[record["step"]] = record["s"]
+                seen.walls[record["step"]] = record["wall"]
+                if on_step is not None:
+                    on_step(record["step"])
+            else:
+                seen.events.update(record)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, reader
 
 
 def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
@@ -102,52 +129,73 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     peers = [f"127.0.0.{r + 1}:{port}" for r in range(n)]
-    seen = {r: Seen() for r in range(n)}
-    rejoined = Seen()
-    restart = threading.Event()
-    asked_at: list[int] = []
     leave_step = steps - 20
+    seen = {r: _Seen() for r in range(n)}
+    rejoined = _Seen()
+    started_at: list[int] = []  # rank 0's step when the new process was started
+    procs: list[tuple[subprocess.Popen[str], threading.Thread]] = []
 
     def watch(step: int) -> None:
-        if step == 20:
-            restart.set()
+        if step == START_AT and not started_at:
+            started_at.append(step + 1)  # the step rank 0 begins as the new process starts
+            procs.append(_spawn(n - 1, peers, steps, rejoined))
 
-    def restarted() -> None:
-        restart.wait(120)
-        asked_at.append(max(seen[0].times, default=0) + 1)  # the step rank 0 is in when the new process starts
-        worker(n - 1, peers, rejoined, steps, asked_at=asked_at)
+    for r in range(n):
+        procs.append(_spawn(r, peers, steps, seen[r], crash_at=CRASH_AT if r == n - 1 else None,
+                            leave_at=leave_step if r == n - 2 else None, on_step=watch if r == 0 else None))
+    try:
+        for proc, reader in list(procs):
+            proc.wait(timeout=600)
+            reader.join(10)
+        for proc, reader in procs[n:]:
+            proc.wait(timeout=600)
+            reader.join(10)
+    finally:
+        for proc, _reader in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    print(f"{n} worker processes, thesis MLP (407,050 parameters, SGD momentum), one torch thread each")
+    ev = rejoined.events
+    if "joined" in ev:
+        walls = seen[0].walls
+        asking = min((s for s, w in walls.items() if w >= ev["asked"]), default=-1)  # rank 0's step then
+        print(f"rejoin: the new process asked while rank 0 was in step {asking}, admitted from step "
+              f"{ev['joined']} ({ev['joined'] - asking} steps later; target <= 2)")
+    if "synced" in ev:
+        print(f"state transfer: {ev['nbytes']:,} bytes from rank {ev['donor']} as of step {ev['as_of']}, "
+              f"{ev['seconds'] * 1000:.0f} ms from asking to checked (target <= 1000 ms), {ev['replayed']} steps "
+              f"replayed; contributing from step {ev['synced'] + 1}")
+        window = range(ev["joined"], ev["synced"] + 1)
+        ratios = []
+        for r in range(n - 1):
+            times = seen[r].times
+            median = statistics.median(times[s] for s in range(30, leave_step - 5) if s in times)
+            worst = max(times[s] for s in window if s in times)
+            ratios.append(worst / median)
+            print(f"  rank {r}: worst step while the joiner synced {worst * 1000:.1f} ms, median "
+                  f"{median * 1000:.1f} ms: {worst / median:.2f}x")
+        print(f"other members while someone joins: at most {max(ratios):.2f}x their median (target <= 1.5x)")
+    times = seen[0].times
+    if leave_step in times:
+        median = statistics.median(times[s] for s in range(30, leave_step - 5) if s in times)
+        print(f"graceful leave at step {leave_step}: rank 0's step took {times[leave_step] * 1000:.1f} ms "
+              f"(median {median * 1000:.1f} ms, {times[leave_step] / median:.2f}x; a timeout would cost >= 1000 ms)")
 
-    threads = [threading.Thread(target=worker, args=(r, peers, seen[r], steps),
-                                kwargs={"crash_at": 10 if r == n - 1 else None, "on_step": watch if r == 0 else None,
-                                        "leave_at": leave_step if r == n - 2 else None})
-               for r in range(n)]
-    threads.append(threading.Thread(target=restarted))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    errors = {r: s.error for r, s in {**seen, n: rejoined}.items() if s.error is not None}
-    if errors:
-        raise SystemExit(f"workers failed: {errors}")
-    base = seen[0].times
-    median = statistics.median(base[s] for s in range(30, leave_step - 5) if s in base)
-    print(f"{n} workers, thesis MLP (407,050 parameters, SGD momentum), threads of one process")
-    if rejoined.admitted_at is not None and rejoined.asked_at_step is not None:
-        print(f"rejoin: asked during step {rejoined.asked_at_step}, admitted from step {rejoined.admitted_at} "
-              f"({rejoined.admitted_at - rejoined.asked_at_step} steps; target <= 2)")
-    if rejoined.record is not None:
-        rec = rejoined.record
-        print(f"state transfer: {rec.nbytes:,} bytes from rank {rec.donor} as of step {rec.user_step}, "
-              f"{rec.seconds * 1000:.0f} ms from asking to checked (target <= 1000 ms), {rec.replayed} steps replayed; "
-              f"in sync from step {rejoined.synced_at}")
-    if rejoined.admitted_at is not None and rejoined.synced_at is not None:
-        during = [base[s] for s in range(rejoined.admitted_at, rejoined.synced_at + 1) if s in base]
-        worst = max(during)
-        print(f"rank 0 while the joiner synced: worst step {worst * 1000:.1f} ms vs median {median * 1000:.1f} ms "
-              f"= {worst / median:.2f}x (target <= 1.5x)")
-    if leave_step in base:
-        print(f"graceful leave at step {leave_step}: rank 0's step took {base[leave_step] * 1000:.1f} ms "
-              f"(median {median * 1000:.1f} ms, {base[leave_step] / median:.2f}x; a timeout would cost >= 1000 ms)")
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--crash-at", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--leave-at", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        _worker(args.worker, args.peers.split(","), args.steps, args.crash_at, args.leave_at)
+        return
+    run(args.workers, args.steps, parser.error)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ EOF): closing right after its last step could abort frames still queued for a sl
     python -m fttree.tools.bench_worker --rank R --peers FILE --steps K --size N [--faults ...]
 
 Records (stdout, one JSON object per line): {"kind": "ready"}, then per step {"kind": "step",
-"rank", "step", "start", "end", "duration_s", "exact", "error", "events"}, then {"kind": "done"}.
-`start`/`end` are time.monotonic(), one clock for every process on the machine.
+"rank", "step", "start", "end", "duration_s", "exact", "error", "events", "ranks", "epoch"}, then
+{"kind": "membership", "views", "evictions"} (the views installed here with the time each was,
+and what the membership layer says about each eviction) and {"kind": "done"}. `start`, `end` and
+the install times are time.monotonic(), one clock for every process on the machine, so they can
+be set against the moment the bench killed or stopped a worker (--node-gate-steps).
 """
 
 from __future__ import annotations
@@ -43,16 +46,19 @@ class Payload:
         np.add(self.base, np.float32((self.rank + 1) * (step + 1)), out=self.buf)
         return self.buf
 
-    def check(self, out: np.ndarray, step: int) -> bool:
-        total = np.float32((step + 1) * self.world * (self.world + 1) // 2)
+    def check(self, out: np.ndarray, step: int, contributors: Sequence[int] | None = None) -> bool:
+        """Is `out` the exact sum over `contributors` (default: every rank) for `step`?"""
+        ranks = range(self.world) if contributors is None else contributors
+        total = np.float32((step + 1) * sum(r + 1 for r in ranks))
         flat = np.asarray(out).reshape(-1)
         if flat.shape != self.base.shape or flat.dtype != self.base.dtype:
             return False
         np.subtract(flat, total, out=self._scratch)
+        want = self.base_sum if len(ranks) == self.world else self.base * np.float32(len(ranks))  # a death: rare
         if self.rtol:
-            np.subtract(self._scratch, self.base_sum, out=self._scratch)
-            return bool(np.abs(self._scratch).max() <= self.rtol * (float(self.base_sum.max()) + float(total)))
-        return bool(np.array_equal(self._scratch, self.base_sum))
+            np.subtract(self._scratch, want, out=self._scratch)
+            return bool(np.abs(self._scratch).max() <= self.rtol * (float(want.max()) + float(total)))
+        return bool(np.array_equal(self._scratch, want))
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -86,8 +92,17 @@ def _stop_profile(ar: Any, profiler: Any, path: Path) -> None:
     profiler.dump_stats(str(path))
 
 
-async def _call(fn: Any) -> None:
-    fn()
+async def _call(fn: Any) -> Any:
+    return fn()
+
+
+def _evictions(ar: Any) -> list[dict[str, Any]]:
+    """What this rank's membership layer knows of each eviction (read on the node's loop)."""
+    import asyncio
+
+    status = asyncio.run_coroutine_threadsafe(_call(ar.node.membership.status), ar._loop).result(timeout=10)
+    return [{"rank": e.rank, "epoch": e.epoch, "reason": e.reason, "detected_after_s": e.detected_after_s,
+             "suspected_by": list(e.suspected_by)} for e in status.evictions]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -109,6 +124,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other Config field (numbers as numbers), e.g. adaptive_ceiling_s=8")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
+    p.add_argument("--gate-dir", type=Path, default=None, help="where the node-fault driver's gate files are")
+    p.add_argument("--node-gate-steps", default="", help="steps before which to wait for the node-fault driver")
     return p.parse_args(argv)
 
 
@@ -151,13 +168,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a rounding per hop (leaf to root, and the result): depth + 2 unit roundoffs of the sum
     rtol = {"bf16": 2.0**-8, "fp16": 2.0**-11}.get(args.compression or "", 0.0) * (ar.world.bit_length() + 2)
     payload = Payload(args.rank, ar.world, args.size, rtol)
+    views: list[dict[str, Any]] = []  # appended on the loop thread, read after the steps
+    assert ar.node is not None
+    ar.node.view_listeners.append(lambda inst: views.append(
+        {"epoch": inst.view.epoch, "members": list(inst.view.members), "evicted": list(inst.evicted),
+         "at": time.monotonic()}))
+    gate = None
+    if args.gate_dir is not None and args.node_gate_steps:
+        from .nodefaults import NODE_TAG, StepGate
+
+        gate = StepGate(args.gate_dir, StepGate.parse_steps(args.node_gate_steps), args.rank,
+                        args.startup_timeout + args.step_timeout + 30, tag=NODE_TAG)
     profiler = _start_profile(ar) if args.profile else None
     emit({"kind": "ready", "rank": args.rank, "at": time.monotonic()})
     failed = False
     try:
         for step in range(args.steps):
             data = payload.fill(step)
-            error, exact = "", False
+            if gate is not None:
+                gate(step)  # a victim waits here to be killed or stopped, outside the step's time
+            error, exact, ranks, epoch = "", False, list(range(ar.world)), ar.view.epoch
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu, start = time.process_time(), time.monotonic()
             try:
@@ -167,11 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             end, cpu = time.monotonic(), time.process_time() - cpu
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if not error:
-                exact = payload.check(out, step)
+                if ar.last is not None:
+                    ranks, epoch = sorted(ar.last.contributors), ar.last.epoch
+                exact = payload.check(out, step, ranks)
             failed |= not exact
             emit({"kind": "step", "rank": args.rank, "step": step, "start": start, "end": end,
                   "duration_s": end - start, "cpu_s": cpu, "page_faults": faults, "exact": exact, "error": error,
-                  "events": notes.pop(step)})
+                  "events": notes.pop(step), "ranks": ranks, "epoch": epoch})
+        emit({"kind": "membership", "rank": args.rank, "views": list(views), "evictions": _evictions(ar)})
         emit({"kind": "done", "rank": args.rank})
         if profiler is not None:
             _stop_profile(ar, profiler, args.profile)

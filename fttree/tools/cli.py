@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -45,6 +46,10 @@ def _job_options(f: F) -> F:
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
     f = click.option("--no-link-memory", is_flag=True,
                      help="Pay the timeout on every step of a failure (the thesis), no routing around.")(f)
+    f = click.option("--on-node-failure", type=click.Choice(["forward", "abort", "rollback"]), default="forward",
+                     show_default=True,
+                     help="A step in flight when a worker dies: finish it on the survivors, abort it, or run it "
+                          "again (rollback: the demo job resubmits it).")(f)
     return _faults_option(f)
 
 
@@ -71,12 +76,19 @@ def topology(world: int) -> None:
 @click.option("--gate-dir", type=click.Path(file_okay=False, path_type=Path), default=None, hidden=True,
               help="Wait before --gate-steps for the real-fault runner (fttree launch --real-faults).")
 @click.option("--gate-steps", default="", hidden=True, help="Comma-separated steps to wait before.")
+@click.option("--node-gate-steps", default="", hidden=True,
+              help="Steps before which this rank waits for the node-fault driver (fttree launch: crash, hang).")
+@click.option("--join", "join", default=None, metavar="HOST:PORT",
+              help="Join a running job through the member at HOST:PORT (a new rank; --peers names it too). "
+                   "A restarted worker needs no flag: it finds the running group by itself.")
 @_job_options
 @worker_options
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
-           timeout_policy: str, no_link_memory: bool) -> None:
-    """Run one worker of a multi-machine job: checked allreduce steps of a known sum."""
+           node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
+           on_node_failure: str) -> None:
+    """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
+    makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
 
     try:
@@ -84,24 +96,36 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
         ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
                              startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
-                             **http_kwargs(rank, peers))
+                             on_node_failure=on_node_failure, join=join or False, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
-    gate = None
+    leave_asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: leave_asked.append(signum))
+    gate = node_gate = None
     if gate_dir is not None:
-        from .realfaults import StepGate
+        from .nodefaults import NODE_TAG, StepGate
 
-        gate = StepGate(gate_dir, StepGate.parse_steps(gate_steps), rank, max(startup_timeout, step_timeout) + 30)
+        wait_s = max(startup_timeout, step_timeout) + 30
+        if gate_steps:
+            gate = StepGate(gate_dir, StepGate.parse_steps(gate_steps), rank, wait_s)
+        if node_gate_steps:
+            node_gate = StepGate(gate_dir, StepGate.parse_steps(node_gate_steps), rank, wait_s, tag=NODE_TAG)
+    from .nodefaults import chain
+
     failed = False
     try:
-        for rec in run_steps(ar, steps, size, before_step=gate):
+        for rec in run_steps(ar, steps, size, before_step=chain(gate, node_gate)):
             failed |= not rec.exact
             if as_json:
                 click.echo(rec.to_json())
             else:
                 status = "exact" if rec.exact else f"FAILED: {rec.error or 'wrong sum'}"
                 click.echo(f"rank {rank} step {rec.step:3d} {rec.duration_s * 1000:8.1f} ms {status}")
+            if leave_asked:  # SIGTERM: leave after this step, so nobody waits for this rank
+                ar.leave()
+                click.echo(f"rank {rank} left the group after step {rec.step} (SIGTERM)", err=True)
+                break
         if gate is not None:
             gate(steps)  # stay up (serving as a backup) until every rank has its last result
         linger(ar)
@@ -130,18 +154,26 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @launch_options
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
-           faults: str, timeout_policy: str, no_link_memory: bool) -> None:
-    """Start N local workers on 127.0.0.x and print per-step times and exactness."""
+           faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str) -> None:
+    """Start N local workers on 127.0.0.x and print per-step times and exactness.
+
+    crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
+    SIGCONT); the other faults in-process, or with iptables under --real-faults."""
+    from .nodefaults import link_schedule_text, node_faults
+
     try:
         schedule = FaultSchedule(faults, world=world)  # fail fast on a bad schedule, before spawning
+        node_faults(schedule, steps)
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
-            str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy]
+            str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,
+            "--on-node-failure", on_node_failure]
     if no_link_memory:
         args.append("--no-link-memory")
-    if faults and not real_faults:
-        args += ["--faults", faults]
+    in_process = link_schedule_text(schedule)
+    if in_process and not real_faults:
+        args += ["--faults", in_process]
     if no_ft:
         args.append("--no-ft")
     launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
@@ -153,10 +185,13 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
                        launch_dir=launch_dir,
                        deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s())
         return
+    from .realfaults import sigterm_as_interrupt
+
     try:
-        result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
-                            deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
-                            echo=click.echo)
+        with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
+            result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
+                                deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
+                                echo=click.echo, schedule=schedule)
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     if not result.ok:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError
 from .demo import StepRecord
+from .nodefaults import NodeFault, NodeFaultDriver, node_faults
 
 
 def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list[str]:
@@ -35,22 +37,93 @@ def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list
 
 @dataclass
 class LaunchResult:
+    """Everything the workers of one launch reported, and what fault injection did to them.
+
+    A rank's records count from step 0 up to the step a fault took it out of the group (a crash
+    or hang of its process, or the minority side of a partition or an isolation that the
+    schedule asked for); a survivor's count to the end. The run is ok when every counted record
+    is exact (the sum over the contributors it reports), the survivors agree bit for bit, and
+    every survivor exited with 0."""
+
     world: int
+    steps: int = 0
     records: dict[int, dict[int, StepRecord]] = field(default_factory=lambda: defaultdict(dict))
     exit_codes: dict[int, int] = field(default_factory=dict)
     stderr_tail: dict[int, list[str]] = field(default_factory=dict)
+    node_faults: list[NodeFault] = field(default_factory=list)
+    fates: dict[int, str] = field(default_factory=dict)  # rank -> what fault injection did to it
+    rules: list[FaultRule] = field(default_factory=list)  # the whole schedule, to explain who left the group
+
+    def struck_at(self, rank: int) -> int | None:
+        """The step from which a node fault took `rank` out (None: no node fault)."""
+        return next((f.first for f in self.node_faults if f.rank == rank), None)
+
+    def left_at(self, rank: int) -> int | None:
+        """The first step `rank` failed with GroupLeft, if the schedule explains it (a partition
+        left its side in the minority, an isolation cut it off); None otherwise."""
+        for step in sorted(self.records):
+            rec = self.records[step].get(rank)
+            if rec is not None and rec.error_kind == "GroupLeft":
+                return step if self.cut_off_by(rank) else None
+        return None
+
+    def cut_off_by(self, rank: int) -> list[str]:
+        """The rules of the schedule that can leave `rank` out of the group."""
+        return [str(rule) for rule in self.rules if cut_off(rule, rank, self.world)]
+
+    def out_from(self, rank: int) -> int | None:
+        """The step from which `rank`'s records do not count, if a fault took it out."""
+        steps = [s for s in (self.struck_at(rank), self.left_at(rank)) if s is not None]
+        return min(steps) if steps else None
+
+    def counted(self, step: int) -> dict[int, StepRecord]:
+        """The records of `step` that count: every rank not taken out by then."""
+        return {r: rec for r, rec in self.records.get(step, {}).items()
+                if (out := self.out_from(r)) is None or step < out}
+
+    def expected(self, step: int) -> set[int]:
+        return {r for r in range(self.world) if (out := self.out_from(r)) is None or step < out}
+
+    @property
+    def survivors(self) -> list[int]:
+        return [r for r in range(self.world) if self.out_from(r) is None]
+
+    def all_steps(self) -> list[int]:
+        return list(range(self.steps)) if self.steps else sorted(self.records)
 
     def step_time(self, step: int) -> float:
-        """Slowest worker's time for a step: when the step was done everywhere."""
-        return max(r.duration_s for r in self.records[step].values())
+        """Slowest counted worker's time for a step: when the step was done everywhere it counts."""
+        recs = self.counted(step) or self.records[step]
+        return max(r.duration_s for r in recs.values())
 
     def all_exact(self) -> bool:
-        return all(len(recs) == self.world and all(r.exact for r in recs.values())
-                   for recs in self.records.values())
+        """Every rank that counts reported every step, exactly."""
+        for step in self.all_steps():
+            recs = self.counted(step)
+            if set(recs) != self.expected(step) or not all(r.exact for r in recs.values()):
+                return False
+        return True
+
+    def agree(self) -> bool:
+        """Workers that finished a step got the same result and the same contributors."""
+        return all(len({(r.digest, tuple(r.ranks)) for r in self.counted(s).values() if not r.error}) <= 1
+                   for s in self.all_steps())
 
     @property
     def ok(self) -> bool:
-        return self.all_exact() and all(code == 0 for code in self.exit_codes.values())
+        return (self.all_exact() and self.agree()
+                and all(self.exit_codes.get(r, 0) == 0 for r in self.survivors))
+
+
+def cut_off(rule: FaultRule, rank: int, world: int) -> bool:
+    """Can `rule` leave `rank` out of the group (so its GroupLeft is the fault's doing)?"""
+    if rule.kind is FaultKind.ISOLATE:
+        return rank == rule.a
+    if rule.kind is FaultKind.PARTITION:
+        inside = rank in rule.group
+        side = len(rule.group) if inside else world - len(rule.group)
+        return 2 * side <= world  # the side without a majority stops
+    return False
 
 
 def worker_command(rank: int, peers_file: Path, args: Sequence[str]) -> list[str]:
@@ -62,37 +135,130 @@ def worker_command(rank: int, peers_file: Path, args: Sequence[str]) -> list[str
 _SHOWN = frozenset({"data_came_around", "detour"})
 
 
-def format_step(step: int, recs: dict[int, StepRecord], world: int) -> str:
+def format_step(step: int, recs: dict[int, StepRecord], world: int, *, previous_epoch: int | None = None,
+                struck: Sequence[str] = ()) -> str:
+    """One line of the launch table: the slowest time, how many results were exact, who is in
+    the sum when not everybody is, a new view, and what went around or failed."""
     slowest = max(r.duration_s for r in recs.values())
     exact = sum(r.exact for r in recs.values())
+    done = [r for r in recs.values() if not r.error]
     events = sorted({e["text"] for r in recs.values() for e in r.events if e["cause"] in _SHOWN})
     errors = sorted({f"rank {r.rank}: {r.error}" for r in recs.values() if r.error})
-    line = f"step {step:3d}  {slowest * 1000:8.1f} ms  exact {exact}/{world}"
-    if events:
-        line += "  | " + "; ".join(events)
-    if errors:
-        line += "  | " + "; ".join(errors)
+    line = f"step {step:3d}  {slowest * 1000:8.1f} ms  exact {exact}/{len(recs)}"
+    sums = {tuple(r.ranks) for r in done}
+    if len(sums) == 1:
+        (ranks,) = sums
+        if len(ranks) < world:
+            missing = sorted(set(range(world)) - set(ranks))
+            line += f"  sum of {len(ranks)}/{world} (without {', '.join(map(str, missing))})"
+    elif len(sums) > 1:
+        line += "  CONTRIBUTORS DIFFER: " + "; ".join(f"rank {r.rank} {r.ranks}" for r in done)
+    if len({r.digest for r in done}) > 1:
+        line += "  RESULTS DIFFER"
+    tail: list[str] = list(struck)
+    epochs = sorted({r.epoch for r in done})
+    if epochs and previous_epoch is not None and epochs[-1] > previous_epoch:
+        newest = next(r for r in done if r.epoch == epochs[-1])
+        tail.append(f"view {newest.epoch}: {newest.members}")
+    tail += events + errors
+    if tail:
+        line += "  | " + "; ".join(tail)
     return line
+
+
+class _Table:
+    """Prints the step lines in order, each once the ranks that count for it have reported."""
+
+    def __init__(self, result: LaunchResult, driver: NodeFaultDriver | None, echo: Callable[[str], None]) -> None:
+        self.result, self.driver, self.echo = result, driver, echo
+        self.printed = 0
+        self.epoch = 0
+
+    def _waiting_for(self, step: int) -> set[int]:
+        absent = self.driver.absent(step) if self.driver is not None else set()
+        return set(range(self.result.world)) - absent - self._left(step)
+
+    def _left(self, step: int) -> set[int]:
+        return {r for r in range(self.result.world) if (s := self.result.left_at(r)) is not None and s <= step}
+
+    def _line(self, step: int, note: str = "") -> None:
+        recs = {r: rec for r, rec in self.result.records[step].items() if r in self._waiting_for(step)} \
+            or self.result.records[step]
+        struck = [f"rank {f.rank} {'killed' if f.kind is FaultKind.CRASH else 'stopped'} ({f.rule})"
+                  for f in self.result.node_faults if f.first == step]
+        self.echo(format_step(step, recs, self.result.world, previous_epoch=self.epoch, struck=struck) + note)
+        self.epoch = max([self.epoch, *(r.epoch for r in recs.values() if not r.error)])
+
+    def flush(self) -> None:
+        records = self.result.records
+        while self.printed in records and self._waiting_for(self.printed) <= set(records[self.printed]):
+            self._line(self.printed)
+            self.printed += 1
+
+    def finish(self) -> None:
+        self.flush()
+        for step in sorted(s for s in self.result.records if s >= self.printed):
+            have, want = set(self.result.records[step]), self._waiting_for(step)
+            self._line(step, f"  (no report from ranks {sorted(want - have)})" if want - have else "")
+        self.printed = max(self.result.records, default=-1) + 1
+
+
+def _explain_exits(result: LaunchResult, stderr_lines: dict[int, list[str]], echo: Callable[[str], None]) -> None:
+    """Say what happened to each worker that did not end normally: fault injection and its
+    consequences are reported as such, anything else as a failure with its last words."""
+    for rank, code in sorted(result.exit_codes.items()):
+        fate = result.fates.get(rank)
+        left = result.left_at(rank)
+        if fate is not None:
+            struck = result.struck_at(rank)
+            after = [rec for s, recs in sorted(result.records.items()) if struck is not None and s >= struck
+                     for r, rec in recs.items() if r == rank]
+            then = f"; then {after[0].error_kind or 'step'}: {after[0].error}" if after and after[0].error else ""
+            echo(f"worker {rank}: {fate} (exit code {code}){then}")
+        elif left is not None:
+            rec = result.records[left][rank]
+            echo(f"worker {rank}: left the group at step {left}, cut off by {'; '.join(result.cut_off_by(rank))} "
+                 f"(exit code {code}): {rec.error}")
+        elif code != 0:
+            result.stderr_tail[rank] = stderr_lines[rank]
+            failed = [rec for _, recs in sorted(result.records.items()) for r, rec in recs.items()
+                      if r == rank and rec.error]
+            echo(f"worker {rank} exited with code {code}" + (f" after {len(failed)} failed steps, the first: "
+                                                              f"{failed[0].error}" if failed else ":"))
+            for line in [] if failed else stderr_lines[rank][-8:]:
+                echo(f"  [rank {rank}] {line}")
 
 
 def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "127.0.0.1", port: int = 29500,
            launch_dir: Path | None = None, deadline_s: float = 600.0,
-           echo: Callable[[str], None] = print, prefix: Sequence[str] = ()) -> LaunchResult:
+           echo: Callable[[str], None] = print, prefix: Sequence[str] = (),
+           schedule: FaultSchedule | None = None, driver: NodeFaultDriver | None = None) -> LaunchResult:
     """Start n workers, stream their step lines, and return everything they reported.
 
-    `prefix` is put before each worker command (for example `ip netns exec NAME`)."""
+    `prefix` is put before each worker command (for example `ip netns exec NAME`). The crash and
+    hang rules of `schedule` are carried out on the worker processes (SIGKILL, SIGSTOP/SIGCONT;
+    see nodefaults.py) by `driver`, made here unless given; the caller leaves them out of the
+    workers' own `--faults`. The other rules only explain who may leave the group."""
     if n < 1:
         raise ConfigError(f"-n must be at least 1, got {n}")
     workdir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    schedule = FaultSchedule() if schedule is None else schedule
+    if driver is None:
+        driver = NodeFaultDriver(node_faults(schedule, steps), world=n,
+                                 gate_dir=Path(tempfile.mkdtemp(prefix="gates-", dir=workdir)), echo=echo)
     peers = local_peers(n, host_base, port)
     peers_file = workdir / "peers.txt"
     peers_file.write_text("\n".join(peers) + "\n")
     echo(f"launching {n} workers ({peers[0]} .. {peers[-1]}), peers in {peers_file}")
+    for f in driver.faults:
+        echo(f"node fault: {f.rule}: {f.signal_name} of rank {f.rank}'s process when it reaches step {f.first}"
+             + (f", SIGCONT once the others finished step {f.last}" if f.kind is FaultKind.HANG else ""))
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     procs: dict[int, subprocess.Popen[str]] = {}
-    result = LaunchResult(world=n)
+    result = LaunchResult(world=n, steps=steps, node_faults=list(driver.faults), rules=list(schedule.rules))
     stderr_lines: dict[int, list[str]] = defaultdict(list)
+    table = _Table(result, driver, echo)
 
     def pump(rank: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -109,20 +275,24 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         for rank in range(n):
-            cmd = [*prefix, *worker_command(rank, peers_file, worker_args)]
+            cmd = [*prefix, *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)])]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     start_new_session=True)
             procs[rank] = proc
             threading.Thread(target=pump, args=(rank, proc), daemon=True).start()
             threading.Thread(target=pump_err, args=(rank, proc), daemon=True).start()
-        open_streams, printed = set(procs), 0
+        driver.start(procs)
+        open_streams = set(procs)
         end = time.monotonic() + deadline_s
         while open_streams:
-            try:
-                rank, line = lines.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
+            if time.monotonic() > end:
                 echo(f"launch: gave up after {deadline_s:g} s; workers still running: {sorted(open_streams)}")
                 break
+            try:
+                rank, line = lines.get(timeout=0.1)  # also wakes up to print steps a kill completed
+            except queue.Empty:
+                table.flush()
+                continue
             if line is None:
                 open_streams.discard(rank)
                 continue
@@ -132,12 +302,11 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                 echo(f"[rank {rank}] {line.rstrip()}")
                 continue
             result.records[rec.step][rec.rank] = rec
-            while printed in result.records and len(result.records[printed]) == n:
-                echo(format_step(printed, result.records[printed], n))
-                printed += 1
-        for step in sorted(s for s in result.records if s >= printed):
-            echo(format_step(step, result.records[step], n) + f"  (only {len(result.records[step])} workers)")
+            driver.note_step(rec.rank, rec.step)
+            table.flush()
+        table.finish()
     finally:
+        driver.close()  # continue stopped victims first: a stopped process cannot even handle SIGTERM
         for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -147,15 +316,16 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 result.exit_codes[rank] = proc.wait()
-    for rank, code in sorted(result.exit_codes.items()):
-        if code != 0:
-            result.stderr_tail[rank] = stderr_lines[rank]
-            echo(f"worker {rank} exited with code {code}:")
-            for line in stderr_lines[rank][-8:]:
-                echo(f"  [rank {rank}] {line}")
+    if driver.error is not None:
+        echo(f"node fault injection failed: {driver.error}")
+    result.fates = {r: fate for r in range(n) if (fate := driver.fate(r)) is not None}
+    _explain_exits(result, stderr_lines, echo)
     if result.records:
-        times = [result.step_time(s) for s in sorted(result.records) if len(result.records[s]) == n]
+        survivors = result.survivors
+        times = [result.step_time(s) for s in sorted(result.records) if set(result.counted(s)) == result.expected(s)]
+        who = f"all {n} workers" if len(survivors) == n else f"every worker that counts (survivors {survivors})"
         if times:
-            echo(f"{len(times)} steps done on all {n} workers; median {statistics.median(times) * 1000:.1f} ms, "
-                 f"max {max(times) * 1000:.1f} ms; all exact: {'yes' if result.all_exact() else 'NO'}")
+            echo(f"{len(times)} steps done on {who}; median {statistics.median(times) * 1000:.1f} ms, "
+                 f"max {max(times) * 1000:.1f} ms; all exact: {'yes' if result.all_exact() else 'NO'}"
+                 + ("" if result.agree() else "; RESULTS DIFFER between workers"))
     return result

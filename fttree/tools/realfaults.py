@@ -9,6 +9,10 @@ in the kernel exactly while steps 5 to 10 run, whatever their speed, and the gat
 not counted in any step's time. A last gate after the final step keeps every worker serving
 as a backup until all ranks have their last result.
 
+A `partition A,B,C @S..T` becomes a cut of every link between the two sides. `crash` and `hang`
+are no firewall rules: they are signals to the worker processes (nodefaults.py), and the gates
+stop waiting for a rank once it is killed or stopped.
+
 Every rule goes away again: the runner resets the namespace when it stops, and a namespace it
 created is deleted (with every rule in it) even when the run fails or is interrupted.
 """
@@ -22,7 +26,6 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +37,11 @@ from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError, FTTreeError
 from . import SOURCE_ROOT
 from .launch import LaunchResult, launch
+from .nodefaults import GATE_POLL_S, NodeFaultDriver, RealFaultError, StepGate, node_faults
+
+__all__ = ["GATE_POLL_S", "RealFaultError", "StepGate"]  # moved to nodefaults; still importable from here
 
 SCRIPT_TIMEOUT_S = 30.0
-GATE_POLL_S = 0.005
-
-
-class RealFaultError(FTTreeError):
-    """A netem script failed, or the machine cannot inject real faults (not root, no iptables)."""
 
 
 # ---- the netem scripts ---------------------------------------------------------------------
@@ -107,14 +108,22 @@ class Change:
         return f"{self.kind} {self.target}" + (f" {self.percent}%" if self.percent else "")
 
 
-def change_for(rule: FaultRule) -> Change:
-    """The firewall state a rule asks for; delay has none (tc netem is per interface, not per link)."""
+def changes_for(rule: FaultRule, world: int) -> list[Change]:
+    """The firewall state a rule asks for. A partition cuts every link between its two sides;
+    crash and hang change no rule (they are signals to processes, see nodefaults.py); delay has
+    none (tc netem is per interface, not per link)."""
     target = str(rule.a) if rule.b is None else f"{min(rule.a, rule.b)}-{max(rule.a, rule.b)}"
     match rule.kind:
         case FaultKind.CUT | FaultKind.ISOLATE:
-            return Change("cut", target)
+            return [Change("cut", target)]
         case FaultKind.DROP | FaultKind.LOSS:
-            return Change("loss", target, f"{rule.probability * 100:g}")
+            return [Change("loss", target, f"{rule.probability * 100:g}")]
+        case FaultKind.PARTITION:
+            inside = set(rule.group)
+            return [Change("cut", f"{min(a, b)}-{max(a, b)}") for a in sorted(inside) for b in range(world)
+                    if b not in inside]
+        case FaultKind.CRASH | FaultKind.HANG:
+            return []
         case FaultKind.DELAY:
             raise ConfigError(f"fault {str(rule)!r} cannot be a real fault: the kernel delays whole interfaces "
                               f"(netem/delay.sh, where tc netem exists), not one link. Run delays in-process "
@@ -122,52 +131,28 @@ def change_for(rule: FaultRule) -> Change:
     raise AssertionError(rule.kind)
 
 
-def desired(rules: Sequence[FaultRule], step: int) -> frozenset[Change]:
-    return frozenset(change_for(r) for r in rules if r.active(step))
+def change_for(rule: FaultRule) -> Change:
+    """The one firewall change of a single-link or single-rank rule (kept for callers of old)."""
+    (change,) = changes_for(rule, world=max(rule.ranks()) + 1)
+    return change
 
 
-def boundaries(schedule: FaultSchedule, steps: int) -> dict[int, tuple[frozenset[Change], frozenset[Change]]]:
+def desired(rules: Sequence[FaultRule], step: int, world: int = 0) -> frozenset[Change]:
+    world = world or 1 + max((r for rule in rules for r in rule.ranks()), default=0)
+    return frozenset(c for r in rules if r.active(step) for c in changes_for(r, world))
+
+
+def boundaries(schedule: FaultSchedule, steps: int,
+               world: int = 0) -> dict[int, tuple[frozenset[Change], frozenset[Change]]]:
     """Steps before which the firewall must change, each with (to_remove, to_install)."""
     out: dict[int, tuple[frozenset[Change], frozenset[Change]]] = {}
     before: frozenset[Change] = frozenset()
     for step in range(steps):
-        now = desired(schedule.rules, step)
+        now = desired(schedule.rules, step, world)
         if now != before:
             out[step] = (before - now, now - before)
         before = now
     return out
-
-
-# ---- the step gate (worker side) -----------------------------------------------------------
-
-
-class StepGate:
-    """Called by a worker before each step; at gated steps it waits for the fault runner."""
-
-    def __init__(self, directory: Path, steps: Sequence[int], rank: int, timeout_s: float) -> None:
-        self.dir, self.steps, self.rank, self.timeout_s = directory, frozenset(steps), rank, timeout_s
-
-    @staticmethod
-    def parse_steps(text: str) -> list[int]:
-        try:
-            return [int(s) for s in text.split(",") if s.strip()]
-        except ValueError:
-            raise ConfigError(f"--gate-steps must be comma-separated step numbers, got {text!r}") from None
-
-    def __call__(self, step: int) -> None:
-        if step not in self.steps:
-            return
-        (self.dir / f"ready-{step}-{self.rank}").touch()
-        go, abort = self.dir / f"go-{step}", self.dir / "abort"
-        end = time.monotonic() + self.timeout_s
-        while not go.exists():
-            if abort.exists():
-                raise RealFaultError(f"rank {self.rank}: the fault runner gave up before step {step}: "
-                                     f"{abort.read_text().strip()}")
-            if time.monotonic() > end:
-                raise RealFaultError(f"rank {self.rank} waited {self.timeout_s:g} s before step {step} for the fault "
-                                     f"runner ({go} never appeared)")
-            time.sleep(GATE_POLL_S)
 
 
 # ---- the runner (launcher side) --------------------------------------------------------------
@@ -177,11 +162,13 @@ class RealFaultRunner:
     """Applies a schedule through the netem scripts inside `netns`, gated on the workers' steps."""
 
     def __init__(self, schedule: FaultSchedule, *, world: int, steps: int, netns: str, host_base: str = "127.0.0.1",
-                 gate_dir: Path | None = None, echo: Callable[[str], None] = print) -> None:
+                 gate_dir: Path | None = None, echo: Callable[[str], None] = print,
+                 gone: Callable[[], set[int]] = set) -> None:
         for rule in schedule.rules:
-            change_for(rule)  # a delay rule fails here, before anything starts
+            changes_for(rule, world)  # a delay rule fails here, before anything starts
         self.world, self.netns, self.host_base, self.echo = world, netns, host_base, echo
-        self.plan = boundaries(schedule, steps)
+        self.gone = gone  # ranks killed or stopped by node faults: nobody waits for them at a gate
+        self.plan = boundaries(schedule, steps, world)
         # A last gate after the final step keeps every worker up until all have their result:
         # a rank whose primary link is still down needs its backups alive to get it.
         self.gates = [*sorted(self.plan), steps] if self.plan else []
@@ -201,7 +188,8 @@ class RealFaultRunner:
         run_script(name, "--netns", self.netns, "--base", self.host_base, *args)
 
     def _all_ready(self, step: int) -> bool:
-        return all((self.gate_dir / f"ready-{step}-{r}").exists() for r in range(self.world))
+        gone = self.gone()
+        return all((self.gate_dir / f"ready-{step}-{r}").exists() for r in range(self.world) if r not in gone)
 
     def _run(self) -> None:
         try:
@@ -315,17 +303,21 @@ def launch_with_real_faults(schedule: FaultSchedule, world: int, worker_args: Se
     """`fttree launch` with the schedule applied by the kernel: workers in a namespace, rules
     installed and removed by the netem scripts at step boundaries."""
     for rule in schedule.rules:
-        change_for(rule)  # a delay rule fails here, before anything is created
+        changes_for(rule, world)  # a delay rule fails here, before anything is created
+    faults = node_faults(schedule, steps)
     require_real_faults()
     with sigterm_as_interrupt(), namespace(netns, world=world, host_base=host_base) as ns:
-        runner = RealFaultRunner(schedule, world=world, steps=steps, netns=ns, host_base=host_base, echo=echo)
-        if schedule:
-            echo(f"real faults in namespace {ns}: {schedule} (changes before steps "
+        gate_dir = Path(tempfile.mkdtemp(prefix="fttree-gate-"))
+        driver = NodeFaultDriver(faults, world=world, gate_dir=gate_dir, echo=echo)
+        runner = RealFaultRunner(schedule, world=world, steps=steps, netns=ns, host_base=host_base, echo=echo,
+                                 gate_dir=gate_dir, gone=driver.gone_now)
+        if schedule.rules:
+            echo(f"real faults in namespace {ns}: {schedule} (firewall changes before steps "
                  f"{', '.join(map(str, sorted(runner.plan))) or 'none'})")
         with runner:
             result = launch(world, [*worker_args, *runner.worker_args()], steps=steps,
                             host_base=host_base, port=port, launch_dir=launch_dir, deadline_s=deadline_s, echo=echo,
-                            prefix=["ip", "netns", "exec", ns])
+                            prefix=["ip", "netns", "exec", ns], schedule=schedule, driver=driver)
         if runner.error is not None:
             raise RealFaultError(f"applying real faults failed: {runner.error}") from runner.error
         return RealFaultRun(result=result, netns=ns, applied=runner.applied)

@@ -239,6 +239,7 @@ class GradientSync:
         self._lock = threading.RLock()
         self.rounds = 0  # synchronizations submitted: the training steps fault windows count
         self.contribute = True  # False while a joiner waits for its state: it takes part with zeros
+        self.on_admitted: Callable[[int], None] | None = None  # a joiner: told its first training step
         self.retried = 0  # buckets submitted again after the group voided them (StepRetry)
         self.last_step: TrainingStep | None = None  # the newest training step that finished here
         self._reset()
@@ -273,10 +274,22 @@ class GradientSync:
             self._on_grad(index)
         return hook
 
+    def next_round(self) -> int:
+        """The training step the next gradients belong to. A joiner is admitted here, at its
+        first step (not when it started: the others would wait while it builds its model)."""
+        if self.on_admitted is not None and self.ar.joining:
+            self.ar.admit()
+            joined = self.ar.joined_at
+            assert joined is not None
+            self.rounds = joined[1]
+            callback, self.on_admitted = self.on_admitted, None
+            callback(self.rounds)
+        return self.rounds
+
     def _mark_round(self) -> None:
         if not self._marked:
             self._marked = True
-            self.ar.mark_step(self.rounds)
+            self.ar.mark_step(self.next_round())
 
     def _on_grad(self, index: int) -> None:
         with self._lock:
@@ -484,27 +497,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             named = [(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
                      for i, p in enumerate(group["params"])]
-        joined = allreduce.joined_at
-        if joined is None:  # a joiner skips the setup collectives: the group ran them long ago
+        joiner = allreduce.joining
+        if not joiner:  # a joiner skips the setup collectives: the group ran them long ago
             allreduce.mark_step(None)  # the broadcast and layout checks are setup: no fault window hits them
             if broadcast:
                 broadcast_parameters(model if model is not None else named, allreduce)
         self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
                                  backward_passes_per_step=backward_passes_per_step, average=average,
-                                 check=joined is None)
+                                 check=not joiner)
         self._rounds_at_step = -1  # sync.rounds when step() last returned
         self.model = model
         self.step_count = 0  # the group's optimizer steps so far (a joiner takes it over)
         self.scheduler: Any = None
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._kept: dict[int, list[torch.Tensor | None]] = {}  # a joiner's averaged gradients by training step
-        self.syncing = joined is not None  # a joiner waiting for its state
+        self.syncing = joiner  # a joiner waiting for its state
         self.transfer = StateTransfer(allreduce, self._snapshot)
-        if joined is not None:
-            self.sync.rounds = joined[1]
+        self._joined_step = -1
+        if joiner:
             self.sync.contribute = False
-            self._joined_step = joined[1]
-            self.transfer.request(joined[1])
+            self.sync.on_admitted = self._admitted
+            if allreduce.joined_at is not None:  # admitted already (admit() before this)
+                self.sync.next_round()
+
+    def _admitted(self, user_step: int) -> None:
+        """This joiner was admitted from training step `user_step`: ask a member for the state."""
+        self._joined_step = user_step
+        self.transfer.request(user_step)
 
     def register_scheduler(self, scheduler: Any) -> None:
         """Make an LR scheduler part of the state a joining worker takes over."""
