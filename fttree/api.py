@@ -106,7 +106,12 @@ class FTTreeAllreduce:
         known = {r: p if isinstance(p, Address) else parse_address(p) for r, p in table.items()}
         parse_peers([str(a) for a in known.values()])  # duplicate check
         if rank not in known:
-            raise ConfigError(f"rank {rank} has no address in peers (ranks {sorted(known)})")
+            if isinstance(peers, Mapping):
+                raise ConfigError(f"rank {rank} has no address in peers (ranks {sorted(known)})")
+            try:  # a list: the rank is past its end
+                check_rank(rank, len(known))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.contact = parse_address(join) if isinstance(join, str) else None
         addresses = [known.get(r, known[rank]) for r in range(max(known) + 1)]
         if len(known) != len(addresses) and self.contact is None:

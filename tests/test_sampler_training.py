@@ -292,8 +292,8 @@ def test_train_mlp_audits_every_epoch_through_a_crash() -> None:
     script = Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
     proc = subprocess.run([sys.executable, str(script), "-n", "3", "--steps", "7", "--faults", "crash 2 @2",
                            "--json", "--warmup", "0"], capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]  # rank 2's exit code: it crashed
-    assert "rank 2 crashed at step 2" in proc.stderr
+    # the crashed rank ends as the run asked it to (exit 0); the audits below say it departed
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     *_, audits_line, summary_line = proc.stdout.strip().splitlines()
     audits, summary = json.loads(audits_line)["audits"], json.loads(summary_line)
     assert summary["steps"] == 7

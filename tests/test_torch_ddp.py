@@ -214,7 +214,8 @@ def test_comm_hook_failure_is_a_clear_error_on_every_worker(tmp_path: Path) -> N
     for rank, res in enumerate(results):
         err = res.get("error", "")
         assert f"fttree rank {rank}, DDP gradient bucket 0" in err, f"rank {rank}: {err or 'no error'}"
-        assert "StepAborted: step " in err, f"rank {rank}: {err}"
+        # the isolated rank learns it is a minority of one (GroupLeft, a StepAborted); the others' step aborts
+        assert "StepAborted: step " in err or "GroupLeft: step " in err, f"rank {rank}: {err}"
 
 
 def test_backend_collectives_and_ddp(tmp_path: Path) -> None:

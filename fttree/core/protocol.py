@@ -370,11 +370,7 @@ class TreeMachine:
         CATCHUP); every other op of the old view is voided (Void), its step to be run again in
         the new view or handed back, by policy. Link memory starts over: the tree changed."""
         out: list[Action] = []
-        self.view = view
-        self.me = view.neighbours(self.rank)
-        self._subtrees = {c: view.subtree(c) for c in self.me.children}
-        self.up = _UpLink()
-        self.down_failed.clear()
+        self._enter(view)
         self.fenced = False
         for op_id, op in list(self._ops.items()):
             if op.linger_over:  # kept through the change to serve catch-ups: linger once more
@@ -392,10 +388,7 @@ class TreeMachine:
             del self._ops[op_id]  # not retired: the step runs again under the same id
             if op.submitted:
                 out.append(Void(step=op.step, chunk=op.chunk))
-        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
-        for msg in later:
-            if msg.epoch >= view.epoch:
-                self._on_message(msg, now, out)
+        self._replay_later(view, now, out)
         return out
 
     def activate(self, view: View, now: float) -> list[Action]:
@@ -403,18 +396,25 @@ class TreeMachine:
         in flight keep running in the view they began in, new ops run in this one, and frames
         of this view that came early are handled now."""
         out: list[Action] = []
+        self._enter(view)
+        self._replay_later(view, now, out)
+        return out
+
+    def _enter(self, view: View) -> None:
+        """This rank's place in `view`; link memory starts over, as the tree changed."""
         self.view = view
         self.me = view.neighbours(self.rank)
         self._subtrees = {c: view.subtree(c) for c in self.me.children}
         self.up = _UpLink()
         self.down_failed.clear()
+
+    def _replay_later(self, view: View, now: float, out: list[Action]) -> None:
+        """Frames that came before this view was installed here: handled now (those of a later
+        view are kept again by _on_message)."""
         later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
         for msg in later:
-            if msg.epoch > view.epoch:
-                self._later.append(msg)
-            elif msg.epoch == view.epoch:
+            if msg.epoch >= view.epoch:
                 self._on_message(msg, now, out)
-        return out
 
     def start_at(self, step: int) -> None:
         """A joiner: its first op is `step`; every earlier step belongs to the group's past."""
