@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", default="", help='fttree fault schedule, e.g. "cut 1-0 @5..10"')
     p.add_argument("--timeout", type=float, default=0.5, help="fttree backup-link timeout in seconds (default 0.5)")
     p.add_argument("--step-timeout", type=float, default=30.0, help="fttree gives up on a step after this (s)")
+    p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
+                   help="fttree wire compression of the gradients (float32 sums at every hop; default none)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
     p.add_argument("--labels", help="MNIST idx labels file")
@@ -100,7 +102,7 @@ def train(args: argparse.Namespace) -> int:
         from fttree.core.protocol import NoteKind
 
         ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-                                             faults=args.faults or None).start()
+                                             faults=args.faults or None, compression=args.compression).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)

@@ -16,6 +16,7 @@ from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
 
 TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
+COMPRESSIONS = (None, "bf16", "fp16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +50,9 @@ class Config:
     # data path
     chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
     max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
+    # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
+    # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
+    compression: str | None = None
 
     # bookkeeping bounds (nothing grows with the number of steps run)
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
@@ -67,6 +71,8 @@ class Config:
         if self.on_node_failure not in NODE_FAILURE_POLICIES:
             raise ConfigError(f"on_node_failure must be one of {', '.join(NODE_FAILURE_POLICIES)}, "
                               f"got {self.on_node_failure!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be None, 'bf16' or 'fp16', got {self.compression!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:
             raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {self.timeout_policy!r}")
         if self.adaptive_floor_s > self.adaptive_ceiling_s:

@@ -18,6 +18,7 @@ from enum import IntEnum
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ..errors import FrameError
 
@@ -27,8 +28,13 @@ PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
-#: dtypes allowed on the wire (numpy `dtype.str`); bfloat16 travels as float32, see api.py.
-WIRE_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8"})
+#: dtypes allowed on the wire (numpy `dtype.str`, and "bf16") and their bytes per element. A
+#: bfloat16 *tensor* travels as float32 (see api.py); "bf16" is float32 data compressed on the wire.
+WIRE_ITEMSIZE = {"<f2": 2, "<f4": 4, "<f8": 8, "<i4": 4, "<i8": 8, "bf16": 2}
+WIRE_DTYPES = frozenset(WIRE_ITEMSIZE)
+BF16 = "bf16"  # the top 16 bits of a float32, rounded to nearest even (numpy has no bfloat16)
+#: Config.compression -> the wire dtype float32 data travels as (other dtypes travel as they are)
+COMPRESSIONS = {"bf16": BF16, "fp16": "<f2"}
 
 
 class Kind(IntEnum):
@@ -203,8 +209,27 @@ def _str(header: dict[Any, Any], key: str, name: str) -> str:
     return value
 
 
+_INT, _INTS, _STR, _BOOL = range(4)
+#: header key -> (Message field, its name in errors, type)
+_FIELDS: dict[str, tuple[str, str, int]] = {
+    "f": ("src", "src", _INT), "ep": ("epoch", "epoch", _INT), "s": ("step", "step", _INT),
+    "c": ("chunk", "chunk", _INT), "o": ("origin", "origin", _INT), "t": ("target", "target", _INT),
+    "n": ("contributors", "contributors", _INTS), "d": ("dtype", "dtype", _STR), "e": ("numel", "numel", _INT),
+    "g": ("signature", "signature", _STR), "r": ("reason", "reason", _STR), "m": ("missing", "missing", _INTS),
+    "ab": ("code", "abort code", _INT), "qb": ("queued_bytes", "queued bytes", _INT),
+    "pl": ("planned", "planned", _BOOL), "w": ("world", "world", _INT), "bl": ("ballot", "ballot", _INT),
+    "ac": ("accepted", "accepted ballot", _INT), "pp": ("proposed", "proposed epoch", _INT),
+    "mb": ("members", "members", _INTS), "cm": ("committed", "committed", _INTS), "pn": ("plan", "plan", _INTS),
+    "st": ("steps", "steps", _INTS), "us": ("user_step", "user step", _INT),
+    "in": ("incarnation", "incarnation", _INT), "ts": ("training_step", "training step", _INT),
+}
+
+
 def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
-    """Build a Message from a header and payload, validating types, kind and sizes."""
+    """Build a Message from a header and payload, validating types, kind and sizes.
+
+    One pass over the header's keys (unknown keys are ignored): every frame goes through
+    here, hundreds per step, so it avoids a lookup and a call per Message field."""
     try:
         header = msgpack.unpackb(head, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -216,49 +241,39 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         kind = Kind(raw_kind)
     except ValueError:
         raise FrameError(f"unknown message kind {raw_kind}") from None
+    fields: dict[str, Any] = {"src": -1}
+    for key, value in header.items():
+        spec = _FIELDS.get(key)
+        if spec is None:
+            continue
+        name, label, kind_of = spec
+        if kind_of == _INT:
+            if type(value) is not int:
+                raise FrameError(f"frame field {label} must be an integer, got {value!r}")
+        elif kind_of == _INTS:
+            if type(value) is not list or not all(type(v) is int for v in value):
+                raise FrameError(f"frame field {label} must be a list of integers")
+            value = tuple(value)
+        elif kind_of == _STR:
+            if type(value) is not str:
+                raise FrameError(f"frame field {label} must be a string")
+        elif type(value) is not bool:
+            raise FrameError(f"frame field {label} must be true or false, got {value!r}")
+        fields[name] = value
     payload_len = 0 if payload is None else len(payload)
-    dtype = _str(header, "d", "dtype")
-    numel = _int(header, "e", 0, "numel")
+    dtype: str = fields.get("dtype", "")
+    numel: int = fields.get("numel", 0)
     if kind is Kind.STATE:
         if dtype != STATE_DTYPE or numel != payload_len:
             raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
     elif kind in DATA_KINDS:
         if dtype not in WIRE_DTYPES:
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
-        if numel < 0 or numel * int(dtype[-1]) != payload_len:
+        if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
-    return Message(
-        kind=kind,
-        src=_int(header, "f", -1, "src"),
-        epoch=_int(header, "ep", 0, "epoch"),
-        step=_int(header, "s", -1, "step"),
-        chunk=_int(header, "c", 0, "chunk"),
-        origin=_int(header, "o", -1, "origin"),
-        target=_int(header, "t", -1, "target"),
-        contributors=_ints(header, "n", "contributors"),
-        dtype=dtype,
-        numel=numel,
-        signature=_str(header, "g", "signature"),
-        reason=_str(header, "r", "reason"),
-        missing=_ints(header, "m", "missing"),
-        code=_int(header, "ab", 0, "abort code"),
-        queued_bytes=_int(header, "qb", 0, "queued bytes"),
-        planned=_bool(header, "pl", "planned"),
-        world=_int(header, "w", 0, "world"),
-        ballot=_int(header, "bl", 0, "ballot"),
-        accepted=_int(header, "ac", 0, "accepted ballot"),
-        proposed=_int(header, "pp", 0, "proposed epoch"),
-        members=_ints(header, "mb", "members"),
-        committed=_ints(header, "cm", "committed"),
-        plan=_ints(header, "pn", "plan"),
-        steps=_ints(header, "st", "steps"),
-        user_step=_int(header, "us", -1, "user step"),
-        incarnation=_int(header, "in", 0, "incarnation"),
-        training_step=_int(header, "ts", -1, "training step"),
-        payload=payload if payload_len else None,
-    )
+    return Message(kind=kind, payload=payload if payload_len else None, **fields)
 
 
 def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
@@ -272,3 +287,52 @@ def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAY
     head = bytes(frame[PREFIX.size : PREFIX.size + head_len])
     payload = memoryview(frame)[PREFIX.size + head_len :] if payload_len else None
     return decode_header(head, payload)
+
+
+# ---- wire compression -------------------------------------------------------------------------
+#
+# Float32 data may travel as bfloat16 or float16 (Config.compression): half the bytes. Every hop
+# decodes to float32, adds in float32 and encodes again; the root's result is decoded from its
+# own encoding, so what every rank holds is the same float32 values bit for bit.
+
+
+def encode_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): round to nearest, ties to even, as hardware does.
+    Overflow rounds to infinity; a NaN stays a (quiet) NaN of the same sign."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    u = f.view(np.uint32)
+    t = np.right_shift(u, 16)
+    t &= 1
+    t += 0x7FFF  # with the lowest kept bit: ties go to the even neighbour
+    t += u  # wraps only for negative NaNs, fixed below
+    t >>= 16
+    out = t.astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        out[nan] = (np.right_shift(u[nan], 16) | 0x0040).astype(np.uint16)
+    return out
+
+
+def decode_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly."""
+    wide = np.left_shift(np.asarray(bits, dtype=np.uint16), 16, dtype=np.uint32)
+    return wide.view(np.float32)
+
+
+def to_wire(a: np.ndarray, wire: str) -> np.ndarray:
+    """`a` (1-D) as it travels as `wire`: itself when `wire` is its dtype, else encoded."""
+    if wire == a.dtype.str:
+        return a
+    if wire == BF16:
+        return encode_bf16(a)
+    return a.astype(np.dtype(wire))
+
+
+def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str) -> np.ndarray:
+    """The `dtype` array a payload of `wire` holds: a view of the payload when nothing was
+    encoded, else a new decoded array."""
+    if wire == dtype:
+        return np.frombuffer(payload, dtype=np.dtype(dtype))
+    if wire == BF16:
+        return decode_bf16(np.frombuffer(payload, dtype=np.uint16)).astype(np.dtype(dtype), copy=False)
+    return np.frombuffer(payload, dtype=np.dtype(wire)).astype(np.dtype(dtype))

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .config import Config
-from .messages import Kind, Message
+from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
 from .timeouts import Phase, TimeoutPolicy
 from .topology import Neighbours
 from .view import View
@@ -310,6 +310,8 @@ class _Op:
     early: list[Message] = field(default_factory=list)  # child data before our submit
     reduce_sent: bool = False
     result: np.ndarray | None = None
+    result_wire: tuple[np.ndarray, str] | None = None  # the result as it travels, when encoded
+    acc_wire: tuple[np.ndarray, str] | None = None  # our sum as it travels, once sent up (it no longer changes)
     result_contributors: tuple[int, ...] = ()
     done: bool = False  # Complete or Fail was emitted
     failure: Fail | None = None
@@ -354,6 +356,7 @@ class TreeMachine:
         self.down_failed: set[int] = set()  # children whose link to us is known broken
         self.fenced = False  # a view change is being agreed: take and produce no results
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
+        self._wire = COMPRESSIONS[self.cfg.compression] if self.cfg.compression else None
 
     # ---- public ------------------------------------------------------------------------
 
@@ -476,11 +479,42 @@ class TreeMachine:
     def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
         return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
 
-    def _data_msg(self, op: _Op, kind: Kind, array: np.ndarray, contributors: tuple[int, ...],
+    def _data_msg(self, op: _Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
                   **kw: object) -> Message:
-        return self._msg(op, kind, payload=array.data.cast("B"), dtype=array.dtype.str,
+        array, dtype = wire
+        return self._msg(op, kind, payload=array.data.cast("B"), dtype=dtype,
                          numel=int(array.size), signature=op.signature,
                          contributors=contributors, **kw)
+
+    # ---- wire compression: float32 data may travel as bf16 or fp16 (Config.compression) ----
+
+    def _accepts(self, op: _Op, wire: str) -> bool:
+        """Can data of op travel as `wire`? Its own dtype, or float32 in a compressed form (peers
+        may differ in compression: every hop decodes what it gets)."""
+        return wire == op.dtype or (op.dtype == "<f4" and wire in COMPRESSIONS.values())
+
+    def _acc_wire(self, op: _Op) -> tuple[np.ndarray, str]:
+        """Our subtree sum as it travels: encoded once, when first sent up (it no longer changes
+        then), and the same bytes for every copy (relays, the direct retry)."""
+        if op.acc_wire is None:
+            assert op.acc is not None
+            wire = self._wire if self._wire is not None and op.dtype == "<f4" else op.dtype
+            op.acc_wire = (to_wire(op.acc, wire), wire)
+        return op.acc_wire
+
+    def _result_wire(self, op: _Op) -> tuple[np.ndarray, str]:
+        """The result as it travels: the encoded form the root made (or we received), never
+        encoded again here, so every rank decodes the same bytes."""
+        assert op.result is not None
+        return op.result_wire if op.result_wire is not None else (op.result, op.result.dtype.str)
+
+    def _take_result(self, op: _Op, msg: Message) -> np.ndarray:
+        assert msg.payload is not None
+        op.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
+        if msg.dtype != op.dtype:  # keep the bytes to pass on as they came
+            held = np.frombuffer(msg.payload, dtype=np.uint16 if msg.dtype == BF16 else np.dtype(msg.dtype))
+            op.result_wire = (held, msg.dtype)
+        return result
 
     def is_retired(self, op_id: OpId) -> bool:
         """Has this op finished here long enough ago that its messages are dropped?"""
@@ -558,7 +592,7 @@ class TreeMachine:
         """True if msg's tensor matches ours; otherwise abort the op everywhere."""
         if not op.submitted:
             return True
-        if msg.signature == op.signature and msg.dtype == op.dtype and msg.numel == op.acc.size:  # type: ignore[union-attr]
+        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.acc.size:  # type: ignore[union-attr]
             return True
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
                   f"for chunk {op.chunk}, rank {self.rank} has {op.signature} "
@@ -569,7 +603,10 @@ class TreeMachine:
     def _add(self, op: _Op, msg: Message) -> None:
         assert op.acc is not None
         assert msg.payload is not None
-        incoming = np.frombuffer(msg.payload, dtype=op.acc.dtype)
+        if msg.dtype == "<f2" and op.dtype == "<f4":  # fp16 on the wire: numpy widens while it adds
+            incoming = np.frombuffer(msg.payload, dtype=np.float16)
+        else:
+            incoming = from_wire(msg.payload, msg.dtype, op.dtype)
         if op.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
             op.acc = np.add(op.acc, incoming)
         else:
@@ -587,9 +624,17 @@ class TreeMachine:
             if self.fenced:
                 op.reduce_sent = False  # a view change is being agreed: no result of this view now
                 return
-            if op.acc is op.own:  # a root without children: the result is a copy, never our contribution
-                op.acc = op.acc.copy()
-            op.result, op.result_contributors = op.acc, contributors
+            if self._wire is not None and op.dtype == "<f4":
+                # Compressed: the result is what the encoding holds, here as on every other
+                # rank (they decode the bytes we send), so all of them agree bit for bit.
+                encoded = to_wire(op.acc, self._wire)
+                op.result_wire = (encoded, self._wire)
+                op.result = op.acc = from_wire(encoded.data.cast("B"), self._wire, op.dtype)
+            else:
+                if op.acc is op.own:  # a root without children: the result is a copy, never our contribution
+                    op.acc = op.acc.copy()
+                op.result = op.acc
+            op.result_contributors = contributors
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             self._finish(op, now, out)
             return
@@ -598,10 +643,11 @@ class TreeMachine:
             # tell which of them still reaches our parent; the parent adds the first copy only.
             op.rerouted = op.rerouted_planned = True
             for relay in self.up.relays:
-                out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
-                                                              origin=self.rank, target=parent, planned=True)))
+                out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
+                                                              contributors, origin=self.rank, target=parent,
+                                                              planned=True)))
         else:
-            out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
+            out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op), contributors,
                                                            origin=self.rank)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
@@ -749,15 +795,15 @@ class TreeMachine:
         if msg.src not in op.requested_by:
             op.requested_by.append(msg.src)
         contributors = tuple(sorted(op.contributors))
-        out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc, contributors,
+        out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op), contributors,
                                                         origin=self.rank, target=self.me.parent)))
         if op.rerouted and not op.sent_direct:
             # Our sum went around our uplink and an observer still sees no sign of it at the
             # parent: the way around is not getting through (the relay's own uplink may be cut
             # too). Try the direct link as well; the parent adds whichever copy comes first.
             op.sent_direct = True
-            out.append(Send(dst=self.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, op.acc, contributors,
-                                                                   origin=self.rank)))
+            out.append(Send(dst=self.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op),
+                                                                   contributors, origin=self.rank)))
         return None
 
     def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
@@ -798,8 +844,7 @@ class TreeMachine:
             return self._protocol(out, msg, "a result for a step this rank has not submitted")
         if not self._matches(op, msg, now, out):
             return None
-        assert msg.payload is not None
-        op.result = np.frombuffer(msg.payload, dtype=np.dtype(msg.dtype))
+        self._take_result(op, msg)
         op.result_contributors = msg.contributors
         if msg.src != self.me.parent and op.requested_by:
             # Our sum needed a relay AND the result came around too: the link to the parent is
@@ -841,8 +886,7 @@ class TreeMachine:
             return
         if not self._matches(op, msg, now, out):
             return
-        assert msg.payload is not None
-        op.result = np.frombuffer(msg.payload, dtype=np.dtype(msg.dtype))
+        result = self._take_result(op, msg)
         op.result_contributors = msg.contributors
         op.done = True
         op.awaiting_catchup = False
@@ -850,7 +894,7 @@ class TreeMachine:
         out.append(Note(step=op.step, cause=Cause.RESULT_CAME_AROUND, peer=msg.src,
                         text=f"step {op.step}: its result (committed in view {op.epoch}) came from rank {msg.src} "
                              f"after the view change"))
-        view = op.result.view()
+        view = result.view()
         view.flags.writeable = False
         out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
@@ -859,7 +903,8 @@ class TreeMachine:
 
     def _push_result(self, op: _Op, dst: int, out: list[Action], why: str) -> None:
         assert op.result is not None
-        out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
+        out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
+                                                    op.result_contributors)))
         parent = self.view.neighbours(dst).parent
         link = None if parent is None else (dst, parent)
         if dst in op.detoured_for:
@@ -883,7 +928,8 @@ class TreeMachine:
                 # our own child gets the result only from us: never skip for that one, or two
                 # brothers relaying for each other would each wait for the other.
                 continue
-            out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, op.result, op.result_contributors)))
+            out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
+                                                          op.result_contributors)))
         if self._ft:
             for observer in (self.me.brother, self.me.uncle):
                 if observer is not None:
@@ -898,7 +944,7 @@ class TreeMachine:
                     self._push_result(op, k, out, "its primary link failed")
             op.bcast_pending.clear()
         if self.me.parent is not None:
-            op.acc = None  # our sum is in the result now; drop the buffer early (see linger_s)
+            op.acc = op.acc_wire = None  # our sum is in the result now; drop the buffer early (see linger_s)
         view = op.result.view()
         view.flags.writeable = False
         out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
@@ -1088,6 +1134,6 @@ class TreeMachine:
             if op.reduce_sent and op.result is None and not op.done and not op.rerouted and op.acc is not None:
                 op.rerouted = True
                 for relay in relays:
-                    out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, op.acc,
+                    out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
                                                                   tuple(sorted(op.contributors)),
                                                                   origin=self.rank, target=peer)))

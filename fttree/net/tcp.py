@@ -18,10 +18,13 @@ import ipaddress
 import logging
 import socket
 import struct
+import sys
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
+
+import numpy as np
 
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
 from ..errors import FrameError, PeerError
@@ -64,6 +67,48 @@ def tcp_rtt_s(writer: Any) -> float | None:
 HELLO_TIMEOUT_S = 10.0
 
 
+class _BufferPool:
+    """Receive buffers for payloads: never zero-filled, and used again once nobody holds them.
+
+    A fresh `bytearray(n)` per frame costs a zero fill of bytes the kernel overwrites at once
+    and, for megabyte chunks, fresh pages to fault in. Large payloads get an uninitialised
+    numpy buffer instead, handed out as a memoryview. The protocol adds a payload to its sum
+    and lets go (reduce), or keeps a view of it as the result until the op retires (broadcast).
+    Every view of a buffer (memoryviews of memoryviews, numpy arrays on it, a write still
+    queued in the event loop) references the numpy array that owns the memory, so a buffer
+    that only this pool references is free, whatever the protocol did with it: nothing is ever
+    reused while read. Only the newest `keep` buffers are tracked; older ones are left to the
+    allocator once their holders let go."""
+
+    MIN_BYTES = 64 * 1024  # smaller payloads are cheap to allocate
+    FREE_REFS = 3
+
+    def __init__(self, keep: int = 24) -> None:
+        self.keep = keep
+        self.lent: deque[np.ndarray] = deque()
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, nbytes: int) -> bytearray | memoryview:
+        if nbytes < self.MIN_BYTES:
+            return bytearray(nbytes)
+        for i in range(len(self.lent)):
+            buf = self.lent[i]
+            # references: the deque's, `buf`'s and getrefcount's argument; any more is a holder
+            if buf.size == nbytes and sys.getrefcount(buf) <= self.FREE_REFS:
+                del self.lent[i]
+                self.lent.append(buf)
+                self.reused += 1
+                return buf.data
+            del buf
+        self.allocated += 1
+        fresh = np.empty(nbytes, dtype=np.uint8)
+        self.lent.append(fresh)
+        if len(self.lent) > self.keep:
+            self.lent.popleft()
+        return fresh.data
+
+
 @dataclass
 class _LinkStats:
     frames_sent: int = 0
@@ -83,6 +128,7 @@ class _OutLink:
         self.t = transport
         self.peer = peer
         self.queue: deque[Message] = deque()
+        self.queued_bytes = 0  # payload bytes in `queue`, kept as frames come and go
         self.wake = asyncio.Event()
         self.connected = asyncio.Event()
         self.idle = asyncio.Event()  # nothing queued and the last drain finished
@@ -95,13 +141,15 @@ class _OutLink:
 
     def backlog_bytes(self) -> int:
         """Bytes waiting to go out on this link: queued frames plus the socket's send buffer."""
-        queued = sum(len(m.payload) for m in self.queue if m.payload is not None)
+        queued = self.queued_bytes
         if self.writer is not None:
             queued += self.writer.transport.get_write_buffer_size()
         return queued
 
     def push(self, msg: Message) -> None:
         self.queue.append(msg)
+        if msg.payload is not None:
+            self.queued_bytes += len(msg.payload)
         self.idle.clear()
         self.wake.set()
 
@@ -155,6 +203,7 @@ class _OutLink:
         kept = deque(m for m in self.queue if not self.t.events.is_stale(m))
         self.t.stats[self.peer].stale_dropped += len(self.queue) - len(kept)
         self.queue = kept
+        self.queued_bytes = sum(len(m.payload) for m in kept if m.payload is not None)
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -197,6 +246,8 @@ class _OutLink:
             batch_bytes = 0
             while self.queue and batch_bytes <= DRAIN_ABOVE_BYTES:
                 msg = self.queue.popleft()
+                if msg.payload is not None:
+                    self.queued_bytes -= len(msg.payload)
                 if self.t.events.is_stale(msg):
                     stats.stale_dropped += 1
                     continue
@@ -233,6 +284,7 @@ class TcpTransport:
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
         self._inbound: set[asyncio.Transport] = set()
+        self.pool = _BufferPool()
 
     def bind(self, events: TransportEvents) -> None:
         self._events = events
@@ -371,7 +423,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.t = owner
         self.scratch = bytearray(self.SCRATCH_BYTES)
         self.start = self.end = 0  # unread bytes are scratch[start:end]
-        self.payload: bytearray | None = None  # the payload being read, if any
+        self.payload: bytearray | memoryview | None = None  # the payload being read, if any
         self.payload_got = 0
         self.head = b""
         self.src = -1  # rank, once its HELLO is checked
@@ -439,7 +491,7 @@ class _Inbound(asyncio.BufferedProtocol):
             if not payload_len:
                 self._frame(head, None)
                 continue
-            payload = bytearray(payload_len)
+            payload = self.t.pool.take(payload_len)
             take = min(payload_len, self.end - self.start)
             payload[:take] = self.scratch[self.start:self.start + take]
             self.start += take
@@ -450,7 +502,7 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.start == self.end:
             self.start = self.end = 0
 
-    def _frame(self, head: bytes, payload: bytearray | None) -> None:
+    def _frame(self, head: bytes, payload: bytearray | memoryview | None) -> None:
         msg = decode_header(head, payload)
         t = self.t
         if self.src < 0:

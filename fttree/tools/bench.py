@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import queue
+import shutil
 import socket
 import statistics
 import subprocess
@@ -167,6 +168,9 @@ class RunSpec:
     step_timeout_s: float = 30.0
     chunk_bytes: int | None = None
     link_memory: bool = True
+    uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
+    compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
+    settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
 
     def struck(self) -> list[NodeFault]:
@@ -177,10 +181,16 @@ class RunSpec:
         what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
         if self.kind == "fttree" and not self.link_memory:
             what += " no-link-memory"
-        return f"{what}, {self.world} workers, {format_bytes(self.size)}"
+        if self.compression:
+            what += f" {self.compression}"
+        where = f", uplinks {format_rate(self.uplink_bps)}" if self.uplink_bps else ""
+        return f"{what}, {self.world} workers, {format_bytes(self.size)}{where}"
 
     def deadline_s(self) -> float:
         per_step = 5.0 + 3 * self.timeout_s + self.size * 4 / 20e6  # generous: a 2-core box shared with others
+        if self.uplink_bps:
+            per_step += 3 * (self.size * 4 * 8) / self.uplink_bps  # a tree's interior rank sends 3N
+            per_step = max(per_step, self.step_timeout_s)  # a failed step still ends within the run
         return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
 
     def pattern_of(self, step: int) -> str:
@@ -203,6 +213,12 @@ class RunResult:
     startup_s: float = 0.0
     wall_s: float = 0.0
     error: str = ""
+    sent_bytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes its uplink carried (--uplink)
+
+    def bytes_per_step(self) -> dict[int, float]:
+        """What each rank sent per step: its uplink counter (start-up, every step and the acks
+        of what it received) over the steps run."""
+        return {r: b / self.spec.steps for r, b in self.sent_bytes.items()} if self.spec.steps else {}
 
     membership: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its "membership" record
     signalled: dict[int, float] = field(default_factory=dict)  # victim -> monotonic time of its SIGKILL/SIGSTOP
@@ -304,6 +320,7 @@ class RunResult:
             "first_faulted_step_s": {p: self.first_of_window(p) for p, _, _ in self.spec.windows},
             "cpu_medians_s": {p: self.cpu_median(p) for p in PATTERNS if self.times(p)},
             "failed_steps": self.failed_steps(),
+            "sent_bytes": self.sent_bytes,
             "evictions": self.evictions(), "detection_s": self.detection_s(),
             "signal_to_view_s": self.signal_to_view_s(), "signalled": self.signalled,
             "membership": self.membership,
@@ -327,12 +344,15 @@ def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
     raise ConfigError(f"no TCP port free on all of {hosts[0]}..{hosts[-1]}")
 
 
-def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
+def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[list[str]]:
+    """One command per rank. `bind`: gloo's ranks send from their own 127.0.0.(r+1), as fttree's
+    always do (uplink limits match the source address)."""
     py = [sys.executable, "-m"]
     if spec.kind == "gloo":
         port = free_port()
         return [[*py, "fttree.tools.gloo_baseline", "--rank", str(r), "--world", str(spec.world), "--port", str(port),
-                 "--steps", str(spec.steps), "--size", str(spec.size)] for r in range(spec.world)]
+                 "--steps", str(spec.steps), "--size", str(spec.size)]
+                + (["--bind", f"127.0.0.{r + 1}"] if bind else []) for r in range(spec.world)]
     hosts = [f"127.0.0.{r + 1}" for r in range(spec.world)]
     peers = local_peers(spec.world, "127.0.0.1", free_port(hosts))
     peers_file = workdir / f"peers-{spec.world}.txt"
@@ -349,19 +369,29 @@ def worker_commands(spec: RunSpec, workdir: Path) -> list[list[str]]:
         args += ["--chunk-bytes", str(spec.chunk_bytes)]
     if spec.kind == "fttree" and not spec.link_memory:
         args.append("--no-link-memory")
+    if spec.kind == "fttree" and spec.compression:
+        args += ["--compression", spec.compression]
+    for field_name, value in spec.settings:
+        args += ["--set", f"{field_name}={value}"]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
             for r in range(spec.world)]
 
 
-def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambda step: None) -> RunResult:
+def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambda step: None,
+            uplinks: Uplinks | None = None) -> RunResult:
     """Start the run's workers, gather their records, release them together, and clean up.
 
     Workers block after their last step until their stdin closes, so none tears down a link
     while a slower peer still needs it. A worker that dies early ends the run at once, unless
     it is the victim of the run's node faults (the bench kills or stops it by pid, and always
-    continues a stopped one before the end)."""
+    continues a stopped one before the end). With
+    `uplinks` the workers run in its namespace under fresh per-rank limits, and each rank's
+    uplink counter is read once every rank is done (before the release)."""
     result = RunResult(spec=spec)
-    cmds = worker_commands(spec, workdir)
+    cmds = worker_commands(spec, workdir, bind=uplinks is not None)
+    if uplinks is not None:
+        uplinks.apply(spec.world)  # zeroes the counters
+        cmds = [uplinks.wrap(cmd) for cmd in cmds]
     struck = spec.struck()
     driver = NodeFaultDriver(struck, world=spec.world, gate_dir=Path(tempfile.mkdtemp(prefix="gates-", dir=workdir)),
                              echo=lambda line: None)
@@ -430,6 +460,11 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
                 result.membership[rank] = rec
             elif kind == "done":
                 done.add(rank)
+                if uplinks is not None and len(done) == spec.world:
+                    try:
+                        result.sent_bytes = uplinks.counters()
+                    except ConfigError as exc:
+                        result.error = f"could not read the uplink counters: {exc}"
     finally:
         driver.close()  # a stopped worker is continued before anything else: it could not even die
         result.wall_s = time.monotonic() - t0
@@ -466,6 +501,122 @@ def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
             os.killpg(proc.pid, sig)
 
 
+# ---- emulated edge uplinks ---------------------------------------------------------------------
+
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def parse_rate(text: str) -> float:
+    """Bits per second of a tc rate: 100mbit, 1gbit, 500kbit, 10mbps (bytes)."""
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        bps = float(num) * _RATE_UNITS[t[len(num):]]
+    except (KeyError, ValueError):
+        raise ConfigError(f"bad rate {text!r}: use tc units like 100mbit, 1gbit, 500kbit or 10mbps") from None
+    if bps < 8:
+        raise ConfigError(f"rate {text!r} is less than a byte per second")
+    return bps
+
+
+def format_rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
+                    step_timeout_s: float) -> tuple[float, float, tuple[tuple[str, str], ...]]:
+    """(timeout_s, step_timeout_s, other settings) for fttree under uplinks of `bps`.
+
+    The defaults suit a LAN: a backup watch allows 0.5 s plus queued bytes at 50 MB/s
+    (timeouts.py), and a neighbour silent for 4 s at most is suspected. Behind a 100 Mbit/s
+    uplink shared by three tree links, one 4 MiB chunk takes a second and a 100 MB step half a
+    minute, so every watch would fire and relays would clog the backup links. Scaled to the
+    expected step time T (an interior rank sends 3N): watches T/2, node deadlines up to 2T,
+    and the step deadline 4T + 10 s. A fault then costs about T/2, which is what waiting for
+    data queued behind a slow uplink costs anyway."""
+    nbytes = size * 4 * (0.5 if compression else 1.0)
+    step_s = 3 * nbytes * 8 / bps
+    watch = max(timeout_s, step_s / 2)
+    ceiling = max(2.0, step_s)
+    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),)
+
+
+def ring_bound_bytes(size: int, world: int) -> float:
+    """The least any rank can send in an allreduce of `size` float32 (every rank must send
+    2N(p-1)/p bytes for the others to get its share in and the sum out): the ring's figure."""
+    return 2 * size * 4 * (world - 1) / world
+
+
+class Uplinks:
+    """A private network namespace in which every rank has its own uplink (netem/uplink.sh: an
+    htb class per rank address on lo, matched by source). Workers run inside it (`wrap`);
+    `apply` sets fresh limits (and zeroes the counters) for a run; `close` removes the limits
+    and the namespace, killing anything left inside, and is safe to call twice.
+
+    Nobody outside the namespace is shaped: other jobs on this machine's lo keep full speed."""
+
+    def __init__(self, rate: str, name: str | None = None) -> None:
+        self.rate = rate
+        self.bps = parse_rate(rate)
+        self.name = name or f"fttree-bench-{os.getpid()}"
+        self.netem = SOURCE_ROOT / "netem"
+        self._up = False
+
+    @staticmethod
+    def missing() -> str:
+        """Why uplinks cannot be emulated here ('' when they can)."""
+        if sys.platform != "linux":
+            return "uplink limits need Linux (network namespaces, tc)"
+        if os.geteuid() != 0:
+            return "uplink limits need root (ip netns, tc): run the bench with sudo"
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                return f"uplink limits need {tool} (apt-get install iproute2)"
+        return ""
+
+    def _script(self, name: str, *args: str) -> str:
+        out = subprocess.run(["bash", str(self.netem / name), *args], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise ConfigError(f"netem/{name} {' '.join(args)}: {(out.stderr or out.stdout).strip()}")
+        return out.stdout
+
+    def start(self, ranks: int) -> None:
+        why = self.missing()
+        if why:
+            raise ConfigError(why)
+        self._up = True  # from here on close() has something to undo, even if `up` fails half way
+        self._script("cluster.sh", "up", self.name, "-n", str(ranks))
+
+    def apply(self, world: int) -> None:
+        self._script("uplink.sh", "--netns", self.name, "--ranks", str(world), self.rate)
+
+    def counters(self) -> dict[int, int]:
+        """rank -> bytes its uplink has carried since the last `apply` (IP headers included)."""
+        rows = [line.split() for line in self._script("uplink.sh", "--netns", self.name, "--counters").splitlines()]
+        return {int(r[0]): int(r[3]) for r in rows if len(r) >= 4}
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def close(self) -> None:
+        if not self._up:
+            return
+        self._up = False
+        with contextlib.suppress(ConfigError, OSError, subprocess.SubprocessError):
+            self._script("uplink.sh", "--netns", self.name, "--remove")
+        with contextlib.suppress(ConfigError, OSError, subprocess.SubprocessError):
+            self._script("cluster.sh", "down", self.name, "--kill")
+
+    def __enter__(self) -> Uplinks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 # ---- the plan ----------------------------------------------------------------------------------
 
 
@@ -487,6 +638,13 @@ class BenchOptions:
     chunk_bytes: int | None = None
     link_memory: bool = True
     sweep_policies: tuple[str, ...] = ("static",)
+    uplink: str = ""  # every rank's uplink (tc rate, e.g. 100mbit): runs in a namespace under uplink.sh
+    compressions: tuple[str, ...] = ()  # extra fttree sweep runs with these wire compressions
+
+    @property
+    def uplink_bps(self) -> float:
+        return parse_rate(self.uplink) if self.uplink else 0.0
+
     node_patterns: tuple[str, ...] = NODE_PATTERNS
 
     @property
@@ -523,12 +681,27 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
     return steps, "; ".join(rules), tuple(windows), skipped
 
 
+def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str) -> RunSpec:
+    """One fttree point of the size sweep (timeouts scaled to the uplinks, if any)."""
+    warmup, measured = sweep_steps(size)
+    timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
+    settings: tuple[tuple[str, str], ...] = ()
+    if opts.uplink:
+        timeout_s, step_timeout_s, settings = uplink_timeouts(size, opts.uplink_bps, compression, timeout_s,
+                                                              step_timeout_s)
+    return RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
+                   timeout_s=timeout_s, policy=policy, purpose="sweep", compression=compression,
+                   step_timeout_s=step_timeout_s, chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory,
+                   uplink_bps=opts.uplink_bps, settings=settings)
+
+
 def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
     """Every run the options ask for, and notes on what is left out and why."""
     notes: list[str] = []
     policies = list(opts.policies)
     runs: list[RunSpec] = []
     common = {"step_timeout_s": opts.step_timeout_s, "chunk_bytes": opts.chunk_bytes}
+    bps = opts.uplink_bps
     ft_common = {**common, "link_memory": opts.link_memory}
     sweep_policies = [p for p in opts.sweep_policies if p in policies or p == "static"]
     for world in opts.workers:
@@ -539,26 +712,28 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
         for t in opts.timeouts:
             for pol in policies:
                 runs.append(RunSpec(kind="fttree", world=world, size=opts.size, steps=steps, timeout_s=t,
-                                    policy=pol, faults=faults, windows=windows, **ft_common))  # type: ignore[arg-type]
+                                    policy=pol, faults=faults, windows=windows, **ft_common,  # type: ignore[arg-type]
+                                    uplink_bps=bps))
         baseline_steps = WARMUP_STEPS + opts.clean_steps
         if opts.plain:
             runs.append(RunSpec(kind="plain", world=world, size=opts.size, steps=baseline_steps,
-                                timeout_s=opts.timeouts[0], **common))  # type: ignore[arg-type]
+                                timeout_s=opts.timeouts[0], **common, uplink_bps=bps))  # type: ignore[arg-type]
         if opts.gloo:
-            runs.append(RunSpec(kind="gloo", world=world, size=opts.size, steps=baseline_steps))
+            runs.append(RunSpec(kind="gloo", world=world, size=opts.size, steps=baseline_steps, uplink_bps=bps))
     for world in opts.sweep_workers:
         for size in opts.sweep_sizes:
             warmup, measured = sweep_steps(size)
             for pol in sweep_policies:
                 if size == opts.size and world in opts.workers and pol in policies:
                     continue  # the matrix runs measure this point already
-                runs.append(RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
-                                    timeout_s=opts.timeouts[0], policy=pol, purpose="sweep",
-                                    **ft_common))  # type: ignore[arg-type]
+                runs.append(_sweep_run(opts, world, size, pol, ""))
+            for comp in opts.compressions:
+                runs.append(_sweep_run(opts, world, size, (sweep_policies or ["static"])[0], comp))
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
-                                    purpose="sweep"))
-    runs += node_runs(opts, notes)
+                                    purpose="sweep", uplink_bps=bps))
+    if not opts.uplink:  # node failures are about timeouts, not bandwidth
+        runs += node_runs(opts, notes)
     return runs, notes
 
 
@@ -626,19 +801,24 @@ class Summary:
     notes: list[str]
 
     def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
-             policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep")) -> RunResult | None:
+             policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep"),
+             compression: str = "") -> RunResult | None:
         for r in self.results:
             s = r.spec
             if (s.kind == kind and s.world == world and s.size == size and s.purpose in purposes
-                    and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s)
+                    and s.compression == compression
+                    and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s
+                         or bool(s.uplink_bps and s.purpose == "sweep"))  # timeouts scaled to the uplinks
                     and (kind != "fttree" or s.policy == policy)):
                 return r
         return None
 
-    def nofault(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
+    def nofault(self, kind: str, world: int, size: int, policy: str = "static",
+                compression: str = "") -> float | None:
         """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
         fault, or a spurious one on a big tensor), the baselines from their own runs."""
-        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy)
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy,
+                      compression=compression)
         return None if r is None else r.median("none")
 
     def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
@@ -734,10 +914,52 @@ class Summary:
                 note = f"; {len(failed)} failed steps left out" if failed else ""
                 out.append((ft <= 1.5 * gloo and not failed,
                             f"100 MB, 7 workers, {pol}: fttree/gloo {ft / gloo:.2f} (target <= 1.50){note}"))
+        if o.uplink:
+            for bwr in self.bandwidth_rows():
+                if bwr["system"] == "gloo" or bwr["size"] * 4 < 16_000_000:
+                    continue
+                what = f"uplinks {o.uplink}, {bwr['workers']} workers, {format_bytes(bwr['size'])}, {bwr['system']}"
+                gloo = self.nofault("gloo", bwr["workers"], bwr["size"])
+                compressed = bwr["system"].endswith(("bf16", "fp16"))
+                ratio = bwr["max_bytes"] / bwr["bound_bytes"]
+                if not compressed:  # the bound is float32's; a compressed run is judged by its time
+                    out.append((ratio <= 1.10, f"{what}: busiest rank sends {ratio:.2f}x the 2N(p-1)/p bound "
+                                               f"(target <= 1.10)"))
+                if gloo and bwr["median_s"]:
+                    limit = 0.55 if compressed else 1.0
+                    out.append((bwr["median_s"] <= limit * gloo, f"{what}: step/gloo {bwr['median_s'] / gloo:.2f} "
+                                                                 f"(target <= {limit:.2f})"))
         return out
 
+    def bandwidth_rows(self) -> list[dict[str, Any]]:
+        """Per sweep point and system under --uplink: each rank's bytes per step against the
+        2N(p-1)/p bound (the busiest rank and the mean), and the median step against the time
+        the bound takes at the uplink rate."""
+        o = self.opts
+        rows: list[dict[str, Any]] = []
+        for world in o.sweep_workers:
+            for size in o.sweep_sizes:
+                bound = ring_bound_bytes(size, world)
+                systems = [(f"fttree {p}", self.find("fttree", world, size, o.timeouts[0], p))
+                           for p in self.sweep_policies()]
+                systems += [(f"fttree {c}", self.find("fttree", world, size, o.timeouts[0],
+                                                      (self.sweep_policies() or ["static"])[0], compression=c))
+                            for c in o.compressions]
+                systems.append(("gloo", self.find("gloo", world, size)))
+                for name, run in systems:
+                    if run is None or not run.sent_bytes:
+                        continue
+                    per = run.bytes_per_step()
+                    med = run.median("none")
+                    bound_s = bound * 8 / o.uplink_bps if o.uplink_bps else None
+                    rows.append({"workers": world, "size": size, "system": name, "bound_bytes": bound,
+                                 "max_bytes": max(per.values()), "mean_bytes": sum(per.values()) / len(per),
+                                 "median_s": med, "bound_s": bound_s})
+        return rows
+
     def to_json(self, machine: dict[str, Any], argv: Sequence[str]) -> dict[str, Any]:
-        return {"command": list(argv), "machine": machine, "options": asdict(self.opts), "notes": self.notes,
+        return {"command": list(argv), "bandwidth": self.bandwidth_rows(),
+                "machine": machine, "options": asdict(self.opts), "notes": self.notes,
                 "thesis": {str(t): rows for t, rows in THESIS.items()},
                 "targets": [{"met": m, "text": s} for m, s in self.targets()],
                 "runs": [r.to_json() for r in self.results]}
@@ -757,10 +979,12 @@ def render(summary: Summary) -> str:
     policies = sorted({r.spec.policy for r in summary.results if r.spec.kind == "fttree"}, key=POLICIES.index)
     rows = [(world, t, pol, r) for world in o.workers for t in o.timeouts for pol in policies
             if (r := summary.find("fttree", world, o.size, t, pol)) is not None]
-    out.append(f"Tables 1-2: step seconds, {o.size:,} float32 ({format_bytes(o.size)}), slowest rank per step; "
-               f"no fault: median; faults: first faulted step / median of the window; [thesis]")
+    if rows:
+        out.append(f"Tables 1-2: step seconds, {o.size:,} float32 ({format_bytes(o.size)}), slowest rank per step; "
+                   f"no fault: median; faults: first faulted step / median of the window; [thesis]")
     width = {p: (15 if p == "none" else 22) for p in o.patterns}
-    out.append(f"{'workers':>7} {'timeout':>7} {'policy':>8}  " + "  ".join(f"{PATTERN_NAMES[p]:>{width[p]}}"
+    if rows:
+        out.append(f"{'workers':>7} {'timeout':>7} {'policy':>8}  " + "  ".join(f"{PATTERN_NAMES[p]:>{width[p]}}"
                                                                             for p in o.patterns) + "  failed steps")
     for world, t, pol, r in rows:
         cells = []
@@ -800,7 +1024,7 @@ def render(summary: Summary) -> str:
                                 for v in (first, med))
                 cells.append(mine + (f" [{(th - th0) / t:.2f}t]" if th is not None and th0 is not None else ""))
             out.append(f"{world:>7} {t:>7g} {pol:>8}  " + "  ".join(f"{c:>22}" for c in cells))
-    if o.gloo or o.plain:
+    if (o.gloo or o.plain) and o.workers:
         out.append("")
         out.append(f"No fault, same worker count and tensor ({format_bytes(o.size)}): median step seconds, and CPU "
                    f"ms per step summed over ranks")
@@ -842,11 +1066,42 @@ def render(summary: Summary) -> str:
                            + f" {_num(gloo, 8)} " + " ".join(f"{r:>12}" for r in ratios) + " " + " ".join(ft_cpus)
                            + f" {_ms(summary.nofault_cpu('gloo', world, size), 8)}  "
                            + ("; ".join(sweep_failed) if sweep_failed else "0"))
+    bw = summary.bandwidth_rows()
+    if bw:
+        out.append("")
+        out.append(f"Bytes on the wire, uplinks {o.uplink} per rank: bytes each rank sent per step (uplink counters: "
+                   f"IP headers, start-up and acks included) against float32's 2N(p-1)/p bound, and the median step "
+                   f"against the bound's time at that rate")
+        out.append(f"{'workers':>7} {'size':>9} {'system':>16} {'bound MB':>9} {'max MB':>8} {'max/bnd':>8} "
+                   f"{'mean/bnd':>9} {'step s':>8} {'bound s':>8} {'step/bnd':>9}")
+        for row in bw:
+            med, bs = row["median_s"], row["bound_s"]
+            out.append(f"{row['workers']:>7} {format_bytes(row['size']):>9} {row['system']:>16} "
+                       f"{row['bound_bytes'] / 1e6:>9.2f} {row['max_bytes'] / 1e6:>8.2f} "
+                       f"{row['max_bytes'] / row['bound_bytes']:>8.2f} {row['mean_bytes'] / row['bound_bytes']:>9.2f} "
+                       f"{_num(med, 8)} {_num(bs, 8)} "
+                       + (f"{med / bs:>9.2f}" if med and bs else f"{'-':>9}"))
+    if o.compressions:
+        out.append("")
+        out.append("Wire compression (float32 accumulation at every hop): median step seconds and ratios to gloo "
+                   "float32")
+        pol = (summary.sweep_policies() or ["static"])[0]
+        out.append(f"{'workers':>7} {'size':>9} {'fttree f32':>11} " + " ".join(f"{'ft ' + c:>9}" for c in
+                                                                                o.compressions)
+                   + f" {'gloo':>8} {'f32/gloo':>9} " + " ".join(f"{c + '/gloo':>10}" for c in o.compressions))
+        for world in o.sweep_workers:
+            for size in o.sweep_sizes:
+                f32 = summary.nofault("fttree", world, size, pol)
+                comp = [summary.nofault("fttree", world, size, pol, c) for c in o.compressions]
+                gloo = summary.nofault("gloo", world, size)
+                out.append(f"{world:>7} {format_bytes(size):>9} {_num(f32, 11)} " + " ".join(_num(c, 9) for c in comp)
+                           + f" {_num(gloo, 8)} " + (f"{f32 / gloo:>9.2f}" if f32 and gloo else f"{'-':>9}") + " "
+                           + " ".join(f"{c / gloo:>10.2f}" if c and gloo else f"{'-':>10}" for c in comp))
     out += render_node_failures(summary)
     targets = summary.targets()
     if targets:
         out.append("")
-        out.append("Performance targets (issues 5 and 11)")
+        out.append("Performance targets (issues 5, 11 and 14)")
         out.extend(f"  [{'met ' if met else 'MISS'}] {text}" for met, text in targets)
     bad = [r for r in summary.results if not r.ok]
     if bad:
@@ -954,14 +1209,18 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
     if o.sweep_workers and o.sweep_sizes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for world in o.sweep_workers:
-            lines = [(f"fttree {p}", "-o", "fttree", p) for p in summary.sweep_policies()] + [("gloo", "--s", "gloo",
-                                                                                               "static")]
-            for name, style, kind, pol in lines:
-                pts = [(s * 4, m) for s in o.sweep_sizes if (m := summary.nofault(kind, world, s, pol)) is not None]
+            lines = [(f"fttree {p}", "-o", "fttree", p, "") for p in summary.sweep_policies()]
+            lines += [(f"fttree {c}", "-^", "fttree", (summary.sweep_policies() or ["static"])[0], c)
+                      for c in o.compressions]
+            lines.append(("gloo", "--s", "gloo", "static", ""))
+            for name, style, kind, pol, comp in lines:
+                pts = [(s * 4, m) for s in o.sweep_sizes
+                       if (m := summary.nofault(kind, world, s, pol, comp)) is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, label=f"{name}, {world} workers")
+        where = f", uplinks {o.uplink} per rank" if o.uplink else ", loopback"
         ax.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="median step (s)",
-               title="allreduce time by tensor size, no fault")
+               title=f"allreduce time by tensor size, no fault{where}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / "size_sweep.png"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,6 +94,13 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--long-run", type=click.IntRange(min=1100), default=None, metavar="STEPS",
               help="Instead of the matrix: STEPS steps of 3 workers, 25 chunks a step, and the median of the last "
                    "500 step times over steps 100-599 (target <= 1.1: nothing may grow with the steps run).")
+@click.option("--uplink", default="", metavar="RATE",
+              help="Give every rank its own uplink of RATE (tc units: 100mbit, 1gbit): the runs go into a private "
+                   "network namespace under netem/uplink.sh, gloo's ranks bound to their own addresses like fttree's; "
+                   "prints each rank's bytes per step against the 2N(p-1)/p bound. Only the size sweep runs "
+                   "(--sizes, --sweep-workers). Needs root, ip and tc.")
+@click.option("--compression", "compression_text", default="", metavar="LIST",
+              help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
 @click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
               help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
                    "and synced from a peer, then a graceful leave; the thesis MLP).")
@@ -102,7 +111,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
-          elastic: int | None, dry_run: bool, strict: bool, out_dir: Path) -> None:
+          elastic: int | None, uplink: str, compression_text: str, dry_run: bool, strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -145,6 +154,19 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         matrix_size = b.parse_size(size_text)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
+    if uplink:
+        try:
+            b.parse_rate(uplink)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--uplink") from None
+        # the Table 1-2 matrix (fault windows, the plain tree) is about timeouts, not bandwidth
+        workers, plain, fig11_trials = "", False, 0
+
+    def compression(text: str) -> str:
+        if text not in ("bf16", "fp16"):
+            raise ValueError("compressions are bf16 and fp16")
+        return text
+
     chosen = _split(patterns, pattern, "--patterns")
     opts = b.BenchOptions(
         workers=_split(workers, positive, "--workers"), timeouts=_split(timeouts, timeout, "--timeouts"),
@@ -153,7 +175,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         size=matrix_size, sweep_sizes=_split(sizes_text, b.parse_size, "--sizes"),
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
-        link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"))
+        link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,
+        compressions=_split(compression_text, compression, "--compression"))
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
     runs, notes = b.plan(opts)
@@ -169,18 +192,29 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = b.machine_info()
+    if uplink:
+        machine["uplink"] = uplink
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, \
+    uplinks = b.Uplinks(uplink) if uplink else None
+    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, _cleanup_on_signals(), \
             click.progressbar(length=total, label="benchmark", file=sys.stderr, show_eta=True,
                               item_show_func=_show_label) as bar:
         results = []
-        for spec in runs:
-            bar.update(0, spec.label)
-            res = b.execute(spec, Path(tmp), on_step=_advance(bar, spec.label))
-            missing = spec.steps - len(res.complete_steps())
-            if missing > 0:
-                bar.update(missing, spec.label)  # a failed run still moves the bar to its end
-            results.append(res)
+        try:
+            if uplinks is not None:
+                uplinks.start(max(r.world for r in runs))
+            for spec in runs:
+                bar.update(0, spec.label)
+                res = b.execute(spec, Path(tmp), on_step=_advance(bar, spec.label), uplinks=uplinks)
+                missing = spec.steps - len(res.complete_steps())
+                if missing > 0:
+                    bar.update(missing, spec.label)  # a failed run still moves the bar to its end
+                results.append(res)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        finally:
+            if uplinks is not None:
+                uplinks.close()  # the limits and the namespace go, whatever happened
     machine["load_avg_after"] = _loadavg()
     machine["bench_wall_s"] = time.monotonic() - started
     summary = b.Summary(opts=opts, results=results, notes=notes)
@@ -212,6 +246,21 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         click.echo(f"{len(bad)} of {len(results)} runs had failed or inexact steps (see above)", err=True)
         if strict:
             sys.exit(1)
+
+
+@contextlib.contextmanager
+def _cleanup_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into SystemExit while the runs go, so `finally` blocks (tc limits,
+    the namespace, worker processes) run on a kill as on Ctrl-C."""
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _advance(bar: Any, label: str) -> Callable[[int], None]:

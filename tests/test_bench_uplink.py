@@ -1,0 +1,158 @@
+"""`fttree bench --uplink RATE`: runs under per-rank uplink limits, bytes against the 2N(p-1)/p bound.
+
+The kernel tests (marked realnet) need root, ip and tc and skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fttree.errors import ConfigError
+from fttree.tools import bench as b
+
+from .test_realnet import realnet_missing
+from .test_uplink import tc_missing
+
+
+def test_rates_parse_to_bits_per_second() -> None:
+    assert b.parse_rate("100mbit") == 100e6
+    assert b.parse_rate("1gbit") == 1e9
+    assert b.parse_rate("10mbps") == 80e6
+    assert b.format_rate(100e6) == "100 Mbit/s"
+    for bad in ("", "fast", "10xbit", "0bit"):
+        with pytest.raises(ConfigError):
+            b.parse_rate(bad)
+
+
+def test_the_bound_is_the_rings_bytes_per_rank() -> None:
+    assert b.ring_bound_bytes(1000, 7) == pytest.approx(2 * 4000 * 6 / 7)
+    assert b.ring_bound_bytes(1000, 1) == 0
+
+
+def test_uplink_plan_shapes_every_run_and_binds_gloo(tmp_path: Path) -> None:
+    opts = b.BenchOptions(workers=(), sweep_workers=(3,), sweep_sizes=(1000,), uplink="100mbit",
+                          compressions=("bf16",), sweep_policies=("static",))
+    runs, _ = b.plan(opts)
+    assert {r.kind for r in runs} == {"fttree", "gloo"}
+    assert all(r.uplink_bps == 100e6 for r in runs)
+    assert [r.compression for r in runs if r.kind == "fttree"] == ["", "bf16"]
+    gloo = next(r for r in runs if r.kind == "gloo")
+    cmds = b.worker_commands(gloo, tmp_path, bind=True)
+    assert [c[c.index("--bind") + 1] for c in cmds] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert "--bind" not in b.worker_commands(gloo, tmp_path)[0]
+    comp = next(r for r in runs if r.compression)
+    assert "--compression" in b.worker_commands(comp, tmp_path)[0]
+    assert "uplinks 100 Mbit/s" in comp.label
+    assert "bf16" in comp.label
+    assert comp.deadline_s() > b.RunSpec(kind="fttree", world=3, size=1000, steps=comp.steps).deadline_s()
+    assert b.Uplinks("100mbit", name="x").wrap(["true"]) == ["ip", "netns", "exec", "x", "true"]
+
+
+def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
+    # 100 MB behind 100 Mbit/s: an interior rank sends 300 MB, 24 s
+    watch, step, settings = b.uplink_timeouts(25_000_000, 100e6, "", 0.5, 30.0)
+    assert watch == pytest.approx(12.0)
+    assert step == pytest.approx(106.0)
+    assert settings == (("adaptive_ceiling_s", "24"),)
+    assert b.uplink_timeouts(25_000_000, 100e6, "bf16", 0.5, 30.0)[0] == pytest.approx(6.0)
+    assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),))
+    opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
+                          sweep_policies=("static",))
+    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree"]
+    cmd = b.worker_commands(ft, tmp_path)[0]
+    assert cmd[cmd.index("--set") + 1] == "adaptive_ceiling_s=24"
+    assert cmd[cmd.index("--step-timeout") + 1] == "106.0"
+    assert ft.deadline_s() > ft.steps * 106
+    summary = b.Summary(opts=opts, results=[b.RunResult(spec=ft)], notes=[])
+    assert summary.find("fttree", 7, 25_000_000, 0.5) is not None  # found whatever its scaled timeout
+
+
+def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int], steps: int = 4,
+          compression: str = "") -> b.RunResult:
+    spec = b.RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",
+                     uplink_bps=100e6, compression=compression)
+    res = b.RunResult(spec=spec, sent_bytes=sent)
+    for s in range(steps):
+        for r in range(world):
+            res.records[s][r] = {"rank": r, "step": s, "duration_s": step_s, "exact": True, "error": "", "events": []}
+    return res
+
+
+def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
+    world, size, steps = 7, 4_000_000, 4
+    bound = b.ring_bound_bytes(size, world)
+    opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
+                          compressions=("bf16",), sweep_policies=("static",))
+    tree = {r: int(steps * (3 if r in (1, 2) else 2 if r == 0 else 1) * size * 4) for r in range(world)}
+    ring = {r: int(steps * bound * 1.01) for r in range(world)}
+    half = {r: v // 2 for r, v in tree.items()}
+    summary = b.Summary(opts=opts, results=[_fake("fttree", world, size, 4.0, tree),
+                                            _fake("fttree", world, size, 2.0, half, compression="bf16"),
+                                            _fake("gloo", world, size, 2.3, ring)], notes=[])
+    rows = {r["system"]: r for r in summary.bandwidth_rows()}
+    assert rows["fttree static"]["max_bytes"] / bound == pytest.approx(1.75)
+    assert rows["gloo"]["max_bytes"] / bound == pytest.approx(1.01, abs=1e-3)
+    assert rows["gloo"]["bound_s"] == pytest.approx(bound * 8 / 100e6)
+    targets = {text: met for met, text in summary.targets()}
+    assert any("fttree static: busiest rank sends 1.75x" in t and not met for t, met in targets.items())
+    assert any("fttree bf16: step/gloo 0.87 (target <= 0.55)" in t and not met for t, met in targets.items())
+    table = b.render(summary)
+    assert "Bytes on the wire, uplinks 100mbit" in table
+    assert "Wire compression" in table
+    assert "Tables 1-2" not in table  # no matrix under --uplink
+    data = json.loads(json.dumps(summary.to_json({}, ["fttree", "bench"]), default=str))
+    assert len(data["bandwidth"]) == 3
+    pytest.importorskip("matplotlib")
+    assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
+
+
+# ---- against the kernel -------------------------------------------------------------------
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture
+def uplinks() -> b.Uplinks:
+    missing = realnet_missing() or tc_missing() or b.Uplinks.missing()
+    if missing:
+        pytest.skip(missing)
+    return b.Uplinks("1gbit", name=f"fttree-test-bench-{os.getpid()}")
+
+
+@pytest.mark.realnet
+def test_uplinks_go_away_when_the_bench_fails(uplinks: b.Uplinks) -> None:
+    def failing_run() -> None:
+        with uplinks:
+            uplinks.start(3)
+            assert uplinks.name in _namespaces()
+            uplinks.apply(3)
+            raise RuntimeError("a run blew up")
+
+    with pytest.raises(RuntimeError):
+        failing_run()
+    assert uplinks.name not in _namespaces()
+    uplinks.close()  # twice is fine
+
+
+@pytest.mark.realnet
+def test_a_run_under_uplinks_reads_every_ranks_counter(uplinks: b.Uplinks, tmp_path: Path) -> None:
+    size, world, steps = 50_000, 3, 3
+    spec = b.RunSpec(kind="fttree", world=world, size=size, steps=steps, warmup=1, uplink_bps=uplinks.bps)
+    with uplinks:
+        uplinks.start(world)
+        res = b.execute(spec, tmp_path, uplinks=uplinks)
+    assert res.ok, (res.error, res.stderr_tail)
+    assert sorted(res.sent_bytes) == [0, 1, 2]
+    per = res.bytes_per_step()
+    # A tree of 3: the root sends the result to 2 children (2N), each leaf its own N up.
+    assert 1.9 * size * 4 < per[0] < 2.6 * size * 4, per
+    assert all(0.9 * size * 4 < per[r] < 1.6 * size * 4 for r in (1, 2)), per
+    assert uplinks.name not in _namespaces()

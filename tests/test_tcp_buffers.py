@@ -1,0 +1,144 @@
+"""The TCP transport's receive path: pooled payload buffers, never reused while anything reads
+them, and a send backlog kept as a running count instead of a walk of the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+
+from fttree.core.messages import Kind, Message
+from fttree.net.address import Address
+from fttree.net.tcp import TcpTransport, _BufferPool
+
+BIG = _BufferPool.MIN_BYTES * 4
+
+
+def test_small_payloads_are_plain_bytearrays() -> None:
+    pool = _BufferPool()
+    buf = pool.take(100)
+    assert isinstance(buf, bytearray)
+    assert len(buf) == 100
+    assert not pool.lent
+
+
+def test_a_buffer_comes_back_only_when_nothing_holds_it() -> None:
+    pool = _BufferPool()
+    first = pool.take(BIG)
+    assert len(first) == BIG
+    owner = id(first.obj)  # an id: holding the object would keep it busy
+    first[:4] = b"abcd"
+    held = np.frombuffer(first, dtype=np.uint8)[:4]  # a result kept as a numpy view
+    del first
+    second = pool.take(BIG)
+    assert id(second.obj) != owner  # still read through `held`: a new buffer
+    del held
+    third = pool.take(BIG)
+    assert id(third.obj) == owner  # nobody reads it any more
+    assert pool.reused == 1
+    # views of views (a relay's payload, encode()'s cast) hold it as well
+    view = memoryview(third).cast("B")[10:20]
+    del third
+    assert id(pool.take(BIG).obj) != owner
+    del view
+    assert id(pool.take(BIG).obj) == owner
+
+
+def test_sizes_do_not_mix_and_the_pool_stays_bounded() -> None:
+    pool = _BufferPool(keep=3)
+    a = pool.take(BIG)
+    owner = id(a.obj)
+    del a
+    b = pool.take(BIG + 1)  # another size: a fresh buffer even though one is free
+    assert id(b.obj) != owner
+    assert len(b) == BIG + 1
+    for _ in range(5):
+        pool.take(BIG + 2)
+    assert len(pool.lent) == 3
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.stale = False
+        self.got: list[Message] = []
+        self.ready = asyncio.Event()
+
+    def on_message(self, msg: Message) -> None:
+        self.got.append(msg)
+        self.ready.set()
+
+    def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
+        pass
+
+    def is_stale(self, msg: Message) -> bool:
+        return self.stale
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _data(step: int, values: np.ndarray) -> Message:
+    return Message(kind=Kind.DATA_BCAST, src=0, step=step, dtype="<f4", numel=int(values.size),
+                   signature=f"float32[{values.size}]", payload=values.data.cast("B"))
+
+
+def test_backlog_is_counted_as_frames_come_and_go() -> None:
+    async def run() -> None:
+        # rank 1 does not listen: frames wait in the queue
+        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port())]
+        t = TcpTransport(0, addrs, connect_timeout_s=0.2)
+        events = _Events()
+        t.bind(events)
+        await t.start()
+        try:
+            for step in range(3):
+                t.send(1, _data(step, np.zeros(1000, dtype=np.float32)))
+            t.send(1, Message(kind=Kind.META_BCAST_RECEIVED, src=0, step=0))
+            assert t.backlog_bytes(1) == 3 * 4000
+            events.stale = True
+            t._out[1]._drop_stale()
+            assert t.backlog_bytes(1) == 0
+        finally:
+            await t.close(flush_s=0)
+
+    asyncio.run(run())
+
+
+def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
+    """Frames through a real connection: results kept (as the protocol keeps them) must not be
+    overwritten by later frames, and released buffers are used again."""
+    async def run() -> None:
+        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port())]
+        sender, receiver = TcpTransport(0, addrs), TcpTransport(1, addrs)
+        got = _Events()
+        sender.bind(_Events())
+        receiver.bind(got)
+        await sender.start()
+        await receiver.start()
+        try:
+            n = BIG // 4
+            kept = []
+            for step in range(12):
+                sender.send(1, _data(step, np.full(n, float(step), dtype=np.float32)))
+                while len(got.got) <= step:
+                    got.ready.clear()
+                    await asyncio.wait_for(got.ready.wait(), 10)
+                msg = got.got[step]
+                assert msg.payload is not None
+                values = np.frombuffer(msg.payload, dtype=np.float32)
+                if step % 2 == 0:
+                    kept.append((step, values))  # held like a result
+                got.got[step] = msg.__class__(kind=msg.kind, src=msg.src)  # the rest let go
+                del msg, values
+            for step, values in kept:
+                assert (values == float(step)).all(), step
+            assert receiver.pool.reused >= 4
+        finally:
+            await sender.close(flush_s=1)
+            await receiver.close(flush_s=0)
+
+    asyncio.run(run())
