@@ -390,6 +390,10 @@ class Node:
     # ---- joins and leaves -------------------------------------------------------------------
 
     def _on_join_message(self, msg: Message) -> None:
+        """A member's side of a join. Code 0 (is a group running?): yes if the asker is a new
+        process of a rank we knew (its incarnation changed), came after steps were done, or is
+        not in the view; otherwise we are all starting. Code 1 (admit me): to the membership,
+        unless it is a repeat from the process already admitted."""
         if msg.kind is Kind.JOIN_REPLY:
             self._on_join_reply(msg)
             return
@@ -424,6 +428,8 @@ class Node:
             self.transport.add_peer(msg.src, parse_address(msg.reason))
 
     def _on_join_reply(self, msg: Message) -> None:
+        """A starting or joining process hears: the group is starting too (2), is running in
+        this view with these addresses (0), or admits this rank from this step (1)."""
         if not self.joining or self.joined_at is not None:
             if msg.code == 2:
                 self._starting_replies.add(msg.src)
