@@ -125,7 +125,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     if elastic is not None:
         from .bench_elastic import run as run_elastic
 
-        run_elastic(elastic, 300, error=lambda why: click.echo(why, err=True))
+        run_elastic(elastic, 600, error=lambda why: click.echo(why, err=True))
         return
 
     def positive(text: str) -> int:

@@ -186,7 +186,7 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
     parser.add_argument("--crash-at", type=int, default=None, help=argparse.SUPPRESS)
