@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -196,7 +194,10 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         machine["uplink"] = uplink
     started = time.monotonic()
     uplinks = b.Uplinks(uplink) if uplink else None
-    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, _cleanup_on_signals(), \
+    from .realfaults import signals_raise
+
+    exit_on_kill = signals_raise(lambda signum: SystemExit(128 + signum))  # tc limits, namespace, workers go
+    with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, exit_on_kill, \
             click.progressbar(length=total, label="benchmark", file=sys.stderr, show_eta=True,
                               item_show_func=_show_label) as bar:
         results = []
@@ -246,21 +247,6 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         click.echo(f"{len(bad)} of {len(results)} runs had failed or inexact steps (see above)", err=True)
         if strict:
             sys.exit(1)
-
-
-@contextlib.contextmanager
-def _cleanup_on_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into SystemExit while the runs go, so `finally` blocks (tc limits,
-    the namespace, worker processes) run on a kill as on Ctrl-C."""
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    saved = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _advance(bar: Any, label: str) -> Callable[[int], None]:

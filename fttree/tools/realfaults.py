@@ -271,15 +271,21 @@ def namespace(name: str | None, *, world: int, host_base: str = "127.0.0.1") -> 
             run_script("reset.sh", "--netns", name, check=False)
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> contextlib.AbstractContextManager[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, so `finally` cleanup runs."""
+    return signals_raise(lambda signum: KeyboardInterrupt(f"signal {signum}"))
+
+
+@contextlib.contextmanager
+def signals_raise(error: Callable[[int], BaseException]) -> Iterator[None]:
+    """While inside: SIGTERM and SIGHUP raise `error(signum)` in the main thread, so `finally`
+    blocks (firewall rules, tc limits, namespaces, worker processes) run on a kill as on Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise error(signum)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
