@@ -294,8 +294,7 @@ class Node:
             self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
-            self.boundary(step, step)
-            self._marked = False
+            self._at_boundary(step, step)
         if future.cancelled() or not future.set_running_or_notify_cancel():
             return
         if self.stopped is not None:
@@ -459,8 +458,11 @@ class Node:
         """The caller begins training step `user_step` with allreduce step `first_step`: a
         decided join takes effect here, and a join being agreed makes it wait."""
         self._marked = True
+        self._at_boundary(user_step, first_step)
+
+    def _at_boundary(self, user_step: int | None, first_step: int) -> None:
         if self._holding:
-            self._hold_queue.append(lambda: self.boundary(user_step, first_step))
+            self._hold_queue.append(lambda: self._at_boundary(user_step, first_step))
             return
         if user_step is None:
             return
