@@ -176,11 +176,33 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
             print(f"  rank {r}: worst step while the joiner synced {worst * 1000:.1f} ms, median "
                   f"{median * 1000:.1f} ms: {worst / median:.2f}x")
         print(f"other members while someone joins: at most {max(ratios):.2f}x their median (target <= 1.5x)")
+        floor = _noise_floor([seen[r].times for r in range(n - 1)], len(window), range(30, leave_step - 5),
+                             range(ev["joined"] - 3, ev["synced"] + 4))
+        if floor is not None:
+            print(f"  the same worst-of-{len(window)}-steps figure over the run's windows without a join: median "
+                  f"{floor[0]:.2f}x, 90th percentile {floor[1]:.2f}x (the noise of this machine)")
     times = seen[0].times
     if leave_step in times:
         median = statistics.median(times[s] for s in range(30, leave_step - 5) if s in times)
         print(f"graceful leave at step {leave_step}: rank 0's step took {times[leave_step] * 1000:.1f} ms "
               f"(median {median * 1000:.1f} ms, {times[leave_step] / median:.2f}x; a timeout would cost >= 1000 ms)")
+
+
+def _noise_floor(runs: list[dict[int, float]], length: int, steady: range, busy: range) -> tuple[float, float] | None:
+    """The worst-step figure of every window of `length` steady steps that does not touch
+    `busy` (the join), over all ranks: its median and 90th percentile. What a window with no
+    join shows on this machine, so the join's figure can be told from the machine's noise."""
+    ratios = []
+    for times in runs:
+        median = statistics.median(times[s] for s in steady if s in times)
+        for start in steady:
+            steps = range(start, start + length)
+            if steps[-1] in steady and not set(steps) & set(busy) and all(s in times for s in steps):
+                ratios.append(max(times[s] for s in steps) / median)
+    if len(ratios) < 10:
+        return None
+    deciles = statistics.quantiles(ratios, n=10)
+    return statistics.median(ratios), deciles[-1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,12 +5,14 @@ allreduce, but with zeros that are not counted (`contribute=False`), and keeps e
 averaged gradients. Meanwhile it asks a member (the donor) for the training state; the donor
 serialises it at its next step boundary T >= U (the state after step T-1's update), without
 pausing, and sends it in pieces over the node's links with a digest of the whole. Once the
-state is in and checked, the joiner loads it and replays its kept gradients of steps T, T+1, ...
+state is in, the joiner checks and decodes it a bounded piece per training step (the joiner
+is a leaf its parent waits for, so whatever it does inside one step delays every member's
+step), then loads it and replays its kept gradients of steps T, T+1, ...
 through the same optimizer code path the others ran, so it ends bit for bit where they are, and
 contributes from the next step. If the donor does not deliver in time (it died, or left), the
 joiner asks the next member; a state of a later step only means fewer gradients to replay.
 
-The state is a torch.save of plain tensors and numbers (loaded with weights_only=True): the
+The state is in fttree.training.state's format (msgpack and raw tensor bytes, no pickle): the
 model's state_dict, the optimizer's, a registered LR scheduler's, the group's optimizer step
 count, and registered extra state.
 """
@@ -18,7 +20,6 @@ count, and registered extra state.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ import torch
 
 from ..core.messages import STATE_DTYPE, Kind, Message
 from ..errors import PeerError
+from .state import StateError, pack_value, unpack_value
 
 if TYPE_CHECKING:
     from ..api import FTTreeAllreduce
@@ -40,13 +42,14 @@ CHUNK_BYTES = 1 << 20
 
 
 def serialize(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+    return pack_value(state)
 
 
 def deserialize(data: bytes) -> dict[str, Any]:
-    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        loaded = unpack_value(data)
+    except StateError as e:
+        raise PeerError(f"the training state received cannot be decoded: {e}") from e
     if not isinstance(loaded, dict):
         raise PeerError(f"the training state received is a {type(loaded).__name__}, not a dict")
     return loaded
@@ -77,6 +80,9 @@ class _Incoming:
     total: int
     digest: str
     pieces: dict[int, bytes] = field(default_factory=dict)
+    hasher: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+    hashed: int = 0  # pieces 0..hashed-1 are in the hasher
+    checked: bool = False  # every piece is hashed and the digest matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +109,6 @@ class StateTransfer:
         self._lock = threading.Lock()
         self._requests: dict[int, int] = {}  # joiner -> the earliest training step it can use
         self._incoming: _Incoming | None = None
-        self._ready: tuple[int, dict[str, Any], int, int] | None = None  # (user_step, state, donor, nbytes)
         self._asked: list[int] = []
         self._asked_at = 0.0
         self._started_at = 0.0
@@ -135,13 +140,11 @@ class StateTransfer:
         """The state, once fully received and checked: (its training step, the state dict).
         Asks the next donor if this one is late or gone."""
         with self._lock:
-            ready, self._ready = self._ready, None
-        if ready is not None:
-            step, state, donor, nbytes = ready
-            self.record = TransferRecord(donor=donor, user_step=step, nbytes=nbytes,
-                                         seconds=time.monotonic() - self._started_at, donors_asked=tuple(self._asked),
-                                         replayed=0)
-            return step, state
+            inc = self._incoming
+        if inc is not None and inc.hashed < inc.total and inc.hashed in inc.pieces:
+            return self._advance(inc)
+        if inc is not None and inc.hashed == inc.total:
+            return self._advance(inc)
         current = self._asked[-1] if self._asked else None
         if current is None or time.monotonic() - self._asked_at > self.wait_s or current not in self.ar.view:
             self.request(user_step)
@@ -192,16 +195,35 @@ class StateTransfer:
                     return  # from a donor given up on
                 inc = self._incoming = _Incoming(donor=msg.src, user_step=msg.user_step, total=msg.world,
                                                  digest=msg.signature)
-            inc.pieces[msg.chunk] = bytes(msg.payload)
-            if len(inc.pieces) < inc.total:
-                return
-            self._incoming = None
-        data = b"".join(inc.pieces[i] for i in range(inc.total))
-        if state_digest(data) != inc.digest:
-            log.error("rank %d: the training state from rank %d does not match its digest; asking again",
-                      self.ar.rank, inc.donor)
-            self._asked_at = 0.0  # poll() asks the next donor
-            return
-        state = deserialize(data)
+            if 0 <= msg.chunk < inc.total:
+                inc.pieces[msg.chunk] = bytes(msg.payload)
+
+    def _advance(self, inc: _Incoming) -> tuple[int, dict[str, Any]] | None:
+        """One bounded piece of the joiner's work on a received state, per training step: hash
+        the next piece (about a millisecond a MiB), or, once the digest matched, decode it.
+        Done all at once inside one step, this work held up every member's next step by the
+        joiner's whole decode (the joiner is a leaf its parent waits for)."""
+        if inc.hashed < inc.total:
+            inc.hasher.update(inc.pieces[inc.hashed])
+            inc.hashed += 1
+            if inc.hashed < inc.total:
+                return None
+            if inc.hasher.hexdigest() != inc.digest:
+                log.error("rank %d: the training state from rank %d does not match its digest; asking again",
+                          self.ar.rank, inc.donor)
+                with self._lock:
+                    if self._incoming is inc:
+                        self._incoming = None
+                self._asked_at = 0.0  # the next poll() asks the next donor
+                return None
+            inc.checked = True
+            return None  # decoded at the next step, not in this one
         with self._lock:
-            self._ready = (inc.user_step, state, inc.donor, len(data))
+            if self._incoming is inc:
+                self._incoming = None
+        data = b"".join(inc.pieces[i] for i in range(inc.total))
+        state = deserialize(data)
+        self.record = TransferRecord(donor=inc.donor, user_step=inc.user_step, nbytes=len(data),
+                                     seconds=time.monotonic() - self._started_at, donors_asked=tuple(self._asked),
+                                     replayed=0)
+        return inc.user_step, state

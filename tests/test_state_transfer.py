@@ -1,0 +1,112 @@
+"""The joiner's side of the state transfer, without a network: pieces in any order, the work
+on them spread over training steps, a wrong digest or undecodable bytes named and answered
+by asking the next donor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fttree.core.messages import STATE_DTYPE, Kind, Message
+from fttree.core.view import View
+from fttree.errors import PeerError
+from fttree.training import elastic
+from fttree.training.state import StateError, pack_value, unpack_value
+
+
+@dataclass
+class FakeHandle:
+    """What StateTransfer uses of an FTTreeAllreduce: rank, view, config, node, send_frame."""
+
+    rank: int = 3
+    view: View = field(default_factory=lambda: View(epoch=0, members=(0, 1, 2, 3)))
+    config: Any = field(default_factory=lambda: SimpleNamespace(step_timeout_s=5.0))
+    node: Any = field(default_factory=lambda: SimpleNamespace(elastic_listeners=[]))
+    sent: list[tuple[int, Message]] = field(default_factory=list)
+
+    def send_frame(self, dst: int, msg: Message) -> None:
+        self.sent.append((dst, msg))
+
+
+def a_state() -> dict[str, Any]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(300, 200)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step_count": 7, "scheduler": None,
+            "extra": {"betas": (0.9, 0.99), "rng": torch.get_rng_state()}}
+
+
+def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: int = 12) -> list[Message]:
+    total = -(-len(data) // size)
+    return [Message(kind=Kind.STATE, src=donor, user_step=user_step, chunk=i, world=total, signature=digest,
+                    dtype=STATE_DTYPE, numel=len(data[i * size:(i + 1) * size]), payload=data[i * size:(i + 1) * size])
+            for i in range(total)]
+
+
+def test_pack_value_round_trips_nested_state_bit_for_bit() -> None:
+    state = a_state()
+    back = unpack_value(pack_value(state))
+    assert back["step_count"] == 7
+    assert back["extra"]["betas"] == (0.9, 0.99)
+    for name, t in state["model"].items():
+        assert torch.equal(back["model"][name], t)
+    assert set(back["optimizer"]["state"]) == set(state["optimizer"]["state"])  # integer keys survive
+    assert torch.equal(back["extra"]["rng"], state["extra"]["rng"])
+    assert pack_value(state) == pack_value(a_state())  # deterministic
+
+
+def test_the_received_state_is_checked_and_decoded_a_piece_per_step() -> None:
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer.request(12)
+    assert ar.sent[-1][0] == 0
+    assert ar.sent[-1][1].kind is Kind.STATE_REQUEST
+    data = elastic.serialize(a_state())
+    frames = pieces_of(data, 64 << 10, elastic.state_digest(data))
+    assert len(frames) >= 4
+    for msg in reversed(frames):  # any order
+        ar.node.elastic_listeners[0](msg)
+    polls = 0
+    got = None
+    while got is None:
+        polls += 1
+        assert polls <= len(frames) + 1, "the state was not ready after one step per piece plus one to decode"
+        got = transfer.poll(12)
+    # One piece hashed per step and the decode in a step of its own: no step carries it all.
+    assert polls == len(frames) + 1
+    step, state = got
+    assert step == 12
+    assert state["step_count"] == 7
+    assert transfer.record is not None
+    assert transfer.record.nbytes == len(data)
+    assert transfer.record.donor == 0
+
+
+def test_a_state_that_fails_its_digest_is_dropped_and_the_next_donor_asked() -> None:
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer.request(12)
+    data = elastic.serialize(a_state())
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 1
+    for msg in pieces_of(bytes(bad), 1 << 20, elastic.state_digest(data)):
+        ar.node.elastic_listeners[0](msg)
+    for _ in range(10):
+        assert transfer.poll(12) is None
+    asked = [dst for dst, msg in ar.sent if msg.kind is Kind.STATE_REQUEST]
+    assert asked[:2] == [0, 1], asked
+
+
+def test_undecodable_state_bytes_are_named() -> None:
+    with pytest.raises(PeerError, match="cannot be decoded"):
+        elastic.deserialize(b"FTTS" + b"\x00" * 40)
+    with pytest.raises(StateError, match="not an fttree state"):
+        unpack_value(b"garbage garbage garbage")
+    with pytest.raises(PeerError, match="not a dict"):
+        elastic.deserialize(pack_value([1, 2, 3]))
