@@ -169,9 +169,10 @@ class StateTransfer:
         data = serialize(state)
         digest = state_digest(data)
         total = max(1, -(-len(data) // CHUNK_BYTES))
+        view = memoryview(data)  # pieces are views, not copies
         for j in due:
             for i in range(total):
-                piece = data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
+                piece = view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
                 self.ar.send_frame(j, Message(kind=Kind.STATE, src=self.ar.rank, user_step=user_step, chunk=i,
                                               world=total, signature=digest, dtype=STATE_DTYPE, numel=len(piece),
                                               payload=piece))
