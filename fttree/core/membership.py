@@ -291,6 +291,7 @@ class Membership:
         # joins and leaves
         self.user_step = -1  # the training step this rank is in (the node reports each boundary)
         self.holding = False  # promised in a join round: start no training step until it is decided
+        self._activating_at = -1  # the training step the last decided join takes effect at
         self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
         self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
         self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
@@ -434,6 +435,11 @@ class Membership:
         coordinator acts; the joiner asks every member, again until admitted. A rank still in
         the view is a restarted process: its old one is gone, so it is evicted first."""
         if self.state is not MemberState.ACTIVE or self.holding or self._round is not None:
+            return
+        if self.user_step < self._activating_at:
+            # A decided join has not taken effect here yet. A second one decided now would give
+            # the first joiner a view it never hears of (its admission names the first view);
+            # the joiner asks again, and is taken once the first join is in effect.
             return
         if next(r for r in self.view.members if r not in self._leaving) != self.rank:
             return
@@ -705,6 +711,8 @@ class Membership:
             out.append(CancelTimer(key=TimerKey(kind, -1, 0)))
         if joined:
             reason = f"ranks {list(joined)} joined from training step {value.user_step}"
+        if value.user_step >= 0:
+            self._activating_at = value.user_step
         out.append(Installed(view=view, previous=previous, committed=frozenset(value.committed), catch_up=plan,
                              evicted=evicted, reason=reason, joined=joined, activate_at=value.user_step))
         if self.holding:

@@ -162,7 +162,9 @@ class Node:
         self._starting_replies: set[int] = set()  # peers that said they are starting up too
         self._answered = asyncio.Event()
         self._early: list[Message] = []  # a joiner's frames from before its admission
-        self._pending: Installed | None = None  # a decided join, taking effect at a training step
+        # decided joins, each taking effect at its training step, in order: a second join can be
+        # decided here before the first took effect (another member coordinated it)
+        self._pending: deque[Installed] = deque()
         self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
         self._hold_queue: list[Callable[[], None]] = []
         self._marked = False  # the caller marks training steps (boundary); else each step is one
@@ -467,12 +469,10 @@ class Node:
         if user_step is None:
             return
         self.membership.user_step = max(self.membership.user_step, user_step)
-        pending = self._pending
-        if pending is not None and user_step >= pending.activate_at:
-            self._activate(pending, first_step)
+        while self._pending and user_step >= self._pending[0].activate_at:
+            self._activate(self._pending.popleft(), first_step)
 
     def _activate(self, inst: Installed, first_step: int) -> None:
-        self._pending = None
         log.warning("rank %d: view %d takes effect at step %d: %s joined", self.rank, inst.view.epoch, first_step,
                     list(inst.joined))
         self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
@@ -639,7 +639,7 @@ class Node:
                     held = tuple(sorted(set(self._completed)))
                     self._do_member(self.membership.handle(Fenced(held=held), self.scheduler.now()))
                 case Installed() if action.activate_at >= 0:
-                    self._pending = action  # a join: the tree switches at that training step
+                    self._pending.append(action)  # a join: the tree switches at that training step
                     self._evicted = ()
                     for r in action.joined:  # this process is that rank now: its repeated asks are not a restart
                         if r in self._candidates:
