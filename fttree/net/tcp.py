@@ -16,9 +16,11 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
 import struct
 import sys
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -261,6 +263,34 @@ class _OutLink:
                 await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
 
 
+_LIVE: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # transports whose sockets a fork must not keep
+
+
+def _release_sockets_in_child() -> None:
+    """In a process forked from a worker (DataLoader workers, multiprocessing's "fork"): the
+    child holds copies of the worker's sockets. Kept open, they outlive a SIGKILLed worker for
+    as long as the children do (DataLoader workers notice their parent's death after up to
+    5 s): its restart cannot bind its address ("address already in use") and its peers see
+    its connections stay up. The child never uses them, so each is pointed at /dev/null:
+    not closed, as the socket objects still own the numbers and close them some day."""
+    fds: set[int] = set()
+    for transport in list(_LIVE):
+        with contextlib.suppress(Exception):  # a snapshot taken mid-change on the loop thread
+            fds |= transport.socket_fds()
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_sockets_in_child)
+
+
 class TcpTransport:
     """Frames over TCP for one rank; calls its events' `on_message` on the event loop per frame."""
 
@@ -300,9 +330,22 @@ class TcpTransport:
             loop = asyncio.get_running_loop()
             self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
                                                     reuse_address=True)
+            _LIVE.add(self)
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
             raise PeerError(f"rank {self.rank} cannot listen on {self.me}: {exc.strerror or exc}{hint}") from None
+
+    def socket_fds(self) -> set[int]:
+        """The file descriptors of this transport's open sockets: the listening one and every
+        connection, accepted or opened."""
+        found = []
+        if self._server is not None and self._server.is_serving():
+            found += list(self._server.sockets)
+        found += [t.get_extra_info("socket") for t in self._inbound if not t.is_closing()]
+        found += [link.writer.get_extra_info("socket") for link in self._out.values()
+                  if link.writer is not None and not link.writer.transport.is_closing()]
+        fds = {sock.fileno() for sock in found if sock is not None}
+        return {fd for fd in fds if fd >= 0}
 
     def add_peer(self, rank: int, address: Address) -> None:
         """A rank that joined after the start: reachable from now on at `address`."""
