@@ -304,16 +304,3 @@ def test_train_mlp_audits_every_epoch_through_a_crash() -> None:
     assert any(a["departed"] == [2] for a in complete), "the crash was not in a complete epoch"
     assert all(a["repeated"] == 0 for a in audits)
 
-
-def test_a_joiner_in_the_contributors_is_named_until_joins_are_followed() -> None:
-    """Joins (elastic.py) admit ranks the sampler has never dealt to: commit_from says so
-    instead of computing an assignment the joiner cannot share."""
-    sampler = ElasticSampler(30, 5, rank=0, members=range(3))
-    record = TrainingStep(step=0, contributors=(0, 1, 2, 3), epoch=1, members_next=(0, 1, 2, 3), contributed=True)
-
-    class Source:
-        last_step = record
-
-    with pytest.raises(ConfigError, match=r"ranks \[3\] contributed to training step 0 .* joined the group"):
-        sampler.commit_from(Source())
-    assert sampler.next_step == 0  # nothing committed
