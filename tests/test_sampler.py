@@ -687,3 +687,11 @@ def test_a_member_refuses_a_second_state_and_a_stranger_outside_the_next_view() 
     with pytest.raises(ConfigError, match=r"ranks \[7\] contributed to training step 0 but are neither"):
         s.commit_from(opt)
     assert s.next_step == 0
+
+
+def test_a_joiner_whose_state_came_without_the_sampler_history_is_told_so() -> None:
+    opt, s = _waiting()
+    opt.syncing = False  # the state is in, but the donor registered no "sampler" extra
+    opt.last_step = Step(3, (0,), (0,), False)
+    with pytest.raises(ConfigError, match="no sampler history in it"):
+        s.commit_from(opt)

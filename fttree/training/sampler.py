@@ -791,6 +791,10 @@ class ElasticSampler:
                 if key[0] != "training step":
                     raise ConfigError(f"rank {self.rank} is joining: its sampler follows a DistributedOptimizer "
                                       f"(commit_from(opt)), not {type(source).__name__}")
+                if getattr(source, "syncing", True) is False:
+                    raise ConfigError(f"rank {self.rank} has its training state but no sampler history in it: the "
+                                      f"donor's sampler was not made with ElasticSampler.follow(opt, ...), which "
+                                      f"every rank must use")
                 self._waiting.append((key[1], tuple(contributors), tuple(members), contributed))
                 self._source_step = key
                 return None
