@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -315,22 +316,33 @@ def test_train_mlp_audits_every_epoch_through_a_crash() -> None:
 
 # ---- a death, a restart and a new rank in one epoch (ElasticSampler.follow) -----------------
 
-JOIN_SIZE = 8 * 4 * 22 + 5  # about 26 steps for 7 workers: room for the restart and the join
-RESTART_AT, JOIN_AT = 5, 7  # training steps at which the members wait for the late worker to be built
+JOIN_SIZE = 8 * 4 * 40 + 5  # about 47 steps for 7 workers: room for the state transfers after the joins
+RESTART_AT, JOIN_AT = 5, 7  # training steps at which the members wait for the late worker's admission
 
 
 @dataclass
 class Gates:
-    """Events the test synchronises on, each waited for with a deadline: the members pause at
-    RESTART_AT and JOIN_AT until the late worker is built and about to take its first step, so
-    its join lands mid-epoch however slow the machine is (no sleeps)."""
+    """What the test synchronises on, each waited for with a deadline. The members pause at
+    RESTART_AT and JOIN_AT until the late worker is built and the group has decided to admit
+    it, so its join lands mid-epoch however slow the machine is. They wait before the step, so
+    the join takes effect at it (a join starts at the step after the members' current ones)."""
 
     crashed: threading.Event = field(default_factory=threading.Event)  # the killed rank closed its handle
     ready: dict[int, threading.Event] = field(default_factory=lambda: {4: threading.Event(), 7: threading.Event()})
+    failed: threading.Event = field(default_factory=threading.Event)  # a worker failed: nobody waits any more
 
-    @staticmethod
-    def wait(event: threading.Event, what: str) -> None:
+    def wait(self, event: threading.Event, what: str) -> None:
         assert event.wait(60), f"{what} did not happen within 60 s"
+
+    def admitted(self, ar: FTTreeAllreduce, late: int, what: str) -> None:
+        """Wait until this member's membership has decided a view with `late` in it (the view
+        the tree switches to at the next step): the decision needs no step of this rank."""
+        assert ar.node is not None
+        decided = threading.Event()
+        deadline = time.monotonic() + 60
+        while late not in ar.node.membership.view.members and not self.failed.is_set():
+            assert time.monotonic() < deadline, f"{what} did not happen within 60 s"
+            decided.wait(0.01)  # a condition poll with a deadline; nothing to be notified by
 
 
 def follow_and_train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, gates: Gates,
@@ -364,8 +376,10 @@ def follow_and_train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, gat
             if step == crash_at:
                 ar.crash(f"test: rank {rank} killed at training step {step}")
             for gate, late in ((RESTART_AT, 4), (JOIN_AT, 7)):
-                if step == gate:
-                    gates.wait(gates.ready[late], f"rank {late} starting (rank {rank} waits at step {step})")
+                if step == gate and rank != late:
+                    what = f"rank {late}'s admission (rank {rank} waits at step {step})"
+                    gates.wait(gates.ready[late], what)
+                    gates.admitted(ar, late, what)
             opt.zero_grad()
             try:
                 if batch is None:
@@ -466,7 +480,7 @@ def test_a_death_a_restart_and_a_join_in_one_epoch_lose_and_repeat_nothing(loade
                                                  crash_at=crash_at)
             except BaseException as exc:
                 results[name] = exc
-                for event in (*gates.ready.values(), gates.crashed):  # the others fail fast, not by timeout
+                for event in (*gates.ready.values(), gates.crashed, gates.failed):  # the others fail fast
                     event.set()
             finally:
                 if ar is not None:
@@ -492,7 +506,9 @@ def test_a_death_a_restart_and_a_join_in_one_epoch_lose_and_repeat_nothing(loade
     finally:
         if loader_workers:
             stop_fork_server()
-    for name, res in results.items():
-        if isinstance(res, BaseException):
-            raise AssertionError(f"{name} failed: {res!r}") from res
+    failures = {name: res for name, res in results.items() if isinstance(res, BaseException)}
+    if failures:
+        first_failure = next(iter(failures.values()))
+        raise AssertionError("; ".join(f"{name} failed: {res!r}" for name, res in failures.items())) \
+            from first_failure
     check_with_joins({k: v for k, v in results.items() if isinstance(v, Outcome)})
