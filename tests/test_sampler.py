@@ -695,3 +695,31 @@ def test_a_joiner_whose_state_came_without_the_sampler_history_is_told_so() -> N
     opt.last_step = Step(3, (0,), (0,), False)
     with pytest.raises(ConfigError, match="no sampler history in it"):
         s.commit_from(opt)
+
+
+def test_a_history_newer_than_the_joiners_records_skips_the_steps_it_holds() -> None:
+    """Should a state arrive as of a step this joiner has not committed yet, the steps it
+    holds are not committed twice."""
+    opt, s = _waiting()
+    donor = ElasticSampler(100, 4, rank=0, members=range(2))
+    opt.last_step = Step(0, (0, 1), (0, 1), False)
+    s.commit_from(opt)
+    donor.commit(0, (0, 1))
+    donor.commit(1, (0, 1))
+    opt.extra["sampler"][1]({"history": donor.history().to_dict(), "step": 1})
+    opt.last_step = Step(1, (0, 1), (0, 1), False)
+    assert s.commit_from(opt) is None
+    assert s.next_step == 2
+    opt.last_step = Step(2, (0, 1, 5), (0, 1, 5), False)
+    donor.commit(2, (0, 1), (0, 1, 5))
+    s.commit_from(opt)
+    assert s.member
+    assert np.array_equal(s.pending(), donor.pending(5))
+
+
+def test_a_donor_that_never_used_commit_from_cannot_hand_over_its_history() -> None:
+    opt = FakeOpt(0, range(2), syncing=False)
+    s = ElasticSampler.follow(opt, 100, 4)
+    s.commit(0, (0, 1))
+    with pytest.raises(ConfigError, match="none from commit_from"):
+        opt.extra["sampler"][0]()

@@ -598,6 +598,7 @@ class ElasticSampler:
         if not hasattr(self, "_source_step"):  # kept across epochs: the source's steps only grow
             self._source_step: tuple[str, int] | None = None
             self._waiting: list[_Record] | None = None  # a joiner's steps seen before the history came
+            self._history_through = -1  # a joiner: the last training step its restored history holds
             self._lock = threading.Lock()  # the history may be restored on another thread than commit_from's
 
     @classmethod
@@ -623,7 +624,9 @@ class ElasticSampler:
         (registered here as `opt.register_state(name, ...)`), then replays those steps. Its
         first step after the state counts it among the contributors with an empty batch
         (`opt.step(contribute=False)`), so every member's `commit_from` takes it in and it gets
-        a fair share of what is left from the next step on: loop until `sampler.member`."""
+        a fair share of what is left from the next step on: loop until `sampler.member`
+        (stepping an LR scheduler after each opt.step() there too, as the catch-up expects).
+        Every rank must then commit with `commit_from(opt)`."""
         ar = opt.sync.ar
         if opt.syncing:
             config = SamplerConfig(dataset_size=dataset_size, batch_size=batch_size, seed=seed, stable=stable,
@@ -644,6 +647,9 @@ class ElasticSampler:
             if self._epoch_plan is None:
                 raise ConfigError(f"rank {self.rank} was asked for its sampler state while it waits for its own")
             source = self._source_step
+            if source is None and self._plan.last_commit >= 0:
+                raise ConfigError(f"rank {self.rank}'s sampler has commits but none from commit_from(opt): a joiner "
+                                  f"could not tell which training steps its history holds")
             if source is not None and source[0] != "training step":
                 raise ConfigError(f"rank {self.rank}'s sampler follows {source[0]}s (commit_from(ar)); a joiner "
                                   f"follows training steps: use commit_from(opt) on every rank")
@@ -673,6 +679,7 @@ class ElasticSampler:
                                   f"must follow every opt.step())")
             self._epoch_plan = _replayed(history)
             self._waiting = None
+            self._history_through = last  # steps up to here are in the history, should they come after it
             for step, contributors, members, contributed in records:
                 self._commit_record(("training step", step), contributors, members, contributed)
 
@@ -787,6 +794,9 @@ class ElasticSampler:
             if self._source_step is not None and key[0] == self._source_step[0] and key[1] <= self._source_step[1]:
                 raise ConfigError(f"commit_from: {key[0]} {key[1]} is already committed; call it once after each "
                                   f"step")
+            if key[0] == "training step" and key[1] <= self._history_through:
+                self._source_step = key  # a joiner's step that the history it restored already holds
+                return None
             if self._waiting is not None:  # a joiner without its history: replayed when it comes (_restore)
                 if key[0] != "training step":
                     raise ConfigError(f"rank {self.rank} is joining: its sampler follows a DistributedOptimizer "
