@@ -47,6 +47,30 @@ All members must use the same config (size, batch size, seed, stable, horizon, v
 factor): it is part of the history (`EpochHistory.config`), which a joining or restarted rank
 replays (`ElasticSampler.from_history`) to compute its own queue.
 
+Joins, with no messages of their own. A joiner (a restarted rank or a new one, fttree's
+elastic joins) takes part in every step from its admission on, first with uncounted zeros
+until its training state arrives. `ElasticSampler.follow(opt, ...)` puts the sampler's epoch
+history into that state (`opt.register_state`): the donor's history as of the state's step
+and the last training step it holds; the joiner records the outcome of every step it took
+part in (`commit_from`) and, once the history is in, replays those after it, so it computes
+what the members computed. It is no member yet, so its batch is empty at its first step
+counted among the contributors (`opt.step(contribute=False)`); each member's `commit_from`
+sees a contributor outside its view and takes it in at that commit t as a joiner (free part
+of the queues, usable from t + 1). A restarted rank is a joiner whose rank departed earlier
+in the epoch; `committed(rank)` lists both its stays. Until the joiner is a member it does not
+iterate a loader, so no prefetched batch of it has to be honoured; its sampler follows the
+group across an epoch end on its own (the members' `set_epoch(e + 1)` keeps the view):
+
+    sampler = ElasticSampler.follow(opt, len(ds), 100, stable=True, horizon=H)  # every rank
+    while not sampler.member:                 # a joiner: take part with no batch until dealt to
+        opt.zero_grad()
+        opt.step(contribute=False)
+        sampler.commit_from(opt)
+    for epoch in range(sampler.epoch, epochs):
+        if epoch > sampler.epoch:
+            sampler.set_epoch(epoch)
+        for batch in loader: ...              # as below
+
 Use with fttree.DistributedOptimizer (the loader must deliver batches in order: DataLoader's
 default in_order=True). `commit_from(opt)` after each `opt.step()` is the whole integration:
 
@@ -76,6 +100,7 @@ README. With one plain `ar.allreduce` per step, `commit_from(ar)` reads `ar.last
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -98,6 +123,7 @@ from .ring import (
 )
 
 Indices = npt.NDArray[np.int64]
+_Record = tuple[int, tuple[int, ...], tuple[int, ...], bool | None]  # step, contributors, next view, contributed
 _EMPTY: Indices = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -562,38 +588,112 @@ class ElasticSampler:
         self._init(config, rank, epoch, _members(members, "members"))
         self._require_member(f"members {self._plan.members}")
 
-    def _init(self, config: SamplerConfig, rank: int, epoch: int, members: tuple[int, ...]) -> None:
+    def _init(self, config: SamplerConfig, rank: int, epoch: int, members: tuple[int, ...] | None) -> None:
+        """`members` None: no epoch yet (a joiner waiting for the history)."""
         (rank,) = check_ranks([rank], "rank")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
         self.config, self.rank = config, rank
-        self._plan = _Epoch(config, epoch, members)
+        self._epoch_plan: _Epoch | None = None if members is None else _Epoch(config, epoch, members)
         if not hasattr(self, "_source_step"):  # kept across epochs: the source's steps only grow
             self._source_step: tuple[str, int] | None = None
+            self._waiting: list[_Record] | None = None  # a joiner's steps seen before the history came
+            self._history_through = -1  # a joiner: the last training step its restored history holds
+            self._lock = threading.Lock()  # the history may be restored on another thread than commit_from's
 
     @classmethod
     def from_history(cls, history: EpochHistory, *, rank: int) -> ElasticSampler:
         """The sampler of a rank that joins (or restarts) mid-epoch: replays the epoch's
         history, so its queue is what every other member computed for it."""
         self = cls.__new__(cls)
-        self._init(history.config, rank, history.epoch, _members(history.members, "members"))
-        for c in history.commits:
-            if c.step > history.through:
-                raise ConfigError(f"history holds a commit of step {c.step} beyond its last step {history.through}")
-            self._replay_to(c.step - 1)
-            self.commit(c.step, c.contributors, c.members)
-        self._replay_to(history.through)
+        self._init(history.config, rank, history.epoch, None)
+        self._epoch_plan = _replayed(history)
         self._require_member(f"the view after step {history.through}, {self._plan.members}")
         return self
 
-    def _replay_to(self, step: int) -> None:
-        while self._plan.last_commit < step:
-            members = self._plan.members
-            self._plan.commit(self._plan.last_commit + 1, members, members)
+    @classmethod
+    def follow(cls, opt: Any, dataset_size: int, batch_size: int, *, seed: int = 0, stable: bool = False,
+               horizon: int = 0, epoch: int = 0, vnodes: int = DEFAULT_VNODES,
+               load_factor: float = DEFAULT_LOAD_FACTOR, name: str = "sampler") -> ElasticSampler:
+        """The sampler of `opt`'s worker (a DistributedOptimizer), following joins as well as
+        deaths. Every rank calls it alike, members and joiners.
+
+        On a member it is `ElasticSampler(..., rank=ar.rank, members=ar.view.members)`. A
+        joining or restarted worker (`opt.syncing`) has no epoch yet: its sampler records each
+        step's outcome (`commit_from`) until the epoch history arrives with the training state
+        (registered here as `opt.register_state(name, ...)`), then replays those steps. Its
+        first step after the state counts it among the contributors with an empty batch
+        (`opt.step(contribute=False)`), so every member's `commit_from` takes it in and it gets
+        a fair share of what is left from the next step on: loop until `sampler.member`
+        (stepping an LR scheduler after each opt.step() there too, as the catch-up expects).
+        Every rank must then commit with `commit_from(opt)`."""
+        ar = opt.sync.ar
+        if opt.syncing:
+            config = SamplerConfig(dataset_size=dataset_size, batch_size=batch_size, seed=seed, stable=stable,
+                                   horizon=horizon, vnodes=vnodes, load_factor=load_factor)
+            self = cls.__new__(cls)
+            self._init(config, ar.rank, epoch, None)
+            self._waiting = []
+        else:
+            self = cls(dataset_size, batch_size, rank=ar.rank, members=ar.view.members, seed=seed, stable=stable,
+                       horizon=horizon, epoch=epoch, vnodes=vnodes, load_factor=load_factor)
+        opt.register_state(name, self._state, self._restore)
+        return self
+
+    def _state(self) -> dict[str, Any]:
+        """What a joiner takes over (a donor's `register_state` getter): the epoch history and
+        the last training step it holds, so the joiner knows which of its own records follow."""
+        with self._lock:
+            if self._epoch_plan is None:
+                raise ConfigError(f"rank {self.rank} was asked for its sampler state while it waits for its own")
+            source = self._source_step
+            if source is None and self._plan.last_commit >= 0:
+                raise ConfigError(f"rank {self.rank}'s sampler has commits but none from commit_from(opt): a joiner "
+                                  f"could not tell which training steps its history holds")
+            if source is not None and source[0] != "training step":
+                raise ConfigError(f"rank {self.rank}'s sampler follows {source[0]}s (commit_from(ar)); a joiner "
+                                  f"follows training steps: use commit_from(opt) on every rank")
+            return {"history": self.history().to_dict(), "step": -1 if source is None else source[1]}
+
+    def _restore(self, value: Any) -> None:
+        """A joiner's `register_state` setter: replay the donor's history, then every step
+        this worker recorded after it."""
+        with self._lock:
+            if self._waiting is None:
+                raise ConfigError(f"rank {self.rank}: a sampler state arrived, but this sampler already has its "
+                                  f"epoch (only a sampler made by ElasticSampler.follow on a joiner waits for one)")
+            try:
+                history, last = EpochHistory.from_dict(value["history"]), int(value["step"])
+            except (KeyError, TypeError, ValueError) as exc:
+                if isinstance(exc, ConfigError):
+                    raise
+                raise ConfigError(f"rank {self.rank}: not a sampler state: {exc!r}") from exc
+            if history.config != self.config:
+                raise ConfigError(f"rank {self.rank}'s sampler config {self.config} differs from the group's "
+                                  f"{history.config}: every rank must build its sampler alike")
+            records = [r for r in self._waiting if r[0] > last]
+            seen = [r[0] for r in records]
+            if seen != list(range(last + 1, last + 1 + len(seen))):
+                raise ConfigError(f"rank {self.rank}: the sampler history runs through training step {last}, but "
+                                  f"this worker recorded steps {seen} after it while joining (commit_from(opt) "
+                                  f"must follow every opt.step())")
+            self._epoch_plan = _replayed(history)
+            self._waiting = None
+            self._history_through = last  # steps up to here are in the history, should they come after it
+            for step, contributors, members, contributed in records:
+                self._commit_record(("training step", step), contributors, members, contributed)
 
     def _require_member(self, where: str) -> None:
         if self.rank not in self._plan.members:
             raise ConfigError(f"rank {self.rank} is not in {where}")
+
+    @property
+    def _plan(self) -> _Epoch:
+        plan = self._epoch_plan
+        if plan is None:
+            raise ConfigError(f"rank {self.rank} is joining and has no epoch history yet: step with "
+                              f"opt.step(contribute=False) and sampler.commit_from(opt) until sampler.member")
+        return plan
 
     # ---- the epoch -----------------------------------------------------------------------
 
@@ -608,7 +708,8 @@ class ElasticSampler:
 
     @property
     def member(self) -> bool:
-        return self.rank in self._plan.members
+        """This rank is dealt samples from the next step on (False while a joiner waits)."""
+        return self._epoch_plan is not None and self.rank in self._epoch_plan.members
 
     @property
     def next_step(self) -> int:
@@ -673,7 +774,6 @@ class ElasticSampler:
         to all its gradient buckets) or an FTTreeAllreduce (`last`, for loops with one allreduce
         per step). Call it once after each step; every member gets the same outcome from the
         allreduce, so all samplers stay alike with no messages of their own."""
-        step = self.next_step
         if hasattr(source, "last_step"):
             rec = source.last_step
             if rec is None:
@@ -690,10 +790,39 @@ class ElasticSampler:
         else:
             raise ConfigError(f"commit_from takes a DistributedOptimizer, GradientSync or FTTreeAllreduce, "
                               f"not {type(source).__name__}")
-        if self._source_step is not None and key[0] == self._source_step[0] and key[1] <= self._source_step[1]:
-            raise ConfigError(f"commit_from: {key[0]} {key[1]} is already committed; call it once after each step")
+        with self._lock:
+            if self._source_step is not None and key[0] == self._source_step[0] and key[1] <= self._source_step[1]:
+                raise ConfigError(f"commit_from: {key[0]} {key[1]} is already committed; call it once after each "
+                                  f"step")
+            if key[0] == "training step" and key[1] <= self._history_through:
+                self._source_step = key  # a joiner's step that the history it restored already holds
+                return None
+            if self._waiting is not None:  # a joiner without its history: replayed when it comes (_restore)
+                if key[0] != "training step":
+                    raise ConfigError(f"rank {self.rank} is joining: its sampler follows a DistributedOptimizer "
+                                      f"(commit_from(opt)), not {type(source).__name__}")
+                if getattr(source, "syncing", True) is False:
+                    raise ConfigError(f"rank {self.rank} has its training state but no sampler history in it: the "
+                                      f"donor's sampler was not made with ElasticSampler.follow(opt, ...), which "
+                                      f"every rank must use")
+                self._waiting.append((key[1], tuple(contributors), tuple(members), contributed))
+                self._source_step = key
+                return None
+            return self._commit_record(key, contributors, members, contributed)
+
+    def _commit_record(self, key: tuple[str, int], contributors: Collection[int], members: Collection[int],
+                       contributed: bool | None) -> MoveEvent | None:
+        """Commit the next step from one step's outcome. Contributors this sampler has never
+        dealt to are joiners: a rank not in the view had an empty batch, whatever it sent (its
+        own sampler refuses anything else), and takes its share from the next step on."""
+        plan = self._plan
+        if self.rank not in plan.members and plan.last_commit + 1 >= plan.steps:
+            # a joiner not dealt to yet follows the group into its next epoch, as the members'
+            # set_epoch(epoch + 1) does, with the view the epoch ended with
+            self._epoch_plan = plan = _Epoch(self.config, plan.epoch + 1, plan.members)
+        step = plan.last_commit + 1
         if contributed is not None and self.rank in contributors:
-            has_batch = len(self._plan.batch(self.rank, step)) > 0
+            has_batch = len(plan.batch(self.rank, step)) > 0
             if has_batch and not contributed:
                 raise ConfigError(f"rank {self.rank} stepped with contribute=False at step {step} of epoch "
                                   f"{self.epoch}, but its batch there has samples: they would count as trained")
@@ -701,11 +830,14 @@ class ElasticSampler:
                 raise ConfigError(f"rank {self.rank} has no batch at step {step} of epoch {self.epoch} but "
                                   f"contributed gradients: use opt.step(contribute=False), so the average "
                                   f"leaves it out")
-        strangers = sorted(set(contributors) - set(self.members))
-        if strangers:
-            raise ConfigError(f"ranks {strangers} contributed to {key[0]} {key[1]} but are not in this sampler's "
-                              f"view {list(self.members)}: they joined the group, and commit_from does not "
-                              f"follow joins yet (a joiner needs the epoch history: ElasticSampler.from_history)")
+        view = plan.members
+        if not set(contributors).issubset(view):
+            joiners = sorted(set(contributors) - set(view))
+            missing = sorted(set(joiners) - set(members))
+            if missing:
+                raise ConfigError(f"ranks {missing} contributed to {key[0]} {key[1]} but are neither in this "
+                                  f"sampler's view {list(view)} nor in the next view {sorted(members)}")
+            contributors = tuple(r for r in contributors if r in view)
         event = self.commit(step, contributors, members)
         self._source_step = key
         return event
@@ -732,6 +864,25 @@ class ElasticSampler:
         return SamplerStats(epoch=p.epoch, rank=self.rank, member=self.member, members=p.members,
                             step=p.last_commit, steps=p.steps, committed=committed, loads=p.loads(),
                             events=tuple(p.events))
+
+
+def _replayed(history: EpochHistory) -> _Epoch:
+    """The epoch as `history` leaves it: its commits, and "all contributed, same view" between."""
+    plan = _Epoch(history.config, history.epoch, _members(history.members, "members"))
+
+    def fill(upto: int) -> None:
+        while plan.last_commit < upto:
+            plan.commit(plan.last_commit + 1, plan.members, plan.members)
+
+    for c in history.commits:
+        if c.step > history.through:
+            raise ConfigError(f"history holds a commit of step {c.step} beyond its last step {history.through}")
+        fill(c.step - 1)
+        view = plan.members
+        plan.commit(c.step, _same_or_checked(c.contributors, view, "contributors"),
+                    _same_or_checked(c.members, view, "members_next"))
+    fill(history.through)
+    return plan
 
 
 def _same_or_checked(ranks: Collection[int], view: tuple[int, ...], what: str) -> tuple[int, ...]:
