@@ -176,7 +176,8 @@ class Node:
 
     @property
     def neighbours(self) -> tuple[int, ...]:
-        return self.machine.me.all
+        """The ranks this one exchanges frames with, in both trees of the double tree."""
+        return self.machine.peers
 
     # ---- lifecycle (asyncio) ---------------------------------------------------------------
 
