@@ -32,6 +32,16 @@ from what is already summed, so even a protocol bug cannot count a rank twice si
 result is taken once (first DATA_BCAST wins). Messages of retired ops are dropped, never mixed
 into a new op; messages of ops not yet submitted locally are kept until the submit.
 
+Two trees (the double binary tree, Config.double_tree). A step of two or more chunks runs chunk
+c on tree c mod 2: tree 0 is the heap over the view's slot order, tree 1 the heap over the
+reversed order (View.tree), so tree 1's interior ranks are leaves of tree 0 and every rank is
+interior in at most one tree: an interior rank sends 3 x N/2 in its tree and N/2 as a leaf of the
+other, 2N in all, where the single tree's interior ranks send 3N. A one-chunk step has only chunk
+0 and runs on tree 0 exactly as the single tree. Each tree has its own neighbours, subtrees, link
+memory and broken-child set (`_Tree`); an op runs on one tree, and everything above (observers,
+relays, pushes, exactly-once) happens in that tree's family. Frames carry the tree id, checked
+against the rule: workers that differ in `double_tree` fail the op as a mismatch.
+
 Failures are data. A step that cannot finish ends by a deadline: the root gives up after
 `root_timeout_s` and floods ABORT naming the ranks whose contributions never arrived; every
 other node fails at `step_timeout_s` naming what it was waiting for. Tensors of different
