@@ -26,6 +26,7 @@ from fttree.testing.sim import SimNetwork
 
 from .conftest import cluster
 from .test_node_failures import Run, survivors_finished
+from .test_realnet import assert_cut_was_real, netns, run_real  # noqa: F401 (netns is a fixture)
 
 Link = tuple[int, int]
 CHUNK = 64  # bytes: 8 int64 per chunk, so SIZE elements make 4 chunks (2 on each tree)
@@ -344,3 +345,12 @@ def test_seven_workers_over_tcp_get_the_exact_sum_on_the_double_tree(faults: str
                 assert np.array_equal(got, want.astype(np.float32)), f"rank {h.rank} step {step}"
                 assert h.last is not None
                 assert h.last.contributors == tuple(range(7))
+
+
+@pytest.mark.realnet
+@pytest.mark.timeout(180)
+def test_launch_real_cut_of_a_tree_1_link_with_the_double_tree(netns: str) -> None:  # noqa: F811
+    """7 worker processes, 5 chunks a step, the kernel's firewall cutting 5-6 (tree 1's link from
+    rank 5 to its root, a backup link of tree 0) during steps 5..10: every step exact."""
+    run = run_real(netns, "cut 5-6 @5..10", "--chunk-bytes", "16384")  # 20,000 float32: 5 chunks
+    assert_cut_was_real(run, ["5-6"], netns)
