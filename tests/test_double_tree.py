@@ -249,6 +249,24 @@ def test_a_crash_of_a_rank_interior_in_tree_1_leaves_the_survivors_with_one_resu
         assert not machine.trees[1].up.failed
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["restart", "grow"])
+def test_elastic_jobs_with_steps_on_both_trees(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The elastic tests over TCP with 1 KiB chunks (the model's 892 parameters make 4 chunks, so
+    tree 1 carries half of every step). restart: the killed rank's children in tree 1 probe it
+    while it is dead, and those queued probes reach its restarted process, which must not answer
+    them from view 0 (the answer drew the view that left it out). grow: two ranks join together
+    and are linked in tree 1 (the last slots are its top), so a joiner learns its co-joiner's
+    address from its admission."""
+    from . import test_elastic
+
+    monkeypatch.setitem(test_elastic.SETTINGS, "chunk_bytes", 1024)
+    if case == "restart":
+        test_elastic.test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_for_bit()
+    else:
+        test_elastic.test_a_new_rank_grows_the_group()
+
+
 # ---- link memory per tree --------------------------------------------------------------------------
 
 
