@@ -297,6 +297,13 @@ def test_link_memory_of_one_tree_does_not_disturb_the_other() -> None:
     detours = [n for n in later if n.kind is NoteKind.DETOUR]
     assert detours
     assert all(n.link == (a, b) for n in detours)
+    net.heal(a, b)  # tree 1's probes of the uplink are answered again: back in use after the hold
+    net.run(until=net.now + 3.0)
+    assert not machine.trees[1].up.failed
+    back = [(r, n.link, n.text) for r, n in net.notes if n.cause is Cause.LINK_BACK_IN_USE]
+    assert len(back) == 1
+    assert back[0][:2] == (a, (a, b))
+    assert "(tree 1)" in back[0][2]
 
 
 def test_a_link_down_marks_the_uplink_of_the_tree_it_is_the_uplink_of() -> None:
