@@ -40,7 +40,12 @@ def test_uplink_plan_shapes_every_run_and_binds_gloo(tmp_path: Path) -> None:
     runs, _ = b.plan(opts)
     assert {r.kind for r in runs} == {"fttree", "gloo"}
     assert all(r.uplink_bps == 100e6 for r in runs)
-    assert [r.compression for r in runs if r.kind == "fttree"] == ["", "bf16"]
+    # the single tree, the double tree, and bf16 on the double tree
+    assert [(r.compression, r.double_tree) for r in runs if r.kind == "fttree"] == [("", False), ("", True),
+                                                                                     ("bf16", True)]
+    assert "--single-tree" in b.worker_commands(runs[0], tmp_path)[0]
+    assert "--single-tree" not in b.worker_commands(runs[1], tmp_path)[0]
+    assert "double tree" in runs[1].label
     gloo = next(r for r in runs if r.kind == "gloo")
     cmds = b.worker_commands(gloo, tmp_path, bind=True)
     assert [c[c.index("--bind") + 1] for c in cmds] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
@@ -63,7 +68,7 @@ def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
     assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),))
     opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
                           sweep_policies=("static",))
-    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree"]
+    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree" and not r.double_tree]
     cmd = b.worker_commands(ft, tmp_path)[0]
     assert cmd[cmd.index("--set") + 1] == "adaptive_ceiling_s=24"
     assert cmd[cmd.index("--step-timeout") + 1] == "106.0"
@@ -73,9 +78,9 @@ def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
 
 
 def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int], steps: int = 4,
-          compression: str = "") -> b.RunResult:
+          compression: str = "", double: bool = False) -> b.RunResult:
     spec = b.RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",
-                     uplink_bps=100e6, compression=compression)
+                     uplink_bps=100e6, compression=compression, double_tree=double)
     res = b.RunResult(spec=spec, sent_bytes=sent)
     for s in range(steps):
         for r in range(world):
@@ -107,6 +112,31 @@ def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
     assert "Tables 1-2" not in table  # no matrix under --uplink
     data = json.loads(json.dumps(summary.to_json({}, ["fttree", "bench"]), default=str))
     assert len(data["bandwidth"]) == 3
+    pytest.importorskip("matplotlib")
+    assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
+
+
+def test_the_double_tree_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Path) -> None:
+    world, size, steps = 7, 4_000_000, 4
+    n, bound = size * 4, b.ring_bound_bytes(size, world)
+    opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
+                          compressions=("bf16",), sweep_policies=("static",))
+    single = {r: steps * (3 if r in (1, 2) else 2 if r == 0 else 1) * n for r in range(world)}
+    # chunks alternate: interior in one tree 3 x N/2 + N/2 as a leaf of the other
+    double = {r: steps * (2 * n if r in (1, 2, 4, 5) else 3 * n // 2 if r in (0, 6) else n) for r in range(world)}
+    summary = b.Summary(opts=opts, results=[
+        _fake("fttree", world, size, 4.0, single), _fake("fttree", world, size, 2.6, double, double=True),
+        _fake("fttree", world, size, 1.3, {r: v // 2 for r, v in double.items()}, compression="bf16", double=True),
+        _fake("gloo", world, size, 2.3, {r: int(steps * bound) for r in range(world)})], notes=[])
+    assert [name for name, *_ in summary.sweep_systems()] == ["fttree static", "fttree double", "fttree double bf16"]
+    rows = {r["system"]: r for r in summary.bandwidth_rows()}
+    assert rows["fttree double"]["max_bytes"] / bound == pytest.approx(7 / 6)  # the double tree's floor, 2N
+    assert rows["fttree static"]["max_bytes"] / bound == pytest.approx(1.75)
+    table = b.render(summary)
+    assert "ft double" in table
+    assert "(double tree)" in table  # the compression table compares bf16 with float32 on the same tree
+    targets = {text: met for met, text in summary.targets()}
+    assert any("fttree double: busiest rank sends 1.17x" in t and not met for t, met in targets.items())
     pytest.importorskip("matplotlib")
     assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 

@@ -49,6 +49,10 @@ class Config:
 
     # data path
     chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
+    # a step of two or more chunks alternates them between two trees (chunk c on tree c mod 2;
+    # tree 1 is the heap over the reversed slot order), so each rank sends about 2N bytes instead
+    # of 3N; a one-chunk step always runs on tree 0 (protocol.py). False: every chunk on tree 0
+    double_tree: bool = True
     max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
@@ -82,6 +86,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.double_tree, bool):
+            raise ConfigError(f"double_tree must be true or false, got {self.double_tree!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
             raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 

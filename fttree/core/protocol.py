@@ -32,6 +32,16 @@ from what is already summed, so even a protocol bug cannot count a rank twice si
 result is taken once (first DATA_BCAST wins). Messages of retired ops are dropped, never mixed
 into a new op; messages of ops not yet submitted locally are kept until the submit.
 
+Two trees (the double binary tree, Config.double_tree). A step of two or more chunks runs chunk
+c on tree c mod 2: tree 0 is the heap over the view's slot order, tree 1 the heap over the
+reversed order (View.tree), so tree 1's interior ranks are leaves of tree 0 and every rank is
+interior in at most one tree: an interior rank sends 3 x N/2 in its tree and N/2 as a leaf of the
+other, 2N in all, where the single tree's interior ranks send 3N. A one-chunk step has only chunk
+0 and runs on tree 0 exactly as the single tree. Each tree has its own neighbours, subtrees, link
+memory and broken-child set (`_Tree`); an op runs on one tree, and everything above (observers,
+relays, pushes, exactly-once) happens in that tree's family. Frames carry the tree id, checked
+against the rule: workers that differ in `double_tree` fail the op as a mismatch.
+
 Failures are data. A step that cannot finish ends by a deadline: the root gives up after
 `root_timeout_s` and floods ABORT naming the ranks whose contributions never arrived; every
 other node fails at `step_timeout_s` naming what it was waiting for. Tensors of different
@@ -294,12 +304,38 @@ class _UpLink:
 
 
 @dataclass(slots=True)
+class _Tree:
+    """This rank's place in one tree of the double binary tree (tree 0: the heap over the view's
+    slot order; tree 1: over the reversed order, View.tree) and what it remembers about that
+    tree's links: the uplink differs per tree, so does its link memory."""
+
+    tree: int
+    view: View  # the view whose heap is this tree
+    me: Neighbours
+    subtrees: dict[int, frozenset[int]]  # child -> every rank of its subtree
+    up: _UpLink = field(default_factory=_UpLink)
+    down_failed: set[int] = field(default_factory=set)  # children whose link to us is known broken
+
+    @classmethod
+    def build(cls, tree: int, view: View, rank: int) -> _Tree:
+        heap = view.tree(tree)
+        me = heap.neighbours(rank)
+        return cls(tree=tree, view=heap, me=me, subtrees={c: heap.subtree(c) for c in me.children})
+
+    @property
+    def label(self) -> str:
+        """For notes: which tree, when it is not tree 0."""
+        return f" (tree {self.tree})" if self.tree else ""
+
+
+@dataclass(slots=True)
 class _Op:
     """Everything one node knows about one op (step, chunk)."""
 
     step: int
     chunk: int
     epoch: int = 0  # the view it runs in
+    tree: int = 0  # the tree of the double binary tree it runs on (TreeMachine.tree_of)
     submitted: bool = False
     signature: str = ""
     dtype: str = ""
@@ -343,8 +379,7 @@ class TreeMachine:
         self.rank = rank
         self.view = view
         self.cfg = config or Config()
-        self.me: Neighbours = view.neighbours(rank)
-        self._subtrees = {c: view.subtree(c) for c in self.me.children}
+        self.trees: tuple[_Tree, _Tree] = (_Tree.build(0, view, rank), _Tree.build(1, view, rank))
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
         self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
@@ -352,8 +387,6 @@ class TreeMachine:
         self._max_step_submitted = -1
         self._last_abort_at = -float("inf")
         self.timeouts: TimeoutPolicy = self.cfg.make_timeouts()
-        self.up = _UpLink()
-        self.down_failed: set[int] = set()  # children whose link to us is known broken
         self.fenced = False  # a view change is being agreed: take and produce no results
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
         self._wire = COMPRESSIONS[self.cfg.compression] if self.cfg.compression else None
@@ -403,10 +436,7 @@ class TreeMachine:
     def _enter(self, view: View) -> None:
         """This rank's place in `view`; link memory starts over, as the tree changed."""
         self.view = view
-        self.me = view.neighbours(self.rank)
-        self._subtrees = {c: view.subtree(c) for c in self.me.children}
-        self.up = _UpLink()
-        self.down_failed.clear()
+        self.trees = (_Tree.build(0, view, self.rank), _Tree.build(1, view, self.rank))
 
     def _replay_later(self, view: View, now: float, out: list[Action]) -> None:
         """Frames that came before this view was installed here: handled now (those of a later
@@ -456,12 +486,13 @@ class TreeMachine:
             phase = (OpPhase.WAITING if not op.submitted else OpPhase.BROADCAST if op.reduce_sent
                      else OpPhase.REDUCE)
             ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(op.contributors)),
-                                waiting_for=tuple(c for c in self.me.children if c not in op.got_children)))
-        up = self.up
+                                waiting_for=tuple(c for c in self._t(op).me.children if c not in op.got_children)))
+        t = self.trees[0]  # the status page shows tree 0's links (the single tree's)
+        up = t.up
         return MachineStatus(
             rank=self.rank, view=self.view, neighbours=self.me, ops=tuple(ops),
             uplink=UplinkStatus(parent=self.me.parent, failed=up.failed, relays=up.relays, failures=up.failures,
-                                probing=up.failed and up.healthy_since is not None, hold_s=self._heal_hold_s()),
+                                probing=up.failed and up.healthy_since is not None, hold_s=self._heal_hold_s(t)),
             relayed_children=tuple(sorted(self.down_failed)), footprint=self.footprint())
 
     def footprint(self) -> dict[str, int]:
@@ -470,6 +501,42 @@ class TreeMachine:
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
                 "retired": len(self._retired), "early": sum(len(op.early) for op in self._ops.values())}
 
+    # ---- the two trees (double binary tree) --------------------------------------------
+
+    def tree_of(self, chunk: int) -> int:
+        """The tree chunk `chunk` of a step runs on: chunk c on tree c mod 2 with the double tree
+        on, else tree 0. A one-chunk step has only chunk 0, so it always runs on tree 0: small
+        tensors and their fault costs are those of the single tree. Stateless, so a frame that
+        comes before the local submit is checked against the same rule (and `tree` in its header)."""
+        return chunk % 2 if self.cfg.double_tree else 0
+
+    def _t(self, op: _Op) -> _Tree:
+        return self.trees[op.tree]
+
+    @property
+    def me(self) -> Neighbours:
+        """This rank's neighbours in tree 0 (the tree every rank is interior or leaf of as in
+        the single tree; membership watches these)."""
+        return self.trees[0].me
+
+    @property
+    def up(self) -> _UpLink:
+        """Link memory of this rank's uplink in tree 0."""
+        return self.trees[0].up
+
+    @property
+    def down_failed(self) -> set[int]:
+        """Tree 0's children whose link to us is known broken."""
+        return self.trees[0].down_failed
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Every rank this one exchanges frames with: its neighbours in tree 0 and, with the
+        double tree on, in tree 1 too (the transport connects to these at start)."""
+        if not self.cfg.double_tree:
+            return self.trees[0].me.all
+        return tuple(sorted(set(self.trees[0].me.all) | set(self.trees[1].me.all)))
+
     # ---- helpers -----------------------------------------------------------------------
 
     @property
@@ -477,7 +544,8 @@ class TreeMachine:
         return self.cfg.fault_tolerant
 
     def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
-        return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, **kw)  # type: ignore[arg-type]
+        return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
+                       **kw)  # type: ignore[arg-type]
 
     def _data_msg(self, op: _Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
                   **kw: object) -> Message:
@@ -533,7 +601,7 @@ class TreeMachine:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
-        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch)
+        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch, tree=self.tree_of(chunk))
         return op
 
     def _retire(self, op: _Op) -> None:
@@ -566,7 +634,9 @@ class TreeMachine:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
         op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk,
-                                                                    epoch=self.view.epoch))
+                                                                    epoch=self.view.epoch,
+                                                                    tree=self.tree_of(ev.chunk)))
+        t = self._t(op)
         op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
         op.own = op.acc = ev.data
         if ev.contribute:
@@ -575,7 +645,7 @@ class TreeMachine:
             self._emit_failure(op, op.failure, now, out)
             return
         out.append(SetTimer(key=self._timer(TimerKind.DEADLINE, op), at=now + self.cfg.step_timeout_s))
-        if self.me.parent is None and self.me.children:
+        if t.me.parent is None and t.me.children:
             # After an abort, a rank that never heard of it leaves that step only at its own
             # deadline, up to step_timeout - root_give_up after us; wait for it as long as for
             # anyone from then on, or one lost step would abort the next one too.
@@ -614,12 +684,13 @@ class TreeMachine:
         op.contributors.update(msg.contributors)
 
     def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
-        if not op.submitted or op.reduce_sent or op.done or len(op.got_children) < len(self.me.children):
+        t = self._t(op)
+        if not op.submitted or op.reduce_sent or op.done or len(op.got_children) < len(t.me.children):
             return
         assert op.acc is not None
         op.reduce_sent = True
         contributors = tuple(sorted(op.contributors))
-        parent = self.me.parent
+        parent = t.me.parent
         if parent is None:  # the root: its subtree sum is the result
             if self.fenced:
                 op.reduce_sent = False  # a view change is being agreed: no result of this view now
@@ -638,11 +709,11 @@ class TreeMachine:
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             self._finish(op, now, out)
             return
-        if self._ft and self.up.failed and self.up.relays:
+        if self._ft and t.up.failed and t.up.relays:
             # link memory: straight to every backup, no timeout to pay. Both, because we cannot
             # tell which of them still reaches our parent; the parent adds the first copy only.
             op.rerouted = op.rerouted_planned = True
-            for relay in self.up.relays:
+            for relay in t.up.relays:
                 out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
                                                               contributors, origin=self.rank, target=parent,
                                                               planned=True)))
@@ -650,7 +721,7 @@ class TreeMachine:
             out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op), contributors,
                                                            origin=self.rank)))
         if self._ft:
-            for observer in (self.me.brother, self.me.uncle):
+            for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
                     out.append(Send(dst=observer, msg=self._msg(op, Kind.META_REDUCE_SENT,
                                                                 origin=self.rank, target=parent)))
@@ -668,18 +739,24 @@ class TreeMachine:
         if msg.kind is Kind.CATCHUP:
             self._on_catchup(msg, now, out)
             return
-        if msg.src not in self.me.all:
+        probe = msg.kind in (Kind.PROBE, Kind.PROBE_ACK)
+        tree = msg.tree if probe else self.tree_of(msg.chunk)  # a probe is about the uplink of its tree
+        if msg.tree != tree or (probe and tree and not self.cfg.double_tree):
+            self._tree_mismatch(msg, tree, now, out)
+            return
+        t = self.trees[tree]
+        if msg.src not in t.me.all:
             out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
-                            text=f"dropped {msg.kind.name} from rank {msg.src}, not a tree neighbour"))
+                            text=f"dropped {msg.kind.name} from rank {msg.src}, not a neighbour in tree {tree}"))
             return
         if msg.kind is Kind.PROBE:
-            if msg.src in self.me.children:
-                ack = Message(kind=Kind.PROBE_ACK, src=self.rank, epoch=self.view.epoch, step=msg.step)
+            if msg.src in t.me.children:
+                ack = Message(kind=Kind.PROBE_ACK, src=self.rank, epoch=self.view.epoch, step=msg.step, tree=tree)
                 out.append(Send(dst=msg.src, msg=ack))
             return
         if msg.kind is Kind.PROBE_ACK:
-            if msg.src == self.me.parent:
-                self._on_probe_ack(now, out)
+            if msg.src == t.me.parent:
+                self._on_probe_ack(t, now, out)
             return
         op = self._get_op(msg.step, msg.chunk, out, msg.src)
         if op is None:
@@ -714,29 +791,49 @@ class TreeMachine:
                 codes = {c.value for c in AbortCode}
                 code = AbortCode(msg.code) if msg.code in codes else AbortCode.UNREACHABLE
                 reason, peers = msg.reason, msg.missing
-                waiting = sorted(set(self.me.children) - op.got_children)
+                waiting = sorted(set(t.me.children) - op.got_children)
                 if op.submitted and not op.reduce_sent and waiting:
                     reason += f"; rank {self.rank} was still waiting for children {waiting}"
                     peers = tuple(waiting)
-                elif op.reduce_sent and self.me.parent is not None and op.result is None:
-                    reason += f"; rank {self.rank} had sent its subtree sum to rank {self.me.parent}"
+                elif op.reduce_sent and t.me.parent is not None and op.result is None:
+                    reason += f"; rank {self.rank} had sent its subtree sum to rank {t.me.parent}"
                 self._abort(op, code, reason, peers, now, out, remote=msg.src)
             case _:
                 out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
+
+    def _tree_mismatch(self, msg: Message, tree: int, now: float, out: list[Action]) -> None:
+        """A frame names another tree than this rank's rule gives for its op: the workers differ
+        in `double_tree` (or a peer is broken). Like a tensor mismatch, the op fails everywhere
+        with both sides in the reason; a probe, which belongs to no op, is dropped."""
+        known = set(self.trees[0].me.all) | set(self.trees[1].me.all)
+        if msg.src not in known:
+            self._protocol(out, msg, f"tree {msg.tree} from a rank that is no neighbour in either tree")
+            return
+        if msg.kind in (Kind.PROBE, Kind.PROBE_ACK):
+            self._protocol(out, msg, f"a probe of tree {msg.tree}, but double_tree is off on rank {self.rank}")
+            return
+        op = self._get_op(msg.step, msg.chunk, out, msg.src)
+        if op is None or op.epoch != msg.epoch:
+            return
+        reason = (f"tree mismatch: rank {msg.src} runs step {msg.step} chunk {msg.chunk} on tree {msg.tree}, "
+                  f"rank {self.rank} on tree {tree} (double_tree={self.cfg.double_tree} here; every worker "
+                  f"must use the same double_tree setting)")
+        self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out, remote=msg.src)
 
     def _protocol(self, out: list[Action], msg: Message, why: str) -> None:
         out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                         text=f"dropped {msg.kind.name} from rank {msg.src}: {why}"))
 
     def _on_data_reduce(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         origin = msg.origin
-        if origin not in self._subtrees:
+        if origin not in t.subtrees:
             return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.rank}")
-        if msg.src != origin and msg.src not in (self.me.brother, *self.me.children):
+        if msg.src != origin and msg.src not in (t.me.brother, *t.me.children):
             return self._protocol(out, msg, f"rank {msg.src} cannot relay for rank {origin}")
         if msg.src == origin:  # any direct copy, even a late duplicate, proves the link works
-            self.down_failed.discard(origin)
+            t.down_failed.discard(origin)
         if op.done:
             return
         if origin in op.got_children:
@@ -745,7 +842,7 @@ class TreeMachine:
             return
         contributors = set(msg.contributors)
         # (empty is allowed: a joiner still receiving its state takes part without contributing)
-        if not contributors <= self._subtrees[origin] or contributors & op.contributors:
+        if not contributors <= t.subtrees[origin] or contributors & op.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
         if not self._matches(op, msg, now, out):
@@ -764,19 +861,20 @@ class TreeMachine:
             else:
                 out.append(Note(step=op.step, cause=Cause.DATA_CAME_AROUND, peer=origin, link=(origin, self.rank),
                                 text=f"step {op.step}: data {origin}->{self.rank} lost, forwarded by {msg.src}"))
-            self.down_failed.add(origin)
+            t.down_failed.add(origin)
             op.relayed_children[origin] = msg.src
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
-            for observer in (self.me.brother, *self.me.children):
+            for observer in (t.me.brother, *t.me.children):
                 if observer is not None and observer != origin:
                     out.append(Send(dst=observer, msg=confirm))
         self._maybe_send_up(op, now, out)
         return None
 
     def _on_meta_reduce_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         origin = msg.src
-        watched = self.view.neighbours(origin)
+        watched = t.view.neighbours(origin)
         if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
         if origin in op.reduce_confirmed or not self._ft:
@@ -788,34 +886,37 @@ class TreeMachine:
         return None
 
     def _on_meta_reduce_request(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         if op.result is not None:
             return None  # holding the result proves our sum reached the root already
-        if not op.reduce_sent or op.acc is None or self.me.parent is None:
+        if not op.reduce_sent or op.acc is None or t.me.parent is None:
             return self._protocol(out, msg, "nothing sent yet to relay")
         if msg.src not in op.requested_by:
             op.requested_by.append(msg.src)
         contributors = tuple(sorted(op.contributors))
         out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op), contributors,
-                                                        origin=self.rank, target=self.me.parent)))
+                                                        origin=self.rank, target=t.me.parent)))
         if op.rerouted and not op.sent_direct:
             # Our sum went around our uplink and an observer still sees no sign of it at the
             # parent: the way around is not getting through (the relay's own uplink may be cut
             # too). Try the direct link as well; the parent adds whichever copy comes first.
             op.sent_direct = True
-            out.append(Send(dst=self.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op),
+            out.append(Send(dst=t.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op),
                                                                    contributors, origin=self.rank)))
         return None
 
     def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
+        t = self._t(op)
         origin = msg.src
-        watched = self.view.neighbours(origin)
+        watched = t.view.neighbours(origin)
         if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
         op.relayed_for.add(origin)
         if msg.planned:
             op.detoured_for.add(origin)
         out.append(Send(dst=msg.target, msg=Message(
-            kind=Kind.DATA_REDUCE, src=self.rank, epoch=msg.epoch, step=op.step, chunk=op.chunk, origin=origin,
+            kind=Kind.DATA_REDUCE, src=self.rank, epoch=msg.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
+            origin=origin,
             contributors=msg.contributors, dtype=msg.dtype, numel=msg.numel,
             signature=msg.signature, planned=msg.planned, payload=msg.payload)))
         if msg.planned:
@@ -830,7 +931,8 @@ class TreeMachine:
         return None
 
     def _on_data_bcast(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
-        if msg.src not in (self.me.parent, self.me.brother, self.me.uncle):
+        t = self._t(op)
+        if msg.src not in (t.me.parent, t.me.brother, t.me.uncle):
             return self._protocol(out, msg, "only parent, brother or uncle send results")
         if self.fenced:  # a view change is being agreed; what we reported held is final
             out.append(Note(step=op.step, cause=Cause.STALE_DROPPED, peer=msg.src,
@@ -846,13 +948,13 @@ class TreeMachine:
             return None
         self._take_result(op, msg)
         op.result_contributors = msg.contributors
-        if msg.src != self.me.parent and op.requested_by:
+        if msg.src != t.me.parent and op.requested_by:
             # Our sum needed a relay AND the result came around too: the link to the parent is
             # down both ways. A request alone is no proof (an observer cut off from our parent
             # asks in vain), so only both together make later steps route around it.
-            self._mark_up_failed(f"step {op.step} needed relays both ways", now, out)
-        if msg.src != self.me.parent:
-            parent = self.me.parent
+            self._mark_up_failed(t, f"step {op.step} needed relays both ways", now, out)
+        if msg.src != t.me.parent:
+            parent = t.me.parent
             uplink = None if parent is None else (self.rank, parent)
             if op.rerouted_planned:
                 out.append(Note(step=op.step, cause=Cause.DETOUR, peer=msg.src, link=uplink,
@@ -865,8 +967,9 @@ class TreeMachine:
         return None
 
     def _on_meta_bcast_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         target = msg.target
-        watched = self.view.neighbours(target) if target in self.view else None
+        watched = t.view.neighbours(target) if target in self.view else None
         if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
             return self._protocol(out, msg, "not an observer of that link")
         if target in op.bcast_confirmed or not self._ft:
@@ -902,10 +1005,11 @@ class TreeMachine:
     # ---- finishing ---------------------------------------------------------------------
 
     def _push_result(self, op: _Op, dst: int, out: list[Action], why: str) -> None:
+        t = self._t(op)
         assert op.result is not None
         out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
                                                     op.result_contributors)))
-        parent = self.view.neighbours(dst).parent
+        parent = t.view.neighbours(dst).parent
         link = None if parent is None else (dst, parent)
         if dst in op.detoured_for:
             out.append(Note(step=op.step, cause=Cause.DETOUR, peer=dst, link=link,
@@ -917,12 +1021,13 @@ class TreeMachine:
 
     def _finish(self, op: _Op, now: float, out: list[Action]) -> None:
         """We hold the result: hand it up to the user and pass it down the tree."""
+        t = self._t(op)
         assert op.result is not None
         op.done = True
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
-        for child in self.me.children:
-            if self._ft and self.cfg.link_memory and self.me.brother is not None \
-                    and op.relayed_children.get(child) == self.me.brother:
+        for child in t.me.children:
+            if self._ft and self.cfg.link_memory and t.me.brother is not None \
+                    and op.relayed_children.get(child) == t.me.brother:
                 # This op's data from it came around a broken link through our brother (its
                 # uncle), who gets the result from our parent and pushes it on. A relay that is
                 # our own child gets the result only from us: never skip for that one, or two
@@ -931,19 +1036,19 @@ class TreeMachine:
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
                                                           op.result_contributors)))
         if self._ft:
-            for observer in (self.me.brother, self.me.uncle):
+            for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
                     out.append(Send(dst=observer, msg=self._msg(op, Kind.META_BCAST_RECEIVED)))
-            for child in self.me.children:
+            for child in t.me.children:
                 sent = self._msg(op, Kind.META_BCAST_SENT, target=child)
-                for observer in (self.me.brother, *self.me.children):
+                for observer in (t.me.brother, *t.me.children):
                     if observer is not None and observer != child:
                         out.append(Send(dst=observer, msg=sent))
             for k in sorted(op.relayed_for | op.bcast_pending):
                 if k not in op.bcast_confirmed:
                     self._push_result(op, k, out, "its primary link failed")
             op.bcast_pending.clear()
-        if self.me.parent is not None:
+        if t.me.parent is not None:
             op.acc = op.acc_wire = None  # our sum is in the result now; drop the buffer early (see linger_s)
         view = op.result.view()
         view.flags.writeable = False
@@ -960,6 +1065,7 @@ class TreeMachine:
     def _abort(self, op: _Op, code: AbortCode, reason: str, peers: tuple[int, ...], now: float,
                out: list[Action], *, remote: int = -1) -> None:
         """Fail the op here and flood ABORT to every neighbour so no one waits for a deadline."""
+        t = self._t(op)
         if op.aborted:
             return
         op.aborted = True
@@ -971,7 +1077,7 @@ class TreeMachine:
             else:
                 op.failure = failure
         abort = self._msg(op, Kind.ABORT, reason=reason, missing=peers, code=int(code))
-        for peer in self.me.all:
+        for peer in t.me.all:
             if peer != remote:
                 out.append(Send(dst=peer, msg=abort))
 
@@ -979,7 +1085,8 @@ class TreeMachine:
 
     def _on_timer(self, key: TimerKey, now: float, out: list[Action]) -> None:
         if key.kind is TimerKind.PROBE:
-            self._probe(now, out)
+            if key.chunk in (0, 1):
+                self._probe(self.trees[key.chunk], now, out)
             return
         op = self._ops.get((key.step, key.chunk))
         if op is None or op.epoch != key.epoch:
@@ -996,7 +1103,7 @@ class TreeMachine:
                 if not op.done and not op.reduce_sent:
                     missing = tuple(sorted(set(self.view.members) - op.contributors
                                            - {r for m in op.early for r in m.contributors}))
-                    waiting = sorted(set(self.me.children) - op.got_children)
+                    waiting = sorted(set(self._t(op).me.children) - op.got_children)
                     reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
                               f"(root still waiting for the subtree sums of children {waiting})")
                     self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
@@ -1007,10 +1114,11 @@ class TreeMachine:
                     self._retire(op)
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         if origin in op.reduce_confirmed or op.result is not None or op.done:
             return  # holding the result proves every subtree sum reached the root
         tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
-        parent = self.view.neighbours(origin).parent
+        parent = t.view.neighbours(origin).parent
         assert parent is not None
         op.watch_fired.add((Phase.REDUCE, origin))
         self.timeouts.timed_out((origin, parent, Phase.REDUCE))
@@ -1024,10 +1132,11 @@ class TreeMachine:
             out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
 
     def _bcast_watch_fired(self, op: _Op, target: int, now: float, out: list[Action]) -> None:
+        t = self._t(op)
         if target in op.bcast_confirmed:
             return
         tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
-        parent = self.view.neighbours(target).parent
+        parent = t.view.neighbours(target).parent
         assert parent is not None
         op.watch_fired.add((Phase.BCAST, target))
         self.timeouts.timed_out((parent, target, Phase.BCAST))
@@ -1044,7 +1153,8 @@ class TreeMachine:
             out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
 
     def _deadline(self, op: _Op, now: float, out: list[Action]) -> None:
-        me = self.me
+        t = self._t(op)
+        me = t.me
         if not op.reduce_sent:
             waiting = tuple(sorted(set(me.children) - op.got_children))
             reason = (f"rank {self.rank} got no subtree sum from children {list(waiting)} "
@@ -1063,75 +1173,86 @@ class TreeMachine:
     def _sample(self, op: _Op, phase: Phase, peer: int, now: float) -> None:
         """A confirmation arrived: feed the watch's duration to the timeout policy (Karn: not
         if the watch already fired)."""
+        t = self._t(op)
         started = op.watch_started.pop((phase, peer), None)
         if started is None or (phase, peer) in op.watch_fired:
             return
-        parent = self.view.neighbours(peer).parent
+        parent = t.view.neighbours(peer).parent
         if parent is not None:
             self.timeouts.observe((peer, parent, phase), now - started[0], started[1])
 
-    def _heal_hold_s(self) -> float:
-        return float(min(self.cfg.heal_after_s * 2.0 ** max(0, self.up.failures - 1), self.cfg.max_heal_after_s))
+    def _heal_hold_s(self, t: _Tree) -> float:
+        return float(min(self.cfg.heal_after_s * 2.0 ** max(0, t.up.failures - 1), self.cfg.max_heal_after_s))
 
-    def _mark_up_failed(self, why: str, now: float, out: list[Action]) -> None:
-        parent = self.me.parent
+    def _mark_up_failed(self, t: _Tree, why: str, now: float, out: list[Action]) -> None:
+        parent = t.me.parent
         if not self._ft or not self.cfg.link_memory or parent is None:
             return
-        if self.up.failed:
-            self.up.healthy_since = None  # still failing: the healthy run starts over
+        if t.up.failed:
+            t.up.healthy_since = None  # still failing: the healthy run starts over
             return
-        relays = tuple(r for r in (self.me.brother, self.me.uncle) if r is not None)
+        relays = tuple(r for r in (t.me.brother, t.me.uncle) if r is not None)
         if not relays:
             return
-        self.up = _UpLink(failed=True, relays=relays, failures=self.up.failures + 1)
+        t.up = _UpLink(failed=True, relays=relays, failures=t.up.failures + 1)
         out.append(Note(step=self._max_step_submitted, cause=Cause.LINK_MARKED_FAILED, peer=parent,
                         link=(self.rank, parent),
                         text=f"link {self.rank}->{parent} marked failed ({why}); routing through "
-                             f"rank {self.up.via} "
-                             f"until it answers probes for {self._heal_hold_s():g} s"))
-        out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
+                             f"rank {t.up.via} "
+                             f"until it answers probes for {self._heal_hold_s(t):g} s{t.label}"))
+        out.append(SetTimer(key=self._probe_key(t), at=now + self.cfg.probe_interval_s))
 
-    def _probe(self, now: float, out: list[Action]) -> None:
-        parent = self.me.parent
-        if not self.up.failed or parent is None:
+    def _probe_key(self, t: _Tree) -> TimerKey:
+        """The probe timer of tree `t`'s uplink (`chunk` holds the tree: the uplinks differ)."""
+        return TimerKey(TimerKind.PROBE, -1, t.tree, -1 if t.me.parent is None else t.me.parent)
+
+    def _probe(self, t: _Tree, now: float, out: list[Action]) -> None:
+        parent = t.me.parent
+        if not t.up.failed or parent is None:
             return
-        if self.up.probe_sent_at is not None:  # the last probe got no answer
-            self.up.healthy_since = None
-        self.up.probe_sent_at = now
+        if t.up.probe_sent_at is not None:  # the last probe got no answer
+            t.up.healthy_since = None
+        t.up.probe_sent_at = now
         step = max(self._max_step_submitted, 0)  # so step-windowed faults apply to probes too
-        out.append(Send(dst=parent, msg=Message(kind=Kind.PROBE, src=self.rank, epoch=self.view.epoch, step=step)))
-        out.append(SetTimer(key=TimerKey(TimerKind.PROBE, -1, 0, parent), at=now + self.cfg.probe_interval_s))
+        out.append(Send(dst=parent, msg=Message(kind=Kind.PROBE, src=self.rank, epoch=self.view.epoch, step=step,
+                                                tree=t.tree)))
+        out.append(SetTimer(key=self._probe_key(t), at=now + self.cfg.probe_interval_s))
 
-    def _on_probe_ack(self, now: float, out: list[Action]) -> None:
-        if not self.up.failed:
+    def _on_probe_ack(self, t: _Tree, now: float, out: list[Action]) -> None:
+        if not t.up.failed:
             return
-        self.up.probe_sent_at = None
-        if self.up.healthy_since is None:
-            self.up.healthy_since = now
-        elif now - self.up.healthy_since >= self._heal_hold_s():
-            held = now - self.up.healthy_since
-            self.up = _UpLink(failures=self.up.failures)
-            parent = self.me.parent
+        t.up.probe_sent_at = None
+        if t.up.healthy_since is None:
+            t.up.healthy_since = now
+        elif now - t.up.healthy_since >= self._heal_hold_s(t):
+            held = now - t.up.healthy_since
+            t.up = _UpLink(failures=t.up.failures)
+            parent = t.me.parent
             out.append(Note(step=self._max_step_submitted, cause=Cause.LINK_BACK_IN_USE,
                             peer=-1 if parent is None else parent, link=None if parent is None else (self.rank, parent),
                             text=f"link {self.rank}->{parent} answered probes for {held:.2f} s: "
-                                 f"back in use"))
+                                 f"back in use{t.label}"))
 
     def _on_link_down(self, peer: int, reason: str, now: float, out: list[Action]) -> None:
         """A refused or reset connection: act now instead of waiting for a watch to expire."""
         if not self._ft:
             return
-        if peer in self.me.children:
-            self.down_failed.add(peer)
+        for t in self.trees[:2 if self.cfg.double_tree else 1]:  # the peer may be a neighbour in both
+            self._link_down_in(t, peer, reason, now, out)
+
+    def _link_down_in(self, t: _Tree, peer: int, reason: str, now: float, out: list[Action]) -> None:
+        if peer in t.me.children:
+            t.down_failed.add(peer)
             return
-        if peer != self.me.parent:
+        if peer != t.me.parent:
             return
-        relays = [r for r in (self.me.brother, self.me.uncle) if r is not None]
+        relays = [r for r in (t.me.brother, t.me.uncle) if r is not None]
         if not relays:
             return
-        self._mark_up_failed(f"connection to rank {peer} failed: {reason}", now, out)
+        self._mark_up_failed(t, f"connection to rank {peer} failed: {reason}", now, out)
         for op in self._ops.values():
-            if op.reduce_sent and op.result is None and not op.done and not op.rerouted and op.acc is not None:
+            if op.tree == t.tree and op.reduce_sent and op.result is None and not op.done and not op.rerouted \
+                    and op.acc is not None:
                 op.rerouted = True
                 for relay in relays:
                     out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),

@@ -4,6 +4,11 @@ The tree is a binary heap of *slots* (topology.py); `View.members[slot]` is the 
 slot, so a rank is no longer its heap position and the group can shrink or grow by installing a
 new view. Op ids and wire headers carry the epoch: a message of another view never mixes into
 this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in slot r.
+
+Large steps run on two trees (the double binary tree, protocol.py): tree 0 ("A") is the heap
+over `members`, tree 1 ("B") the heap over `members` reversed (`View.tree(1)`). A heap's
+interior slots are 0 .. p//2 - 1, so B's interior ranks are A's last p//2 slots, all leaves of
+A: every rank is interior in at most one tree.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class View:
     members: tuple[int, ...]  # members[slot] = rank; slot 0 is the root
     _slot: dict[int, int] = field(init=False, repr=False, compare=False)
     _neighbours: dict[int, Neighbours] = field(init=False, repr=False, compare=False)
+    _mirror: list[View] = field(init=False, repr=False, compare=False)  # tree 1's view, built once
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -30,6 +36,7 @@ class View:
             raise ConfigError(f"view {self.epoch} members {list(self.members)} must be distinct ranks >= 0")
         object.__setattr__(self, "_slot", {rank: slot for slot, rank in enumerate(self.members)})
         object.__setattr__(self, "_neighbours", {})
+        object.__setattr__(self, "_mirror", [])
 
     @classmethod
     def initial(cls, world: int) -> View:
@@ -68,6 +75,17 @@ class View:
                 brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at[s] for s in slots.nephews),
                 height=slots.height, depth=slots.depth)
         return found
+
+    def tree(self, tree: int) -> View:
+        """The view whose heap is tree `tree` of the double binary tree: this one for tree 0,
+        the same members in reversed slot order (same epoch) for tree 1."""
+        if tree == 0:
+            return self
+        if tree != 1:
+            raise ConfigError(f"tree {tree} does not exist (the double binary tree has trees 0 and 1)")
+        if not self._mirror:
+            self._mirror.append(View(self.epoch, tuple(reversed(self.members))))
+        return self._mirror[0]
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
         """The next view: `dead` removed, each hole filled by the member in the last slot (a heap

@@ -178,7 +178,8 @@ class Node:
 
     @property
     def neighbours(self) -> tuple[int, ...]:
-        return self.machine.me.all
+        """The ranks this one exchanges frames with, in both trees of the double tree."""
+        return self.machine.peers
 
     # ---- lifecycle (asyncio) ---------------------------------------------------------------
 
@@ -201,7 +202,11 @@ class Node:
         await self._connect_neighbours(end)
 
     async def _connect_neighbours(self, end: float) -> None:
-        peers = sorted(self.neighbours)
+        # Tree 0's neighbours, as always; tree 1's (the double tree) too where their address is
+        # known, so a first big step finds them listening. A joiner may not know a rank that
+        # joined with it: that link connects when first used, once the address is learnt.
+        tree0 = set(self.machine.me.all)
+        peers = sorted(r for r in self.neighbours if r in tree0 or self.transport.address_of(r))
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.transport.status().address, peers)
         await self.transport.wait_for_peers(peers, max(0.5, end - self.scheduler.now()))
         self.started = True
@@ -357,7 +362,12 @@ class Node:
         if msg.kind in (Kind.JOIN, Kind.JOIN_REPLY):
             self._on_join_message(msg)
             return
-        if self.joining and self.joined_at is None:  # not in the group yet: keep what comes early
+        if (self.joining and self.joined_at is None) or not (self.started or self.joining):
+            # Not in the group yet (a joiner), or not sure yet whether a group runs (a start
+            # asking its peers): keep what comes early. A restarted process may be handed frames
+            # its previous incarnation's peers had queued (probes of its children, relays): they
+            # must not be answered from view 0 as if this were the first start, or the answer,
+            # stale to the members, draws the view that left this rank out.
             if msg.kind not in VIEW_KINDS and len(self._early) < self.cfg.max_ops_ahead:
                 self._early.append(msg)
             return
@@ -411,7 +421,7 @@ class Node:
             members = self.membership.view.members
             reply = Message(kind=Kind.JOIN_REPLY, src=self.rank, code=0 if running else 2,
                             epoch=self.membership.view.epoch, members=members,
-                            reason=",".join(f"{r}={self.transport.address_of(r)}" for r in members))
+                            reason=self._addresses(members))
             self.transport.send(msg.src, reply)
             return
         if self.stopped is not None:
@@ -422,6 +432,17 @@ class Node:
         self._candidates[msg.src] = msg.incarnation
         self._learn_address(msg)
         self._member(ControlReceived(msg=msg))
+
+    def _addresses(self, ranks: Iterable[int]) -> str:
+        """Where `ranks` listen, as JOIN_REPLY carries it: "rank=host:port,..." ("" if unknown)."""
+        return ",".join(f"{r}={self.transport.address_of(r)}" for r in ranks)
+
+    def _learn_addresses(self, text: str) -> None:
+        for item in text.split(","):  # where the members listen
+            rank, _, address = item.partition("=")
+            with contextlib.suppress(ValueError, ConfigError):
+                if int(rank) != self.rank and address:
+                    self.transport.add_peer(int(rank), parse_address(address))
 
     def _learn_address(self, msg: Message) -> None:
         """A rank that was not in the first peers list is reachable at the address it sent."""
@@ -440,12 +461,10 @@ class Node:
             return
         if msg.code == 0:
             self._group = (msg.epoch, msg.members)
-            for item in msg.reason.split(","):  # where the members listen
-                rank, _, address = item.partition("=")
-                with contextlib.suppress(ValueError, ConfigError):
-                    if int(rank) != self.rank and address:
-                        self.transport.add_peer(int(rank), parse_address(address))
+            self._learn_addresses(msg.reason)
         elif msg.code == 1 and self.rank in msg.members:
+            # the admitting member's address book: ranks that joined with us (tree 1 links them)
+            self._learn_addresses(msg.reason)
             view = View(msg.epoch, msg.members)
             self.machine = TreeMachine(self.rank, view, self.cfg)
             self.machine.start_at(msg.step)
@@ -478,7 +497,8 @@ class Node:
         self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
         for r in inst.joined:
             self.transport.send(r, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=1, epoch=inst.view.epoch,
-                                           members=inst.view.members, step=first_step, user_step=inst.activate_at))
+                                           members=inst.view.members, step=first_step, user_step=inst.activate_at,
+                                           reason=self._addresses(inst.view.members)))
         for listener in self.view_listeners:
             listener(inst)
 

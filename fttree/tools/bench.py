@@ -170,6 +170,7 @@ class RunSpec:
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
     compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
+    double_tree: bool = False  # fttree: a step's chunks alternate between two trees; False: the single tree
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
 
@@ -181,6 +182,8 @@ class RunSpec:
         what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
         if self.kind == "fttree" and not self.link_memory:
             what += " no-link-memory"
+        if self.kind == "fttree" and self.double_tree:
+            what += " double tree"
         if self.compression:
             what += f" {self.compression}"
         where = f", uplinks {format_rate(self.uplink_bps)}" if self.uplink_bps else ""
@@ -371,6 +374,8 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args.append("--no-link-memory")
     if spec.kind == "fttree" and spec.compression:
         args += ["--compression", spec.compression]
+    if not spec.double_tree:  # always explicit: the API's default is the double tree
+        args.append("--single-tree")
     for field_name, value in spec.settings:
         args += ["--set", f"{field_name}={value}"]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
@@ -640,6 +645,7 @@ class BenchOptions:
     sweep_policies: tuple[str, ...] = ("static",)
     uplink: str = ""  # every rank's uplink (tc rate, e.g. 100mbit): runs in a namespace under uplink.sh
     compressions: tuple[str, ...] = ()  # extra fttree sweep runs with these wire compressions
+    double_tree: bool = True  # the sweep also runs fttree on the double tree (compressed runs too, then)
 
     @property
     def uplink_bps(self) -> float:
@@ -681,7 +687,8 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
     return steps, "; ".join(rules), tuple(windows), skipped
 
 
-def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str) -> RunSpec:
+def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str,
+               double_tree: bool = False) -> RunSpec:
     """One fttree point of the size sweep (timeouts scaled to the uplinks, if any)."""
     warmup, measured = sweep_steps(size)
     timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
@@ -692,7 +699,7 @@ def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compressi
     return RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
                    timeout_s=timeout_s, policy=policy, purpose="sweep", compression=compression,
                    step_timeout_s=step_timeout_s, chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory,
-                   uplink_bps=opts.uplink_bps, settings=settings)
+                   uplink_bps=opts.uplink_bps, settings=settings, double_tree=double_tree)
 
 
 def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
@@ -727,8 +734,11 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
                 if size == opts.size and world in opts.workers and pol in policies:
                     continue  # the matrix runs measure this point already
                 runs.append(_sweep_run(opts, world, size, pol, ""))
+            first_policy = (sweep_policies or ["static"])[0]
+            if opts.double_tree:
+                runs.append(_sweep_run(opts, world, size, first_policy, "", double_tree=True))
             for comp in opts.compressions:
-                runs.append(_sweep_run(opts, world, size, (sweep_policies or ["static"])[0], comp))
+                runs.append(_sweep_run(opts, world, size, first_policy, comp, double_tree=opts.double_tree))
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
                                     purpose="sweep", uplink_bps=bps))
@@ -802,11 +812,11 @@ class Summary:
 
     def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
              policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep"),
-             compression: str = "") -> RunResult | None:
+             compression: str = "", double: bool = False) -> RunResult | None:
         for r in self.results:
             s = r.spec
             if (s.kind == kind and s.world == world and s.size == size and s.purpose in purposes
-                    and s.compression == compression
+                    and s.compression == compression and (kind != "fttree" or s.double_tree == double)
                     and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s
                          or bool(s.uplink_bps and s.purpose == "sweep"))  # timeouts scaled to the uplinks
                     and (kind != "fttree" or s.policy == policy)):
@@ -814,15 +824,16 @@ class Summary:
         return None
 
     def nofault(self, kind: str, world: int, size: int, policy: str = "static",
-                compression: str = "") -> float | None:
+                compression: str = "", double: bool = False) -> float | None:
         """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
         fault, or a spurious one on a big tensor), the baselines from their own runs."""
         r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy,
-                      compression=compression)
+                      compression=compression, double=double)
         return None if r is None else r.median("none")
 
-    def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static") -> float | None:
-        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy)
+    def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static",
+                    double: bool = False) -> float | None:
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy, double=double)
         return None if r is None else r.cpu_median("none")
 
     def node_rows(self) -> list[NodeRow]:
@@ -848,8 +859,26 @@ class Summary:
                            for rank, epoch in r.evictions()]
 
     def sweep_policies(self) -> list[str]:
-        return sorted({r.spec.policy for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "sweep"}
-                      | {"static"}, key=POLICIES.index)
+        """Policies of the single tree's sweep runs."""
+        return sorted({r.spec.policy for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "sweep"
+                       and not r.spec.double_tree and not r.spec.compression} | {"static"}, key=POLICIES.index)
+
+    def sweep_systems(self) -> list[tuple[str, str, str, bool]]:
+        """The fttree variants of the size sweep, as (name, policy, compression, double tree):
+        "fttree static" (the single tree), "fttree double", and each compression on the tree(s)
+        it ran on ("fttree double bf16"), in that order; only those that ran (and the single
+        tree's policies always)."""
+        ran = {(r.spec.policy, r.spec.compression, r.spec.double_tree) for r in self.results
+               if r.spec.kind == "fttree" and r.spec.purpose == "sweep"}
+        first = (self.sweep_policies() or ["static"])[0]
+        out = [(f"fttree {p}", p, "", False) for p in self.sweep_policies()]
+        if (first, "", True) in ran:
+            out.append(("fttree double", first, "", True))
+        for c in self.opts.compressions:
+            for double in (False, True):
+                if (first, c, double) in ran:
+                    out.append((f"fttree {'double ' if double else ''}{c}", first, c, double))
+        return out
 
     def targets(self) -> list[tuple[bool, str]]:
         """The issue's performance targets, each (met, sentence with the numbers)."""
@@ -903,17 +932,18 @@ class Summary:
                         + (f": {'; '.join(false[:3])}" if false else "")))
         if 7 in o.sweep_workers and 25_000_000 in o.sweep_sizes:
             gloo = self.nofault("gloo", 7, 25_000_000)
-            for pol in self.sweep_policies():
-                run = self.find("fttree", 7, 25_000_000, o.timeouts[0], pol)
-                if run is None or not gloo:
+            for _name, pol, comp, double in self.sweep_systems():
+                run = self.find("fttree", 7, 25_000_000, o.timeouts[0], pol, double=double)
+                if run is None or not gloo or comp:
                     continue
+                what = pol if not double else "double tree"
                 ft, failed = run.median("none"), run.failed_steps()
                 if ft is None:
-                    out.append((False, f"100 MB, 7 workers, {pol}: no step finished exactly"))
+                    out.append((False, f"100 MB, 7 workers, {what}: no step finished exactly"))
                     continue
                 note = f"; {len(failed)} failed steps left out" if failed else ""
                 out.append((ft <= 1.5 * gloo and not failed,
-                            f"100 MB, 7 workers, {pol}: fttree/gloo {ft / gloo:.2f} (target <= 1.50){note}"))
+                            f"100 MB, 7 workers, {what}: fttree/gloo {ft / gloo:.2f} (target <= 1.50){note}"))
         if o.uplink:
             for bwr in self.bandwidth_rows():
                 if bwr["system"] == "gloo" or bwr["size"] * 4 < 16_000_000:
@@ -940,11 +970,8 @@ class Summary:
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
                 bound = ring_bound_bytes(size, world)
-                systems = [(f"fttree {p}", self.find("fttree", world, size, o.timeouts[0], p))
-                           for p in self.sweep_policies()]
-                systems += [(f"fttree {c}", self.find("fttree", world, size, o.timeouts[0],
-                                                      (self.sweep_policies() or ["static"])[0], compression=c))
-                            for c in o.compressions]
+                systems = [(name, self.find("fttree", world, size, o.timeouts[0], p, compression=c, double=d))
+                           for name, p, c, d in self.sweep_systems()]
                 systems.append(("gloo", self.find("gloo", world, size)))
                 for name, run in systems:
                     if run is None or not run.sent_bytes:
@@ -1043,25 +1070,25 @@ def render(summary: Summary) -> str:
                             for c, w in zip(cpu, (11, 10, 9), strict=True))
             out.append(f"{world:>7} {_num(ft, 8)} {_num(plain, 8)} {_num(gloo, 8)} {rg:>12} {rp:>13} {cpus}")
     if o.sweep_workers and o.sweep_sizes:
-        pols = summary.sweep_policies()
+        # the single tree under each policy ("static", ...) and the double tree ("double")
+        systems = [(name.removeprefix("fttree "), p, d) for name, p, c, d in summary.sweep_systems() if not c]
         out.append("")
         out.append("Size sweep, no fault: median step seconds (gloo's CPU allreduce is a ring), CPU ms per step; "
-                   f"fttree at t={o.timeouts[0]:g} s")
-        out.append(f"{'workers':>7} {'size':>9} " + " ".join(f"{'ft ' + p:>11}" for p in pols) + f" {'gloo':>8} "
-                   + " ".join(f"{'ft/gloo ' + p[:3]:>12}" for p in pols) + " " + " ".join(f"{'cpu ' + p[:3]:>8}"
-                                                                                        for p in pols)
-                   + f" {'cpu gloo':>8}  failed steps")
+                   f"fttree at t={o.timeouts[0]:g} s (double: the double binary tree, from 2 chunks on)")
+        out.append(f"{'workers':>7} {'size':>9} " + " ".join(f"{'ft ' + n:>11}" for n, _, _ in systems)
+                   + f" {'gloo':>8} " + " ".join(f"{'ft/gloo ' + n[:3]:>12}" for n, _, _ in systems) + " "
+                   + " ".join(f"{'cpu ' + n[:3]:>8}" for n, _, _ in systems) + f" {'cpu gloo':>8}  failed steps")
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
                 gloo = summary.nofault("gloo", world, size)
-                fts = [summary.nofault("fttree", world, size, p) for p in pols]
+                fts = [summary.nofault("fttree", world, size, p, double=d) for _, p, d in systems]
                 ratios = [f"{ft / gloo:.2f}" if ft and gloo else "-" for ft in fts]
-                ft_cpus = [_ms(summary.nofault_cpu("fttree", world, size, p), 8) for p in pols]
+                ft_cpus = [_ms(summary.nofault_cpu("fttree", world, size, p, double=d), 8) for _, p, d in systems]
                 sweep_failed: list[str] = []
-                for p in pols:
-                    run = summary.find("fttree", world, size, o.timeouts[0], p)
+                for n, p, d in systems:
+                    run = summary.find("fttree", world, size, o.timeouts[0], p, double=d)
                     if run is not None and run.failed_steps():
-                        sweep_failed.append(f"{p} {run.failed_steps()}")
+                        sweep_failed.append(f"{n} {run.failed_steps()}")
                 out.append(f"{world:>7} {format_bytes(size):>9} " + " ".join(_num(ft, 11) for ft in fts)
                            + f" {_num(gloo, 8)} " + " ".join(f"{r:>12}" for r in ratios) + " " + " ".join(ft_cpus)
                            + f" {_ms(summary.nofault_cpu('gloo', world, size), 8)}  "
@@ -1086,13 +1113,18 @@ def render(summary: Summary) -> str:
         out.append("Wire compression (float32 accumulation at every hop): median step seconds and ratios to gloo "
                    "float32")
         pol = (summary.sweep_policies() or ["static"])[0]
-        out.append(f"{'workers':>7} {'size':>9} {'fttree f32':>11} " + " ".join(f"{'ft ' + c:>9}" for c in
-                                                                                o.compressions)
-                   + f" {'gloo':>8} {'f32/gloo':>9} " + " ".join(f"{c + '/gloo':>10}" for c in o.compressions))
+        # float32 on the tree the compressed runs used (the double tree unless it was left out)
+        comp_trees = {d for _, _, c, d in summary.sweep_systems() if c}
+        double = True in comp_trees if comp_trees else o.double_tree
+        tree = "double" if double else "single"
+        out.append(f"{'workers':>7} {'size':>9} {'ft f32':>11} " + " ".join(f"{'ft ' + c:>9}" for c in
+                                                                            o.compressions)
+                   + f" {'gloo':>8} {'f32/gloo':>9} " + " ".join(f"{c + '/gloo':>10}" for c in o.compressions)
+                   + f"  ({tree} tree)")
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
-                f32 = summary.nofault("fttree", world, size, pol)
-                comp = [summary.nofault("fttree", world, size, pol, c) for c in o.compressions]
+                f32 = summary.nofault("fttree", world, size, pol, double=double)
+                comp = [summary.nofault("fttree", world, size, pol, c, double=double) for c in o.compressions]
                 gloo = summary.nofault("gloo", world, size)
                 out.append(f"{world:>7} {format_bytes(size):>9} {_num(f32, 11)} " + " ".join(_num(c, 9) for c in comp)
                            + f" {_num(gloo, 8)} " + (f"{f32 / gloo:>9.2f}" if f32 and gloo else f"{'-':>9}") + " "
@@ -1209,13 +1241,12 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
     if o.sweep_workers and o.sweep_sizes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for world in o.sweep_workers:
-            lines = [(f"fttree {p}", "-o", "fttree", p, "") for p in summary.sweep_policies()]
-            lines += [(f"fttree {c}", "-^", "fttree", (summary.sweep_policies() or ["static"])[0], c)
-                      for c in o.compressions]
-            lines.append(("gloo", "--s", "gloo", "static", ""))
-            for name, style, kind, pol, comp in lines:
+            lines = [(name, "-^" if c else "-D" if d else "-o", "fttree", p, c, d)
+                     for name, p, c, d in summary.sweep_systems()]
+            lines.append(("gloo", "--s", "gloo", "static", "", False))
+            for name, style, kind, pol, comp, double in lines:
                 pts = [(s * 4, m) for s in o.sweep_sizes
-                       if (m := summary.nofault(kind, world, s, pol, comp)) is not None]
+                       if (m := summary.nofault(kind, world, s, pol, comp, double)) is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, label=f"{name}, {world} workers")
         where = f", uplinks {o.uplink} per rank" if o.uplink else ", loopback"

@@ -99,6 +99,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
                    "(--sizes, --sweep-workers). Needs root, ip and tc.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
               help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
+@click.option("--double-tree/--no-double-tree", "double_tree", default=True, show_default=True,
+              help="Also run the size sweep's fttree on the double binary tree (\"fttree double\"; the --compression "
+                   "runs then use it too) beside the single tree (\"fttree static\").")
 @click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
               help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
                    "and synced from a peer, then a graceful leave; the thesis MLP).")
@@ -109,7 +112,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
-          elastic: int | None, uplink: str, compression_text: str, dry_run: bool, strict: bool, out_dir: Path) -> None:
+          elastic: int | None, uplink: str, compression_text: str, double_tree: bool, dry_run: bool, strict: bool,
+          out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -174,7 +178,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
         link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,
-        compressions=_split(compression_text, compression, "--compression"))
+        compressions=_split(compression_text, compression, "--compression"), double_tree=double_tree)
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
     runs, notes = b.plan(opts)

@@ -14,6 +14,7 @@ import click
 
 from .. import logs
 from ..core import topology as topo
+from ..core.config import Config
 from ..core.faults import FaultSchedule
 from ..errors import FTTreeError
 from ..net.address import parse_peers
@@ -41,6 +42,11 @@ def _job_options(f: F) -> F:
     f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
                      show_default=True, help="Wait this long for peers to come up.")(f)
     f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
+    f = click.option("--chunk-bytes", type=click.IntRange(min=1), default=None,
+                     help="A step travels as chunks of this many bytes (default 4 MiB).")(f)
+    f = click.option("--single-tree", is_flag=True,
+                     help="Every chunk on one tree; default: a step of two or more chunks alternates them between "
+                          "two trees (the double binary tree: about 2N bytes per rank instead of 3N).")(f)
     f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
@@ -86,7 +92,7 @@ def topology(world: int) -> None:
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
-           on_node_failure: str) -> None:
+           on_node_failure: str, chunk_bytes: int | None, single_tree: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
@@ -96,7 +102,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
         ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
                              startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
-                             on_node_failure=on_node_failure, join=join or False, **http_kwargs(rank, peers))
+                             on_node_failure=on_node_failure, join=join or False, double_tree=not single_tree,
+                             chunk_bytes=chunk_bytes or Config().chunk_bytes, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
@@ -154,7 +161,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @launch_options
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
-           faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str) -> None:
+           faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
+           single_tree: bool) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -171,6 +179,10 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
             "--on-node-failure", on_node_failure]
     if no_link_memory:
         args.append("--no-link-memory")
+    if chunk_bytes:
+        args += ["--chunk-bytes", str(chunk_bytes)]
+    if single_tree:
+        args.append("--single-tree")
     in_process = link_schedule_text(schedule)
     if in_process and not real_faults:
         args += ["--faults", in_process]

@@ -1,0 +1,381 @@
+"""The double binary tree (Config.double_tree): chunk c of a step of two or more chunks runs on
+tree c mod 2, tree 1 being the heap over the reversed slot order, so every rank is interior in at
+most one tree and sends about 2N bytes per allreduce instead of 3N.
+
+On the simulator (deterministic, fake clock): the trees' shape, bytes per rank, exact sums and
+identical bits on every rank under every single link cut in each tree, two parallel and two
+serial cuts, a crash of a rank interior in tree 1, bf16 compression, link memory per tree and
+the tree id on the wire. Then 7 workers over real TCP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fttree import StepAborted, StepResult
+from fttree.core import topology as topo
+from fttree.core.config import Config
+from fttree.core.messages import Kind, Message, decode, encode
+from fttree.core.protocol import Cause, NoteKind, TreeMachine
+from fttree.core.view import View
+from fttree.errors import ConfigError, FrameError
+from fttree.testing.sim import SimNetwork
+
+from .conftest import cluster
+from .test_node_failures import Run, survivors_finished
+from .test_realnet import assert_cut_was_real, netns, run_real  # noqa: F401 (netns is a fixture)
+
+Link = tuple[int, int]
+CHUNK = 64  # bytes: 8 int64 per chunk, so SIZE elements make 4 chunks (2 on each tree)
+SIZE = 32
+
+
+def interior(view: View) -> set[int]:
+    return {r for r in view.members if view.neighbours(r).children}
+
+
+def tree_links(view: View) -> list[Link]:
+    """Every link (primary and backup) of the heap over `view`, as sorted rank pairs."""
+    at = view.members
+    out = {(min(at[c], at[p]), max(at[c], at[p])) for c, p in topo.tree_links(view.size)}
+    out |= {(min(at[a], at[b]), max(at[a], at[b])) for a, b in topo.backup_links(view.size)}
+    return sorted(out)
+
+
+def bridgeable(view: View, failed: set[Link]) -> bool:
+    """Every failed primary link of this tree has a live one-hop detour (brother or uncle)."""
+    cut = {frozenset(link) for link in failed}
+
+    def alive(a: int, b: int) -> bool:
+        return frozenset((a, b)) not in cut
+
+    for child in view.members[1:]:
+        n = view.neighbours(child)
+        assert n.parent is not None
+        if not alive(child, n.parent) and not any(
+                k is not None and alive(child, k) and alive(k, n.parent) for k in (n.brother, n.uncle)):
+            return False
+    return True
+
+
+def data_for(world: int, size: int = SIZE) -> list[np.ndarray]:
+    return [np.arange(size, dtype=np.int64) * (r + 1) + 1000 * (r + 1) for r in range(world)]
+
+
+def run_step(world: int, cuts: set[Link] = frozenset(), *, size: int = SIZE,  # type: ignore[assignment]
+             **kw: Any) -> tuple[SimNetwork, list[np.ndarray]]:
+    kw.setdefault("timeout_policy", "static")
+    kw.setdefault("step_timeout_s", 10.0)
+    kw.setdefault("chunk_bytes", CHUNK)
+    net = SimNetwork(world, **kw)
+    for a, b in cuts:
+        net.cut(a, b)
+    data = data_for(world, size)
+    net.submit_all(0, data)
+    net.run()
+    return net, data
+
+
+def check_exact(net: SimNetwork, world: int, data: list[np.ndarray], step: int = 0) -> None:
+    """Every rank completed with the exact sum of all contributions, each rank once, and all
+    ranks hold the same bits."""
+    want = sum(data)
+    bits = set()
+    for r in range(world):
+        out = net.outcome(r, step)
+        assert isinstance(out, StepResult), f"rank {r}: {out!r}"
+        assert out.contributors == tuple(range(world)), f"rank {r} misses contributors: {out.contributors}"
+        assert np.array_equal(out.data, want), f"rank {r} got a wrong sum"
+        bits.add(out.data.tobytes())
+    assert len(bits) == 1
+
+
+def sent_bytes(net: SimNetwork) -> list[int]:
+    return [sum(link.bytes_sent for link in node.transport.status().links) for node in net.nodes]
+
+
+# ---- the two trees -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", range(1, 41))
+def test_every_rank_is_interior_in_at_most_one_tree(world: int) -> None:
+    shuffled = View(3, tuple(np.random.default_rng(world).permutation(world * 2)[:world].tolist()))
+    for view in (View.initial(world), shuffled):
+        a, b = view.tree(0), view.tree(1)
+        assert a is view
+        assert b.members == tuple(reversed(view.members))
+        assert b.epoch == view.epoch
+        assert b.root == view.members[-1]
+        assert not interior(a) & interior(b), f"world {world}: interior in both: {interior(a) & interior(b)}"
+        for tree in (a, b):  # each is a whole tree over every member
+            assert set(tree.subtree(tree.root)) == set(view.members)
+    with pytest.raises(ConfigError, match="tree 2 does not exist"):
+        View.initial(3).tree(2)
+
+
+def test_chunks_alternate_and_a_one_chunk_step_stays_on_tree_0() -> None:
+    view = View.initial(7)
+    on = TreeMachine(0, view, Config())
+    off = TreeMachine(0, view, Config(double_tree=False))
+    assert [on.tree_of(c) for c in range(5)] == [0, 1, 0, 1, 0]
+    assert [off.tree_of(c) for c in range(5)] == [0] * 5
+    assert on.peers == tuple(sorted(set(view.neighbours(0).all) | set(view.tree(1).neighbours(0).all)))
+    assert off.peers == view.neighbours(0).all
+    with pytest.raises(ConfigError, match="double_tree must be true or false"):
+        Config.build(double_tree=1)
+
+
+@pytest.mark.parametrize("cuts", [set(), {(0, 1)}], ids=["no-fault", "cut"])
+def test_a_one_chunk_step_costs_exactly_what_the_single_tree_costs(cuts: set[Link]) -> None:
+    single, data = run_step(7, cuts, size=6, chunk_bytes=4096, double_tree=False)
+    double, _ = run_step(7, cuts, size=6, chunk_bytes=4096, double_tree=True)
+    check_exact(double, 7, data)
+    assert sent_bytes(double) == sent_bytes(single)
+    assert [(r, n.text) for r, n in double.notes] == [(r, n.text) for r, n in single.notes]
+    assert double.finished_at == single.finished_at
+
+
+# ---- bytes per rank --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [7, 15])
+def test_interior_ranks_send_about_2n_instead_of_3n(world: int) -> None:
+    chunk = 64 * 1024
+    size = 8 * chunk // 8  # 8 chunks of int64: N = 512 KiB
+    n = size * 8
+    single, _ = run_step(world, size=size, chunk_bytes=chunk, double_tree=False)
+    double, data = run_step(world, size=size, chunk_bytes=chunk, double_tree=True)
+    check_exact(double, world, data)
+    s, d = sent_bytes(single), sent_bytes(double)
+    interior_a = interior(View.initial(world))
+    for r in range(world):  # headers and metadata frames are well under 2% of N here
+        if r in interior_a and r != 0:
+            assert 2.98 * n <= s[r] <= 3.05 * n, f"single tree, rank {r}: {s[r] / n:.3f} N"
+    assert max(s) >= 2.98 * n
+    assert 1.98 * n <= max(d) <= 2.05 * n, f"double tree busiest rank {max(d) / n:.3f} N"
+    assert sum(d) <= sum(s) * 1.01  # the same total moves, spread over more uplinks
+    bound = 2 * n * (world - 1) / world
+    print(f"\n{world} workers: busiest rank single {max(s) / bound:.3f}, double {max(d) / bound:.3f} x 2N(p-1)/p")
+
+
+# ---- exact sums under link faults, in each tree -------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", [0, 1])
+@pytest.mark.parametrize("world", [4, 7, 15])
+def test_every_single_link_cut_in_each_tree_completes_exactly(world: int, tree: int) -> None:
+    for link in tree_links(View.initial(world).tree(tree)):
+        net, data = run_step(world, {link})
+        check_exact(net, world, data)
+
+
+def _slot_links(view: View, pairs: list[Link]) -> set[Link]:
+    """Links given as (child slot, parent slot) of `view`'s heap, as rank pairs."""
+    return {(view.members[a], view.members[b]) for a, b in pairs}
+
+
+@pytest.mark.parametrize("tree", [0, 1])
+@pytest.mark.parametrize("world", [7, 15])
+@pytest.mark.parametrize("pairs", [[(3, 1), (5, 2)], [(3, 1), (1, 0)]], ids=["parallel", "serial"])
+def test_two_cuts_in_each_tree_complete_exactly(world: int, tree: int, pairs: list[Link]) -> None:
+    view = View.initial(world)
+    cuts = _slot_links(view.tree(tree), pairs)
+    assert bridgeable(view, cuts)
+    assert bridgeable(view.tree(1), cuts)
+    net, data = run_step(world, cuts)
+    check_exact(net, world, data)
+    recovered = {n.link for _, n in net.notes if n.kind is NoteKind.RECOVERY}
+    assert {tuple(link) for link in cuts} & recovered or {(b, a) for a, b in cuts} & recovered
+
+
+@pytest.mark.parametrize("world", [4, 7, 15])
+@pytest.mark.parametrize("compression", ["bf16", None])
+def test_float_data_gives_the_same_bits_everywhere(world: int, compression: str | None) -> None:
+    rng = np.random.default_rng(world)
+    data = [(rng.standard_normal(3000) * rng.uniform(0.1, 10)).astype(np.float32) for _ in range(world)]
+    view = View.initial(world)
+    cut = _slot_links(view.tree(1), [(1, 0)])  # tree 1's first primary link
+    for cuts in (set(), cut):
+        net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=4096,
+                         compression=compression)
+        for a, b in cuts:
+            net.cut(a, b)
+        net.submit_all(0, data)
+        net.run()
+        outs = [net.outcome(r, 0) for r in range(world)]
+        assert all(isinstance(o, StepResult) for o in outs), outs
+        first = outs[0].data.view(np.uint32)  # type: ignore[union-attr]
+        exact = np.sum(np.array(data, dtype=np.float64), axis=0)
+        magnitude = np.sum(np.abs(np.array(data, dtype=np.float64)), axis=0)
+        u = 2.0**-8 if compression else 2.0**-24
+        depth = max(0, world.bit_length() - 1)
+        for o in outs:
+            assert isinstance(o, StepResult)
+            assert np.array_equal(o.data.view(np.uint32), first), "ranks disagree on the bits"
+            assert o.contributors == tuple(range(world))
+            assert np.all(np.abs(o.data - exact) <= ((depth + 2) * u + world * 2.0**-24) * magnitude + 1e-30)
+        if compression:  # half the data bytes on the wire
+            assert net.stats.data_bytes < 0.55 * 3000 * 4 * 2 * (world - 1) * 1.1
+
+
+# ---- node failures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("at", [0.0002, 0.0015, 0.003], ids=["start", "sent-up", "mid"])
+@pytest.mark.parametrize("victim", [5, 6], ids=["interior-in-1", "root-of-1"])
+def test_a_crash_of_a_rank_interior_in_tree_1_leaves_the_survivors_with_one_result(victim: int, at: float) -> None:
+    view = View.initial(7)
+    assert victim in interior(view.tree(1))
+    assert victim not in interior(view)
+    net = SimNetwork(7, chunk_bytes=16)  # 6 int64: 3 chunks, trees 0, 1, 0
+    run = Run(net)
+    run.steps(1)
+    out = run.step(1, [(at, lambda: net.crash(victim))])
+    contributors = survivors_finished(out, {victim})
+    assert contributors in (tuple(range(7)), tuple(r for r in range(7) if r != victim))
+    for s in (2, 3):  # both trees rebuilt over the survivors' view
+        assert victim not in survivors_finished(run.step(s), {victim})
+    views = {net.nodes[r].view for r in range(7) if r != victim}
+    assert len(views) == 1
+    new = views.pop()
+    assert victim not in new.members
+    for r in new.members:
+        machine = net.nodes[r].machine
+        assert machine.trees[1].view.members == tuple(reversed(new.members))
+        assert not machine.trees[0].up.failed
+        assert not machine.trees[1].up.failed
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["restart", "grow"])
+def test_elastic_jobs_with_steps_on_both_trees(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The elastic tests over TCP with 1 KiB chunks (the model's 892 parameters make 4 chunks, so
+    tree 1 carries half of every step). restart: the killed rank's children in tree 1 probe it
+    while it is dead, and those queued probes reach its restarted process, which must not answer
+    them from view 0 (the answer drew the view that left it out). grow: two ranks join together
+    and are linked in tree 1 (the last slots are its top), so a joiner learns its co-joiner's
+    address from its admission."""
+    from . import test_elastic
+
+    monkeypatch.setitem(test_elastic.SETTINGS, "chunk_bytes", 1024)
+    if case == "restart":
+        test_elastic.test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_for_bit()
+    else:
+        test_elastic.test_a_new_rank_grows_the_group()
+
+
+# ---- link memory per tree --------------------------------------------------------------------------
+
+
+def test_link_memory_of_one_tree_does_not_disturb_the_other() -> None:
+    # 5-6 is tree 1's primary link (6 is the root of tree 1, 5 its child) and a backup link
+    # (brothers) of tree 0, whose primary links it does not touch.
+    world, a, b = 7, 5, 6
+    assert View.initial(world).tree(1).neighbours(a).parent == b
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK)
+    net.cut(a, b)
+    data = data_for(world)
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    check_exact(net, world, data)
+    machine = net.nodes[a].machine
+    assert machine.trees[1].up.failed
+    assert machine.trees[1].up.relays == (4,)
+    assert not machine.trees[0].up.failed
+    assert not machine.up.failed
+    marked = [(r, n.link) for r, n in net.notes if n.cause is Cause.LINK_MARKED_FAILED]
+    assert marked == [(a, (a, b))]
+    first = len(net.notes)
+    net.submit_all(1, data)
+    net.run_until_finished(1)
+    check_exact(net, world, data, step=1)
+    later = [n for _, n in net.notes[first:] if n.step == 1]
+    assert not [n for n in later if n.kind is NoteKind.TIMEOUT], "step 1 paid a timeout"
+    detours = [n for n in later if n.kind is NoteKind.DETOUR]
+    assert detours
+    assert all(n.link == (a, b) for n in detours)
+    net.heal(a, b)  # tree 1's probes of the uplink are answered again: back in use after the hold
+    net.run(until=net.now + 3.0)
+    assert not machine.trees[1].up.failed
+    back = [(r, n.link, n.text) for r, n in net.notes if n.cause is Cause.LINK_BACK_IN_USE]
+    assert len(back) == 1
+    assert back[0][:2] == (a, (a, b))
+    assert "(tree 1)" in back[0][2]
+
+
+def test_a_link_down_marks_the_uplink_of_the_tree_it_is_the_uplink_of() -> None:
+    net = SimNetwork(7, timeout_policy="static", chunk_bytes=CHUNK)
+    net.link_down(2, 5)  # 5 is 2's child in tree 0 and its parent in tree 1
+    trees = net.nodes[2].machine.trees
+    assert trees[0].down_failed == {5}
+    assert not trees[0].up.failed
+    assert trees[1].up.failed
+    assert trees[1].down_failed == set()
+    net.link_down(0, 1)  # 0 is tree 0's root; 1 is no neighbour of 0 in tree 1 (a leaf there under 3)
+    trees = net.nodes[0].machine.trees
+    assert trees[0].down_failed == {1}
+    assert not trees[1].up.failed
+    data = data_for(7)
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    check_exact(net, 7, data)
+
+
+# ---- the tree id on the wire -----------------------------------------------------------------------
+
+
+def test_frames_carry_the_tree_and_refuse_any_other_than_0_or_1() -> None:
+    msg = Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=1, tree=1, origin=1, target=0)
+    assert decode(b"".join(bytes(b) for b in encode(msg))).tree == 1
+    old = Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=0, origin=1, target=0)
+    assert b"tr" not in b"".join(bytes(b) for b in encode(old))  # tree 0 is not written: old frames decode
+    assert decode(b"".join(bytes(b) for b in encode(old))).tree == 0
+    for bad in (2, -1):
+        with pytest.raises(FrameError, match="tree must be 0 or 1"):
+            decode(b"".join(bytes(b) for b in encode(Message(kind=Kind.PROBE, src=1, tree=bad))))
+
+
+def test_workers_that_differ_in_double_tree_fail_the_step_with_a_tree_mismatch() -> None:
+    world = 7
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=5.0, chunk_bytes=CHUNK)
+    net.nodes[3].machine.cfg = Config.build(net.config, double_tree=False)
+    data = data_for(world)
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    outs = [net.outcome(r, 0) for r in range(world)]
+    assert all(isinstance(o, StepAborted) for o in outs), outs
+    assert any("tree mismatch" in str(o) and "double_tree" in str(o) for o in outs)
+    assert net.now < 1.0  # an abort, not a deadline
+
+
+# ---- real TCP ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+# (the cut starts at step 1: a link cut before the start makes startup wait startup_timeout_s)
+@pytest.mark.parametrize("faults", ["", "cut 5-6 @1.."], ids=["no-fault", "cut-in-tree-1"])
+def test_seven_workers_over_tcp_get_the_exact_sum_on_the_double_tree(faults: str) -> None:
+    size = 40_000  # float32, 160 KB: 10 chunks of 16 KiB, alternating between the trees
+    with cluster(7, timeout_s=0.3, step_timeout_s=20.0, chunk_bytes=16 * 1024, faults=faults) as handles:
+        assert all(h.config.double_tree for h in handles)
+        for step in range(2):
+            tensors = [np.arange(size, dtype=np.float32) % 1000 + h.rank + step for h in handles]
+            futures = [h.allreduce_async(t) for h, t in zip(handles, tensors, strict=True)]
+            want = np.sum(np.array(tensors, dtype=np.float64), axis=0)
+            for h, fut in zip(handles, futures, strict=True):
+                got = fut.result(timeout=60)
+                assert np.array_equal(got, want.astype(np.float32)), f"rank {h.rank} step {step}"
+                assert h.last is not None
+                assert h.last.contributors == tuple(range(7))
+
+
+@pytest.mark.realnet
+@pytest.mark.timeout(180)
+def test_launch_real_cut_of_a_tree_1_link_with_the_double_tree(netns: str) -> None:  # noqa: F811
+    """7 worker processes, 5 chunks a step, the kernel's firewall cutting 5-6 (tree 1's link from
+    rank 5 to its root, a backup link of tree 0) during steps 5..10: every step exact."""
+    run = run_real(netns, "cut 5-6 @5..10", "--chunk-bytes", "16384")  # 20,000 float32: 5 chunks
+    assert_cut_was_real(run, ["5-6"], netns)
