@@ -177,6 +177,8 @@ def test_cli_rejects_bad_flags_with_a_message(tmp_path: Path) -> None:
         (["worker", "--rank", "0", "--peers", str(tmp_path / "missing.txt")], "does not exist"),
         (["launch", "--timeout", "-1"], "-1"),
         (["topology", "-n", "x"], "not a valid integer"),
+        (["launch", "-n", "3", "--uplink", "fast"], "Invalid value for --uplink: bad rate 'fast'"),
+        (["worker", "--rank", "0", "--peers", str(peers), "--uplink", "100xyz"], "bad rate '100xyz'"),
     ]
     for args, needle in cases:
         proc = _fttree(*args)

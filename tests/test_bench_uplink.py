@@ -63,14 +63,16 @@ def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
     watch, step, settings = b.uplink_timeouts(25_000_000, 100e6, "", 0.5, 30.0)
     assert watch == pytest.approx(12.0)
     assert step == pytest.approx(106.0)
-    assert settings == (("adaptive_ceiling_s", "24"),)
+    assert settings == (("adaptive_ceiling_s", "24"), ("uplink_bytes_per_s", "1.25e+07"))
     assert b.uplink_timeouts(25_000_000, 100e6, "bf16", 0.5, 30.0)[0] == pytest.approx(6.0)
-    assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),))
+    assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),
+                                                                        ("uplink_bytes_per_s", "1.25e+08")))
     opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
                           sweep_policies=("static",))
     (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree" and not r.double_tree]
     cmd = b.worker_commands(ft, tmp_path)[0]
-    assert cmd[cmd.index("--set") + 1] == "adaptive_ceiling_s=24"
+    sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+    assert sets == ["adaptive_ceiling_s=24", "uplink_bytes_per_s=1.25e+07"]
     assert cmd[cmd.index("--step-timeout") + 1] == "106.0"
     assert ft.deadline_s() > ft.steps * 106
     summary = b.Summary(opts=opts, results=[b.RunResult(spec=ft)], notes=[])

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fttree import StepResult
+from fttree.core.config import Config
 from fttree.core.protocol import Cause
 from fttree.core.timeouts import AdaptiveTimeouts, Phase, StaticTimeouts
 from fttree.testing.sim import SimNetwork
@@ -55,6 +56,18 @@ def test_adaptive_allows_for_the_bytes_queued_ahead() -> None:
     more = 100_000_000 + 4 * 2**20
     assert policy.deadline_s(KEY, more) == pytest.approx(small + 2.0)  # 100 MB beyond a chunk at 50 MB/s
     assert AdaptiveTimeouts(initial_s=0.5).deadline_s(KEY, more) == pytest.approx(2.5)  # before samples
+
+
+def test_the_queued_bytes_allowance_follows_the_configured_uplink() -> None:
+    """Behind 100 Mbit/s (12.5 MB/s) the same queue takes four times as long to leave as at the
+    LAN default of 50 MB/s: watches must wait that long, or they fire on healthy links."""
+    more = 100_000_000 + 4 * 2**20
+    assert StaticTimeouts(0.5).deadline_s(KEY, more) == pytest.approx(2.5)
+    slow = Config(timeout_policy="static", uplink_bytes_per_s=12.5e6).make_timeouts()
+    assert slow.deadline_s(KEY, more) == pytest.approx(8.5)
+    adaptive = Config(timeout_policy="adaptive", uplink_bytes_per_s=12.5e6).make_timeouts()
+    assert adaptive.deadline_s(KEY, more) == pytest.approx(8.5)
+    assert slow.deadline_s(KEY, 4 * 2**20) == pytest.approx(0.5)  # one chunk: no allowance
 
 
 # ---- adaptive recovery in the simulator --------------------------------------------------

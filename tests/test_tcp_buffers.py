@@ -89,7 +89,8 @@ def _data(step: int, values: np.ndarray) -> Message:
 def test_backlog_is_counted_as_frames_come_and_go() -> None:
     async def run() -> None:
         # rank 1 does not listen: frames wait in the queue
-        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port())]
+        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port()),
+                 Address("127.0.0.1", _free_port())]
         t = TcpTransport(0, addrs, connect_timeout_s=0.2)
         events = _Events()
         t.bind(events)
@@ -98,7 +99,9 @@ def test_backlog_is_counted_as_frames_come_and_go() -> None:
             for step in range(3):
                 t.send(1, _data(step, np.zeros(1000, dtype=np.float32)))
             t.send(1, Message(kind=Kind.META_BCAST_RECEIVED, src=0, step=0))
+            t.send(2, _data(0, np.zeros(500, dtype=np.float32)))
             assert t.backlog_bytes(1) == 3 * 4000
+            assert t.backlog_bytes() == 3 * 4000 + 2000  # every link: they share one uplink
             events.stale = True
             t._out[1]._drop_stale()
             assert t.backlog_bytes(1) == 0

@@ -57,6 +57,10 @@ class Config:
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
     compression: str | None = None
+    # the pace at which a worker's queued data is taken to leave, in bytes per second: a backup
+    # watch allows queued bytes / this. The default suits a LAN; behind a slow uplink, give its
+    # speed (100 Mbit/s: 12.5e6), or watches fire on healthy links and relays clog them
+    uplink_bytes_per_s: float = 50e6
 
     # bookkeeping bounds (nothing grows with the number of steps run)
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
@@ -70,7 +74,10 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_s") and value is not None and not (isinstance(value, int | float) and value > 0):
+            if f.name.endswith("_per_s"):
+                if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                    raise ConfigError(f"{f.name} must be a positive number of bytes per second, got {value!r}")
+            elif f.name.endswith("_s") and value is not None and not (isinstance(value, int | float) and value > 0):
                 raise ConfigError(f"{f.name} must be a positive number of seconds, got {value!r}")
         if self.on_node_failure not in NODE_FAILURE_POLICIES:
             raise ConfigError(f"on_node_failure must be one of {', '.join(NODE_FAILURE_POLICIES)}, "
@@ -116,5 +123,5 @@ class Config:
     def make_timeouts(self) -> TimeoutPolicy:
         if self.timeout_policy == "adaptive":
             return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
-                                    ceiling_s=self.adaptive_ceiling_s)
-        return StaticTimeouts(self.timeout_s)
+                                    ceiling_s=self.adaptive_ceiling_s, bytes_per_s=self.uplink_bytes_per_s)
+        return StaticTimeouts(self.timeout_s, bytes_per_s=self.uplink_bytes_per_s)

@@ -4,9 +4,10 @@
 and phase, how long a confirmation normally takes, in the spirit of RFC 6298:
 
     SRTT <- (1 - a) SRTT + a R,   RTTVAR <- (1 - b) RTTVAR + b |SRTT - R|,   a = 1/8, b = 1/4
-    deadline = min(max(SRTT + K RTTVAR, floor) * backoff, ceiling) + max(0, bytes - 4 MiB) / 50 MB/s
+    deadline = min(max(SRTT + K RTTVAR, floor) * backoff, ceiling) + max(0, bytes - 4 MiB) / uplink
 
-`bytes` is what the sender had queued on that link when it announced the data; beyond one
+`bytes` is what the sender had queued (on all its links: they share its uplink) when it
+announced the data, and `uplink` Config.uplink_bytes_per_s (50 MB/s, a LAN); beyond one
 chunk, the allowance turns it into time to send it (both policies get it), so a large tensor, or many chunks queued
 behind each other, stretch the deadline instead of looking like a failure. Karn's rule: a
 watch that already fired gives no sample. A timeout doubles the backoff for that link and
@@ -32,9 +33,10 @@ ALLOWANCE_FREE_BYTES = 4 * 1024 * 1024  # one default chunk: what learnt deadlin
 ALLOWANCE_BYTES_PER_S = 50e6  # conservative: 7 workers on 2 cores move ~100 MB/s each way
 
 
-def queued_allowance_s(nbytes: int) -> float:
-    """Extra patience for data queued ahead of the watched message, beyond one chunk."""
-    return max(0, nbytes - ALLOWANCE_FREE_BYTES) / ALLOWANCE_BYTES_PER_S
+def queued_allowance_s(nbytes: int, bytes_per_s: float = ALLOWANCE_BYTES_PER_S) -> float:
+    """Extra patience for data queued ahead of the watched message, beyond one chunk, at the
+    sender's uplink pace (Config.uplink_bytes_per_s)."""
+    return max(0, nbytes - ALLOWANCE_FREE_BYTES) / bytes_per_s
 
 
 class TimeoutPolicy(Protocol):
@@ -55,9 +57,10 @@ class StaticTimeouts:
     other are not taken for lost."""
 
     timeout_s: float
+    bytes_per_s: float = ALLOWANCE_BYTES_PER_S
 
     def deadline_s(self, key: WatchKey, nbytes: int) -> float:
-        return self.timeout_s + queued_allowance_s(nbytes)
+        return self.timeout_s + queued_allowance_s(nbytes, self.bytes_per_s)
 
     def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
         pass
@@ -88,13 +91,15 @@ class AdaptiveTimeouts:
     alpha: float = 1 / 8
     beta: float = 1 / 4
     max_backoff: float = 8.0
+    bytes_per_s: float = ALLOWANCE_BYTES_PER_S
     _est: dict[WatchKey, _Estimate] = field(default_factory=dict)
 
     def deadline_s(self, key: WatchKey, nbytes: int) -> float:
         est = self._est.get(key)
         learnt = self.initial_s if est is None else est.srtt + self.k * est.rttvar
         backoff = 1.0 if est is None else est.backoff
-        return float(min(max(learnt, self.floor_s) * backoff, self.ceiling_s)) + queued_allowance_s(nbytes)
+        return float(min(max(learnt, self.floor_s) * backoff, self.ceiling_s)) + \
+            queued_allowance_s(nbytes, self.bytes_per_s)
 
     def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
         r = max(0.0, elapsed_s)

@@ -132,7 +132,7 @@ class FaultyTransport:
     def address_of(self, rank: int) -> str:
         return self.inner.address_of(rank)
 
-    def backlog_bytes(self, dst: int) -> int:
+    def backlog_bytes(self, dst: int | None = None) -> int:
         return self.inner.backlog_bytes(dst)
 
     def status(self) -> TransportStatus:

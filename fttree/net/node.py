@@ -581,8 +581,10 @@ class Node:
         match action:
             case Send(dst=dst, msg=msg):
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
-                    # tell observers how much was queued ahead, so their deadlines scale with it
-                    msg = dataclasses.replace(msg, queued_bytes=self.transport.backlog_bytes(msg.target))
+                    # tell observers how much was queued ahead, so their deadlines scale with it: on
+                    # every link, as they all leave through this worker's one uplink (the double
+                    # tree keeps up to five links busy at once)
+                    msg = dataclasses.replace(msg, queued_bytes=self.transport.backlog_bytes())
                 self._send(dst, msg)
             case SetTimer(key=key, at=at):
                 self._set_timer(key, at)

@@ -368,7 +368,9 @@ class TcpTransport:
         """Queue a frame for `dst`; never blocks."""
         self._link(dst).push(msg)
 
-    def backlog_bytes(self, dst: int) -> int:
+    def backlog_bytes(self, dst: int | None = None) -> int:
+        if dst is None:
+            return sum(link.backlog_bytes() for link in self._out.values())
         link = self._out.get(dst)
         return 0 if link is None else link.backlog_bytes()
 

@@ -84,8 +84,8 @@ class Transport(Protocol):
     def address_of(self, rank: int) -> str:
         """Where `rank` listens ("" if unknown): a joiner learns the members' addresses so."""
 
-    def backlog_bytes(self, dst: int) -> int:
-        """Bytes queued on the link to `dst` and not yet on the wire."""
+    def backlog_bytes(self, dst: int | None = None) -> int:
+        """Bytes queued on the link to `dst` (every link: None) and not yet on the wire."""
 
     def status(self) -> TransportStatus: ...
 

@@ -71,7 +71,7 @@ class MemoryTransport:
     def address_of(self, rank: int) -> str:
         return f"sim:{rank}"
 
-    def backlog_bytes(self, dst: int) -> int:
+    def backlog_bytes(self, dst: int | None = None) -> int:
         return 0
 
     def status(self) -> TransportStatus:

@@ -541,12 +541,14 @@ def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
     minute, so every watch would fire and relays would clog the backup links. Scaled to the
     expected step time T (an interior rank sends 3N): watches T/2, node deadlines up to 2T,
     and the step deadline 4T + 10 s. A fault then costs about T/2, which is what waiting for
-    data queued behind a slow uplink costs anyway."""
+    data queued behind a slow uplink costs anyway. Watches also allow queued bytes at the
+    uplink's pace (`uplink_bytes_per_s`), not a LAN's."""
     nbytes = size * 4 * (0.5 if compression else 1.0)
     step_s = 3 * nbytes * 8 / bps
     watch = max(timeout_s, step_s / 2)
     ceiling = max(2.0, step_s)
-    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),)
+    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),
+                                                          ("uplink_bytes_per_s", f"{bps / 8:g}"))
 
 
 def ring_bound_bytes(size: int, world: int) -> float:

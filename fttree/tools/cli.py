@@ -47,6 +47,9 @@ def _job_options(f: F) -> F:
     f = click.option("--single-tree", is_flag=True,
                      help="Every chunk on one tree; default: a step of two or more chunks alternates them between "
                           "two trees (the double binary tree: about 2N bytes per rank instead of 3N).")(f)
+    f = click.option("--uplink", default=None, metavar="RATE",
+                     help="This worker's uplink speed in tc units (100mbit, 1gbit): backup watches allow queued "
+                          "data to leave at this pace (default: a LAN's 50 MB/s).")(f)
     f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
@@ -57,6 +60,16 @@ def _job_options(f: F) -> F:
                      help="A step in flight when a worker dies: finish it on the survivors, abort it, or run it "
                           "again (rollback: the demo job resubmits it).")(f)
     return _faults_option(f)
+
+
+def uplink_bytes_per_s(rate: str) -> float:
+    """Bytes per second of a tc rate ("100mbit"), or a usage error naming the flag."""
+    from .bench import parse_rate
+
+    try:
+        return parse_rate(rate) / 8
+    except FTTreeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--uplink") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,18 +105,20 @@ def topology(world: int) -> None:
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
-           on_node_failure: str, chunk_bytes: int | None, single_tree: bool) -> None:
+           on_node_failure: str, chunk_bytes: int | None, single_tree: bool, uplink: str | None) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
 
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
+        pace = Config().uplink_bytes_per_s if uplink is None else uplink_bytes_per_s(uplink)
         ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
                              startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
                              on_node_failure=on_node_failure, join=join or False, double_tree=not single_tree,
-                             chunk_bytes=chunk_bytes or Config().chunk_bytes, **http_kwargs(rank, peers))
+                             chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
+                             **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
@@ -162,7 +177,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
-           single_tree: bool) -> None:
+           single_tree: bool, uplink: str | None) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -174,6 +189,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         node_faults(schedule, steps)
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
+    if uplink is not None:
+        uplink_bytes_per_s(uplink)  # a bad rate fails here, not in every worker
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
             str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,
             "--on-node-failure", on_node_failure]
@@ -183,6 +200,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         args += ["--chunk-bytes", str(chunk_bytes)]
     if single_tree:
         args.append("--single-tree")
+    if uplink is not None:
+        args += ["--uplink", uplink]
     in_process = link_schedule_text(schedule)
     if in_process and not real_faults:
         args += ["--faults", in_process]
