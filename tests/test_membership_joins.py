@@ -4,8 +4,9 @@ other directly (sans-IO), so the order of events is the test's, not the schedule
 from __future__ import annotations
 
 from fttree.core.config import Config
-from fttree.core.membership import ControlReceived, Fence, Fenced, Installed, Membership, MemberState
+from fttree.core.membership import ControlReceived, Fence, Fenced, Installed, Membership, MemberState, MemberTimer
 from fttree.core.messages import Kind, Message
+from fttree.core.protocol import TimerKey, TimerKind
 from fttree.core.view import View
 
 
@@ -69,3 +70,23 @@ def test_a_second_join_waits_until_the_first_has_taken_effect() -> None:
     assert len(second) == 1
     assert second[0].activate_at > first[0].activate_at
     assert set(second[0].view.members) == {0, 1, 2, 3, 4, 7}
+
+
+def test_a_leave_before_a_join_takes_effect_forms_its_view_without_the_unaware_joiner() -> None:
+    """Rank 4's admission is decided for step 6; before step 6, rank 2 leaves. Rank 4 has not
+    heard of its admission (that comes at step 6) and cannot promise: the leave's view is
+    formed from those that did, without rank 4, so no member ever waits for a rank that does
+    not know it is one (the node drops the superseded join, and rank 4 asks again)."""
+    g = Group((0, 1, 2, 3), user_step=5)
+    g.ask(4)
+    assert all(4 in g.m[r].view for r in (0, 1, 2, 3))
+    epoch = g.m[0].view.epoch
+    g.deliver(0, Message(kind=Kind.LEAVE, src=2, epoch=epoch))
+    assert not [i for i in g.installed[0] if 2 not in i.view.members]  # waiting for rank 4's promise
+    actions = g.m[0].handle(MemberTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0)), 1.0)
+    for action in actions:
+        if hasattr(action, "dst") and hasattr(action, "msg"):
+            g.deliver(action.dst, action.msg)
+    (left,) = [i for i in g.installed[0] if 2 not in i.view.members]
+    assert left.activate_at == -1  # at once, as an eviction
+    assert set(left.view.members) == {0, 1, 3}

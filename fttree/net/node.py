@@ -677,6 +677,14 @@ class Node:
         log.warning("rank %d: view %d installed: %s; evicted %s (%s)", self.rank, inst.view.epoch,
                     list(inst.view.members), list(inst.evicted), inst.reason)
         self._evicted = inst.evicted
+        if self._pending:
+            # Decided joins not yet in effect are superseded: this view was formed from the
+            # promisers, and a joiner that never heard of its admission did not promise. Taking
+            # its older view into effect later would bring back whoever this one evicted; the
+            # joiner asks again and is admitted into a view after this one.
+            log.warning("rank %d: view %d supersedes the joins of views %s not yet in effect", self.rank,
+                        inst.view.epoch, [p.view.epoch for p in self._pending])
+            self._pending.clear()
         self._do_all(self.machine.install(inst.view, inst.committed, self.scheduler.now()))
         for plan in inst.catch_up:
             if plan.holder != self.rank:
