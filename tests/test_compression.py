@@ -101,7 +101,7 @@ def test_compression_setting_is_checked() -> None:
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
-def _step(world: int, data: list[np.ndarray], *, cuts: tuple[tuple[int, int], ...] = (),
+def run_one_step(world: int, data: list[np.ndarray], *, cuts: tuple[tuple[int, int], ...] = (),
           **kw: object) -> tuple[SimNetwork, list[StepResult]]:
     net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, **kw)
     for a, b in cuts:
@@ -128,7 +128,7 @@ def _depth(world: int) -> int:
 def test_every_rank_gets_the_same_bits_within_the_bound(compression: str, world: int,
                                                          cuts: tuple[tuple[int, int], ...]) -> None:
     data = _data(world, 3000, seed=world)
-    _net, outs = _step(world, data, cuts=cuts, compression=compression, chunk_bytes=4096)
+    _net, outs = run_one_step(world, data, cuts=cuts, compression=compression, chunk_bytes=4096)
     first = outs[0].data.view(np.uint32)
     for o in outs:
         assert np.array_equal(o.data.view(np.uint32), first), "ranks disagree on the bits"
@@ -148,18 +148,18 @@ def test_every_rank_gets_the_same_bits_within_the_bound(compression: str, world:
 def test_half_the_bytes_on_the_wire(compression: str) -> None:
     world, n = 7, 20_000
     data = _data(world, n)
-    plain, _ = _step(world, data, chunk_bytes=16_384)
-    packed, _ = _step(world, data, chunk_bytes=16_384, compression=compression)
+    plain, _ = run_one_step(world, data, chunk_bytes=16_384)
+    packed, _ = run_one_step(world, data, chunk_bytes=16_384, compression=compression)
     assert packed.stats.data_bytes == plain.stats.data_bytes // 2
 
 
 def test_integers_and_doubles_travel_as_they_are() -> None:
     world = 5
     ints = [np.arange(100, dtype=np.int64) * (r + 1) for r in range(world)]
-    _, outs = _step(world, ints, compression="bf16")
+    _, outs = run_one_step(world, ints, compression="bf16")
     assert all(np.array_equal(o.data, sum(ints)) for o in outs)
     doubles = [np.full(10, 1 / 3, dtype=np.float64) * r for r in range(world)]
-    _, outs = _step(world, doubles, compression="fp16")
+    _, outs = run_one_step(world, doubles, compression="fp16")
     assert all(o.data.dtype == np.float64 and np.array_equal(o.data, outs[0].data) for o in outs)
     assert np.allclose(outs[0].data, sum(doubles), rtol=1e-15)
 
@@ -168,7 +168,7 @@ def test_integer_valued_data_that_fits_stays_exact() -> None:
     """Small integers are exact in bf16 (8 significant bits): partial sums up to 256 lose nothing."""
     world = 7
     data = [np.full(50, float(r), dtype=np.float32) for r in range(world)]
-    _, outs = _step(world, data, compression="bf16")
+    _, outs = run_one_step(world, data, compression="bf16")
     assert all(np.array_equal(o.data, np.full(50, 21.0, dtype=np.float32)) for o in outs)
 
 
@@ -212,8 +212,8 @@ def test_mlp_gradient_error_against_float32(compression: str, limit: float) -> N
     world = 7
     grads = _mlp_gradients(world)
     assert grads[0].size == 407_050
-    _, ref = _step(world, grads)
-    _, outs = _step(world, grads, compression=compression)
+    _, ref = run_one_step(world, grads)
+    _, outs = run_one_step(world, grads, compression=compression)
     f32 = ref[0].data.astype(np.float64)
     got = outs[0].data.astype(np.float64)
     rel_norm = np.linalg.norm(got - f32) / np.linalg.norm(f32)

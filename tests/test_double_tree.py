@@ -25,6 +25,7 @@ from fttree.errors import ConfigError, FrameError
 from fttree.testing.sim import SimNetwork
 
 from .conftest import cluster
+from .test_compression import run_one_step as one_step
 from .test_node_failures import Run, survivors_finished
 from .test_realnet import assert_cut_was_real, netns, run_real  # noqa: F401 (netns is a fixture)
 
@@ -199,15 +200,8 @@ def test_float_data_gives_the_same_bits_everywhere(world: int, compression: str 
     view = View.initial(world)
     cut = _slot_links(view.tree(1), [(1, 0)])  # tree 1's first primary link
     for cuts in (set(), cut):
-        net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=4096,
-                         compression=compression)
-        for a, b in cuts:
-            net.cut(a, b)
-        net.submit_all(0, data)
-        net.run()
-        outs = [net.outcome(r, 0) for r in range(world)]
-        assert all(isinstance(o, StepResult) for o in outs), outs
-        first = outs[0].data.view(np.uint32)  # type: ignore[union-attr]
+        net, outs = one_step(world, data, cuts=tuple(cuts), chunk_bytes=4096, compression=compression)
+        first = outs[0].data.view(np.uint32)
         exact = np.sum(np.array(data, dtype=np.float64), axis=0)
         magnitude = np.sum(np.abs(np.array(data, dtype=np.float64)), axis=0)
         u = 2.0**-8 if compression else 2.0**-24

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,6 +59,38 @@ class Outcome:
     params: list[torch.Tensor] = field(default_factory=list)
 
 
+
+
+def train_on(model: nn.Module, opt: fttree.DistributedOptimizer, batch: Any) -> None:
+    """One training step on `batch`; None (nothing left for this rank) takes part with an
+    empty contribution."""
+    opt.zero_grad()
+    if batch is None:
+        opt.step(contribute=False)
+    else:
+        x, y, _ = batch
+        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+def record_step(out: Outcome, opt: fttree.DistributedOptimizer, sampler: ElasticSampler, batch: Any) -> None:
+    """What a worker saw of the step it just took, then its commit: the samples it trained
+    count only if its rank is among the step's contributors."""
+    step = opt.last_step
+    assert step is not None
+    out.steps.append(step)
+    if batch is not None and out.rank in step.contributors:
+        out.trained.extend(batch[2].tolist())
+    sampler.commit_from(opt)
+
+
+def finish(out: Outcome, sampler: ElasticSampler, model: nn.Module, ranks: int) -> None:
+    """The epoch's outcome as this worker computed it, for every rank below `ranks`."""
+    out.own_committed = sampler.committed().tolist()
+    out.committed = {r: sampler.committed(r).tolist() for r in range(ranks)}
+    out.loads = tuple(sorted(sampler.stats().loads.items()))
+    out.finished = sampler.finished
+    out.params = [p.detach().clone() for p in model.parameters()]
+
 def train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, epochs: int = 1,
           before_optimizer: Callable[[int, FTTreeAllreduce, nn.Module], None] | None = None) -> Outcome:
     """One worker's loop, as a user writes it: the sampler feeds the loader, commit_from(opt)
@@ -77,14 +110,8 @@ def train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, epochs: int = 
         sampler.set_epoch(epoch)
         out.trained = []
         for batch in loader:
-            opt.zero_grad()
             try:
-                if batch is None:
-                    opt.step(contribute=False)
-                else:
-                    x, y, _ = batch
-                    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-                    opt.step()
+                train_on(model, opt, batch)
             except StepAborted:  # GroupLeft, or the steps in flight when this rank was killed
                 assert ar.node is not None
                 if ar.node.stopped is None:
@@ -92,17 +119,8 @@ def train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, epochs: int = 
                 out.died_at = opt.sync.rounds - 1
                 out.own_committed = sampler.committed().tolist()
                 return out
-            step = opt.last_step
-            assert step is not None
-            out.steps.append(step)
-            if batch is not None and rank in step.contributors:
-                out.trained.extend(batch[2].tolist())
-            sampler.commit_from(opt)
-    out.own_committed = sampler.committed().tolist()
-    out.committed = {r: sampler.committed(r).tolist() for r in range(WORLD)}
-    out.loads = tuple(sorted(sampler.stats().loads.items()))
-    out.finished = sampler.finished
-    out.params = [p.detach().clone() for p in model.parameters()]
+            record_step(out, opt, sampler, batch)
+    finish(out, sampler, model, WORLD)
     return out
 
 
@@ -363,31 +381,16 @@ def follow_and_train(rank: int, ar: FTTreeAllreduce, *, loader_workers: int, gat
             for gate, late in ((RESTART_AT, 4), (JOIN_AT, 7)):
                 if step == gate and rank != late:
                     gates.wait(gates.ready[late], f"rank {late}'s start (rank {rank} waits at step {step})")
-            opt.zero_grad()
             try:
-                if batch is None:
-                    opt.step(contribute=False)
-                else:
-                    x, y, _ = batch
-                    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-                    opt.step()
+                train_on(model, opt, batch)
             except StepAborted:
                 if ar.node is None or ar.node.stopped is None:
                     raise
                 out.died_at = step
                 out.own_committed = sampler.committed().tolist()
                 return out
-            last = opt.last_step
-            assert last is not None
-            out.steps.append(last)
-            if batch is not None and rank in last.contributors:
-                out.trained.extend(batch[2].tolist())
-            sampler.commit_from(opt)
-    out.own_committed = sampler.committed().tolist()
-    out.committed = {r: sampler.committed(r).tolist() for r in range(8)}
-    out.loads = tuple(sorted(sampler.stats().loads.items()))
-    out.finished = sampler.finished
-    out.params = [p.detach().clone() for p in model.parameters()]
+            record_step(out, opt, sampler, batch)
+    finish(out, sampler, model, 8)
     return out
 
 
