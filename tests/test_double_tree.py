@@ -373,3 +373,22 @@ def test_launch_real_cut_of_a_tree_1_link_with_the_double_tree(netns: str) -> No
     rank 5 to its root, a backup link of tree 0) during steps 5..10: every step exact."""
     run = run_real(netns, "cut 5-6 @5..10", "--chunk-bytes", "16384")  # 20,000 float32: 5 chunks
     assert_cut_was_real(run, ["5-6"], netns)
+
+
+def test_a_step_larger_than_one_chunk_is_cut_into_at_least_16() -> None:
+    """Behind a slow uplink each hop carries a whole chunk, so few big chunks leave the trees'
+    pipelines empty: a step over one chunk goes in 16 or more (8 per tree), never smaller than
+    1 MiB nor larger than chunk_bytes; a step of one chunk is untouched (its fault costs stay)."""
+    cfg = Config()
+    mib = 1 << 20
+    assert cfg.chunk_bytes_for(1_630_000) == cfg.chunk_bytes  # the thesis MLP: one chunk
+    assert cfg.chunk_bytes_for(4 * mib) == cfg.chunk_bytes
+    assert cfg.chunk_bytes_for(16 * mib) == mib  # 16 chunks, not 4
+    assert cfg.chunk_bytes_for(6 * mib) == mib  # never under 1 MiB
+    assert cfg.chunk_bytes_for(100_000_000) == 4 * mib  # already 24 chunks
+    small = Config(chunk_bytes=4096)  # tests' tiny chunks stay as they are
+    assert small.chunk_bytes_for(102_400) == 4096
+    for n in (4 * mib + 1, 9_999_999, 16 * mib, 64_000_000):
+        size = cfg.chunk_bytes_for(n)
+        assert -(-n // size) >= 16 or size == mib
+        assert mib <= size <= cfg.chunk_bytes

@@ -319,7 +319,7 @@ class Node:
 
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
                 contribute: bool = True) -> None:
-        per_chunk = max(1, self.cfg.chunk_bytes // max(1, data.itemsize))
+        per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes) // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
@@ -335,7 +335,7 @@ class Node:
         st.results.clear()
         st.contributors = None
         st.epoch = self.view.epoch
-        per_chunk = max(1, self.cfg.chunk_bytes // max(1, st.submitted.itemsize))
+        per_chunk = max(1, self.cfg.chunk_bytes_for(st.submitted.nbytes) // max(1, st.submitted.itemsize))
         for chunk, start in st.offsets.items():
             piece = st.submitted[start:start + per_chunk]
             self._handle(Submit(step=st.step, chunk=chunk, data=piece, signature=st.signature,
