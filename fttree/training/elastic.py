@@ -81,8 +81,7 @@ class _Incoming:
     digest: str
     pieces: dict[int, bytes] = field(default_factory=dict)
     hasher: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
-    hashed: int = 0  # pieces 0..hashed-1 are in the hasher
-    checked: bool = False  # every piece is hashed and the digest matched
+    hashed: int = 0  # pieces 0..hashed-1 are in the hasher; all of them, still incoming: checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +140,7 @@ class StateTransfer:
         Asks the next donor if this one is late or gone."""
         with self._lock:
             inc = self._incoming
-        if inc is not None and inc.hashed < inc.total and inc.hashed in inc.pieces:
-            return self._advance(inc)
-        if inc is not None and inc.hashed == inc.total:
+        if inc is not None and (inc.hashed == inc.total or inc.hashed in inc.pieces):
             return self._advance(inc)
         current = self._asked[-1] if self._asked else None
         if current is None or time.monotonic() - self._asked_at > self.wait_s or current not in self.ar.view:
@@ -217,7 +214,6 @@ class StateTransfer:
                         self._incoming = None
                 self._asked_at = 0.0  # the next poll() asks the next donor
                 return None
-            inc.checked = True
             return None  # decoded at the next step, not in this one
         with self._lock:
             if self._incoming is inc:
