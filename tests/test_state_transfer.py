@@ -110,3 +110,16 @@ def test_undecodable_state_bytes_are_named() -> None:
         unpack_value(b"garbage garbage garbage")
     with pytest.raises(PeerError, match="not a dict"):
         elastic.deserialize(pack_value([1, 2, 3]))
+
+
+def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_and_step() -> None:
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer.request(12)
+    garbage = b"FTTS" + bytes(60)
+    for msg in pieces_of(garbage, 1 << 20, elastic.state_digest(garbage)):
+        ar.node.elastic_listeners[0](msg)
+    assert transfer.poll(12) is None  # the digest, checked
+    with pytest.raises(PeerError, match="from rank 0 as of step 12 matched its digest but is unusable") as err:
+        transfer.poll(12)
+    assert err.value.peers == (0,)

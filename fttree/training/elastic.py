@@ -219,7 +219,11 @@ class StateTransfer:
             if self._incoming is inc:
                 self._incoming = None
         data = b"".join(inc.pieces[i] for i in range(inc.total))
-        state = deserialize(data)
+        try:
+            state = deserialize(data)
+        except PeerError as exc:
+            raise PeerError(f"rank {self.ar.rank}: the training state from rank {inc.donor} as of step "
+                            f"{inc.user_step} matched its digest but is unusable: {exc}", peers=(inc.donor,)) from exc
         self.record = TransferRecord(donor=inc.donor, user_step=inc.user_step, nbytes=len(data),
                                      seconds=time.monotonic() - self._started_at, donors_asked=tuple(self._asked),
                                      replayed=0)
