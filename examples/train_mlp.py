@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     data = load_data(args.images, args.labels)
     loss_fn = nn.CrossEntropyLoss()
-    recoveries: list[Any] = []  # notes of data that went around a link, lost or by plan
+    recoveries: list[Any] = []  # notes of data that went around a link (lost or by plan), and of link memory
     if args.comm == "fttree":
         import fttree
         from fttree.core.protocol import NoteKind
@@ -106,7 +107,7 @@ def train(args: argparse.Namespace) -> int:
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
-                                      if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR) else None)
+                                      if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK) else None)
         model = thesis_mlp(seed=rank)  # different on purpose: the broadcast makes rank 0's start everyone's
         opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr), model,
                                           allreduce=ar, bucket_mb=args.bucket_mb)
@@ -130,7 +131,7 @@ def train(args: argparse.Namespace) -> int:
     progress = Progress(args.steps, enabled=rank == 0, as_json=args.json)
     if args.comm == "fttree":
         try:
-            audits = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
+            audits, short_steps = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -143,6 +144,8 @@ def train(args: argparse.Namespace) -> int:
                                        "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
                                        "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
                                        "detours": sum(n.kind.value == "detour" for n in recoveries),
+                                       "notes": dict(Counter(n.cause.value for n in recoveries)),
+                                       "short_steps": short_steps,
                                        "epochs": len(audits),
                                        "exactly_once": all(a["once"] for a in audits if a["complete"])})
         close()
@@ -175,10 +178,11 @@ def train(args: argparse.Namespace) -> int:
 
 
 def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
-                       progress: Progress, recoveries: list[Any]) -> list[dict[str, Any]]:
+                       progress: Progress, recoveries: list[Any]) -> tuple[list[dict[str, Any]], list[int]]:
     """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
     optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
-    ends with an audit of what was committed. Returns the audits."""
+    ends with an audit of what was committed. Returns the audits and the steps whose sum
+    lacked some worker's batch."""
     import numpy as np
     from torch.utils.data import DataLoader
 
@@ -196,6 +200,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                         collate_fn=fttree.CollateOrNone(), timeout=120 if args.loader_workers else 0)
     loss_fn = nn.CrossEntropyLoss()
     audits: list[dict[str, Any]] = []
+    short_steps: list[int] = []  # steps whose sum lacks a worker's batch (a worker died or was cut off)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -216,6 +221,8 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                 opt.step()
                 loss_value, acc, note = loss.item(), float((out.argmax(1) == y).float().mean()), ""
             done = opt.last_step
+            if len(done.contributors) < ar.world:
+                short_steps.append(step)
             if batch is not None and rank in done.contributors:
                 trained.extend(idx.tolist())
             sampler.commit_from(opt)
@@ -230,7 +237,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
         audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
                                   quiet=args.json))
         epoch += 1
-    return audits
+    return audits, short_steps
 
 
 def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n_train: int,
