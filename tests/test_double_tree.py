@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import click
 import numpy as np
 import pytest
 
@@ -22,6 +23,9 @@ from fttree.core.messages import Kind, Message, decode, encode
 from fttree.core.protocol import Cause, NoteKind, TreeMachine
 from fttree.core.view import View
 from fttree.errors import ConfigError, FrameError
+from fttree.status.cli import render as render_status
+from fttree.status.metrics import render as render_metrics
+from fttree.status.monitor import Monitor
 from fttree.testing.sim import SimNetwork
 
 from .conftest import cluster
@@ -298,6 +302,34 @@ def test_link_memory_of_one_tree_does_not_disturb_the_other() -> None:
     assert len(back) == 1
     assert back[0][:2] == (a, (a, b))
     assert "(tree 1)" in back[0][2]
+
+
+def test_a_failed_tree_1_uplink_shows_on_status_metrics_and_the_status_command() -> None:
+    # 5-6 is a primary link of tree 1 only: the tree drawn from tree 0's links shows nothing of
+    # it, so status must say it on its own (structured, per tree), and so must /metrics.
+    world, a, b = 7, 5, 6
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK)
+    monitors = [Monitor(node) for node in net.nodes]
+    net.cut(a, b)
+    net.submit_all(0, data_for(world))
+    net.run_until_finished(0)
+    trees = net.nodes[a].status().machine.trees
+    assert [t.tree for t in trees] == [0, 1]
+    up = trees[1].uplink
+    assert (up.failed, up.parent, up.relays) == (True, b, (4,))
+    assert not trees[0].uplink.failed
+    docs = [m.snapshot().to_dict() for m in monitors]
+    tree1 = docs[a]["trees"][1]
+    assert (tree1["parent"], tree1["uplink"], list(tree1["relays"])) == (b, "failed", [4])
+    assert docs[a]["trees"][0]["uplink"] == "up"
+    assert all(t["uplink"] == "up" for r, d in enumerate(docs) if r != a for t in d["trees"])
+    metrics = render_metrics(monitors[a].snapshot())
+    assert f'fttree_tree_uplink_state{{tree="1",parent="{b}",state="failed"}} 1' in metrics
+    assert 'fttree_tree_uplink_state{tree="0",parent="2",state="up"} 1' in metrics
+    lines = [click.unstyle(line) for line in render_status(docs)]
+    assert f"tree 1: link {a}->{b} failed; its chunks go through rank 4" in lines
+    single = SimNetwork(world, timeout_policy="static", double_tree=False)
+    assert [t.tree for t in single.nodes[a].status().machine.trees] == [0]
 
 
 def test_a_link_down_marks_the_uplink_of_the_tree_it_is_the_uplink_of() -> None:

@@ -123,7 +123,7 @@ def test_a_flapping_link_must_stay_healthy_longer_each_time() -> None:
     holds = []
     for first, last in ((0, 12), (12, 30), (30, 60)):
         run_steps(net, 7, range(first, last), gap_s=0.1)
-        uplink = net.machines[1].status().uplink
+        uplink = net.machines[1].status().tree0.uplink
         holds.append((uplink.failures, uplink.hold_s))
     assert holds == [(1, 0.5), (2, 1.0), (3, 2.0)]
     marked = [n for r, n in net.notes if r == 1 and n.cause is Cause.LINK_MARKED_FAILED]

@@ -278,14 +278,28 @@ class UplinkStatus:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TreeStatus:
+    """This rank's place in one tree and what link memory holds about that tree's links (the
+    uplink and the children differ between the two trees of the double binary tree)."""
+
+    tree: int
+    neighbours: Neighbours
+    uplink: UplinkStatus
+    relayed_children: tuple[int, ...]  # children whose data last came around a broken link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MachineStatus:
     rank: int
     view: View
-    neighbours: Neighbours
     ops: tuple[OpStatus, ...]  # the ops not finished here, oldest first
-    uplink: UplinkStatus
-    relayed_children: tuple[int, ...]  # children whose data last came around a broken link
+    trees: tuple[TreeStatus, ...]  # tree 0, and tree 1 when the double tree is on
     footprint: dict[str, int]
+
+    @property
+    def tree0(self) -> TreeStatus:
+        """Tree 0: every step of one chunk runs on it (small tensors only ever use it)."""
+        return self.trees[0]
 
 
 @dataclass(slots=True)
@@ -487,13 +501,15 @@ class TreeMachine:
                      else OpPhase.REDUCE)
             ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(op.contributors)),
                                 waiting_for=tuple(c for c in self._t(op).me.children if c not in op.got_children)))
-        t = self.trees[0]  # the status page shows tree 0's links (the single tree's)
+        return MachineStatus(rank=self.rank, view=self.view, ops=tuple(ops), footprint=self.footprint(),
+                             trees=tuple(self._tree_status(t) for t in self.trees[:2 if self.cfg.double_tree else 1]))
+
+    def _tree_status(self, t: _Tree) -> TreeStatus:
         up = t.up
-        return MachineStatus(
-            rank=self.rank, view=self.view, neighbours=self.me, ops=tuple(ops),
-            uplink=UplinkStatus(parent=self.me.parent, failed=up.failed, relays=up.relays, failures=up.failures,
-                                probing=up.failed and up.healthy_since is not None, hold_s=self._heal_hold_s(t)),
-            relayed_children=tuple(sorted(self.down_failed)), footprint=self.footprint())
+        return TreeStatus(
+            tree=t.tree, neighbours=t.me, relayed_children=tuple(sorted(t.down_failed)),
+            uplink=UplinkStatus(parent=t.me.parent, failed=up.failed, relays=up.relays, failures=up.failures,
+                                probing=up.failed and up.healthy_since is not None, hold_s=self._heal_hold_s(t)))
 
     def footprint(self) -> dict[str, int]:
         """Sizes of everything this machine keeps between events: none may grow with the

@@ -24,6 +24,7 @@ STEP_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
                                      10.0, 30.0, 60.0)
 LINK_STATES = ("up", "suspect", "failed", "probing")
 MEMBER_STATES = ("active", "changing", "minority", "evicted")
+UPLINK_STATES = ("up", "failed", "probing")  # link memory about a link to a parent (monitor.TreeView)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +143,11 @@ def render(snap: Snapshot) -> str:
              [({}, snap.duplicates)])
     w.family("fttree_frame_errors_total", "counter", "Undecodable frames received (their connections were closed).",
              [({}, snap.frame_errors)])
+    w.family("fttree_tree_uplink_state", "gauge",
+             "This worker's link to its parent in each tree (tree 1: the double binary tree's second), one "
+             "series per state: 1 for the current one.",
+             [({"tree": t.tree, "parent": t.parent, "state": st}, int(t.uplink == st))
+              for t in snap.trees if t.parent is not None for st in UPLINK_STATES])
     links = snap.links
     w.family("fttree_link_bytes_sent_total", "counter", "Bytes written to each neighbour.",
              [({"peer": lk.peer}, lk.bytes_sent) for lk in links])

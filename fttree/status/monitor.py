@@ -34,7 +34,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from .. import logs
-from ..core.protocol import Cause, Note, NoteKind, OpPhase
+from ..core.protocol import Cause, Note, NoteKind, OpPhase, TreeStatus
 from .metrics import Histogram, HistogramView
 
 if TYPE_CHECKING:
@@ -120,6 +120,22 @@ class EvictionView:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TreeView:
+    """This worker in one tree of the double binary tree: its family there and what link memory
+    holds about that tree's links. Tree 0 carries every one-chunk step; tree 1 carries every
+    second chunk of larger steps, over other links, so a link can fail in one tree only."""
+
+    tree: int
+    parent: int | None
+    children: tuple[int, ...]
+    brother: int | None
+    uncle: int | None
+    uplink: str  # up, failed (later steps go around it), probing (answered, not trusted yet)
+    relays: tuple[int, ...]  # who carries our data around a failed uplink
+    relayed_children: tuple[int, ...]  # children whose data last came around a broken link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     rank: int
     world: int
@@ -140,6 +156,7 @@ class Snapshot:
     brother: int | None
     uncle: int | None
     nephews: tuple[int, ...]
+    trees: tuple[TreeView, ...]  # tree 0 (its links are `links`), and tree 1 with the double tree on
     step: int | None  # the newest step in flight, else the last finished one
     phase: str  # idle, starting, reduce, broadcast, done
     in_flight: tuple[int, ...]
@@ -182,6 +199,7 @@ class Snapshot:
             "time": self.at,
             "neighbours": {"parent": self.parent, "children": list(self.children), "brother": self.brother,
                            "uncle": self.uncle, "nephews": list(self.nephews)},
+            "trees": [asdict(t) for t in self.trees],
             "step": {"current": self.step, "phase": self.phase, "in_flight": list(self.in_flight),
                      "completed": self.steps_ok, "failed": self.steps_failed, "last_error": self.last_error},
             "last_steps": [{"step": s, "duration_s": round(d, 6)} for s, d in self.last_steps],
@@ -194,6 +212,13 @@ class Snapshot:
             "recent_events": [asdict(e) for e in self.events],
             "faults": self.faults,
         }
+
+
+def _tree_view(t: TreeStatus) -> TreeView:
+    up, nb = t.uplink, t.neighbours
+    state = ("probing" if up.probing else "failed") if up.failed else "up"
+    return TreeView(tree=t.tree, parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle,
+                    uplink=state, relays=up.relays if up.failed else (), relayed_children=t.relayed_children)
 
 
 # ---- the monitor ----------------------------------------------------------------------------
@@ -354,14 +379,15 @@ class Monitor:
         """What the protocol's link memory says about one of our primary links, if anything:
         our uplink marked failed (probes unanswered) or probing (answered, waiting to be trusted
         again), or a child whose data last came through a relay."""
-        up = status.machine.uplink
+        tree0 = status.machine.tree0
+        up = tree0.uplink
         if link.role == "parent" and up.failed:
             via = " and ".join(map(str, up.relays))
             if up.probing:
                 return LinkState.PROBING, (f"probes to rank {link.peer} are answered; routing through rank {via} "
                                            f"until the link has been healthy for {up.hold_s:g} s")
             return LinkState.FAILED, f"marked failed; routing through rank {via} and probing rank {link.peer}"
-        if link.role == "child" and link.peer in status.machine.relayed_children:
+        if link.role == "child" and link.peer in tree0.relayed_children:
             return LinkState.FAILED, f"rank {link.peer}'s data last came through a relay"
         return None
 
@@ -411,7 +437,7 @@ class Monitor:
 
     def snapshot(self) -> Snapshot:
         status = self.node.status()
-        nb = status.machine.neighbours
+        nb = status.machine.tree0.neighbours
         in_flight = status.steps_in_flight
         current = max(in_flight, default=self.last_step)
         phase = self._phase(status, in_flight[-1]) if in_flight else "idle"
@@ -428,6 +454,7 @@ class Monitor:
             evicted_total=member.evicted_total, node_deadline_s=member.node_deadline_s, reruns=status.reruns,
             address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
+            trees=tuple(_tree_view(t) for t in status.machine.trees),
             step=current, phase=phase, in_flight=in_flight,
             steps_ok=self.steps_ok, steps_failed=self.steps_failed, last_error=self.last_error,
             last_steps=status.last_steps[-10:],
