@@ -424,3 +424,39 @@ def test_a_step_larger_than_one_chunk_is_cut_into_at_least_16() -> None:
         size = cfg.chunk_bytes_for(n)
         assert -(-n // size) >= 16 or size == mib
         assert mib <= size <= cfg.chunk_bytes
+
+
+def test_a_step_that_would_take_long_per_hop_is_pipelined_behind_a_slow_uplink() -> None:
+    """Behind 100 Mbit/s one hop of the thesis MLP's 1.63 MB takes 130 ms, and as one chunk
+    every hop waits for the whole of it (3.3x gloo's ring): such a step is cut too, in chunks of
+    at least 20 ms of uplink time. On a LAN's default pace nothing changes."""
+    mlp = 407_050 * 4
+    assert Config().chunk_bytes_for(mlp) == Config().chunk_bytes  # the default: one chunk, as before
+    assert Config(uplink_bytes_per_s=125e6).chunk_bytes_for(mlp) == Config().chunk_bytes  # 1 Gbit/s: 13 ms a hop
+    slow = Config(uplink_bytes_per_s=12.5e6)  # 100 Mbit/s
+    assert slow.chunk_bytes_for(1_000_000) == slow.chunk_bytes  # 80 ms a hop: one chunk
+    assert slow.chunk_bytes_for(mlp) == 250_000  # 20 ms of uplink time: 7 chunks
+    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(mlp) == -(-mlp // 16)  # 10 Mbit/s: 16 chunks
+    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(200_000) == 64 * 1024  # never under 64 KiB
+    assert slow.chunk_bytes_for(16 * (1 << 20)) == Config().chunk_bytes_for(16 * (1 << 20))  # big steps as before
+    world = 7
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, uplink_bytes_per_s=12.5e6)
+    net.cut(5, 6)  # a primary link of tree 1 only: the MLP's chunks now use it
+    data = [np.full(407_050, r + 1, dtype=np.float32) for r in range(world)]
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    check_exact(net, world, data)
+    assert net.nodes[5].status().machine.trees[1].uplink.failed  # tree 1 carried some of the chunks
+
+
+def test_workers_that_cut_a_step_differently_fail_it_naming_the_settings() -> None:
+    world = 7
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=5.0, uplink_bytes_per_s=12.5e6)
+    fast = Config.build(net.config, uplink_bytes_per_s=125e6)  # rank 3 says its uplink is 1 Gbit/s
+    net.nodes[3].cfg = net.nodes[3].machine.cfg = fast
+    data = [np.full(407_050, r + 1, dtype=np.float32) for r in range(world)]
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    outs = [net.outcome(r, 0) for r in range(world)]
+    assert all(isinstance(o, StepAborted) for o in outs), outs
+    assert any("uplink_bytes_per_s" in str(o) and "same on every worker" in str(o) for o in outs), outs

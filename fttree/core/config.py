@@ -21,6 +21,13 @@ COMPRESSIONS = (None, "bf16", "fp16")
 
 SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many (8 per tree)
 MIN_SPLIT_CHUNK_BYTES = 1 << 20
+# A step small enough for one chunk is still pipelined when one hop of it would take longer than
+# PIPELINE_HOP_S at uplink_bytes_per_s (behind 100 Mbit/s: from 1.25 MB on; never at the LAN
+# default, where that takes 5 MB, more than a chunk). Its chunks carry at least SLOW_CHUNK_S of
+# uplink time and MIN_SLOW_CHUNK_BYTES, so per-chunk costs stay small against the transfer.
+PIPELINE_HOP_S = 0.1
+SLOW_CHUNK_S = 0.02
+MIN_SLOW_CHUNK_BYTES = 64 * 1024
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
@@ -129,12 +136,20 @@ class Config:
         step is cut into at least SPLIT_CHUNKS chunks (no smaller than MIN_SPLIT_CHUNK_BYTES,
         nor larger than `chunk_bytes`): behind a slow uplink each hop carries a whole chunk, so
         a tree of depth d fills its pipeline only after about 2d chunk times, and 16 MB in four
-        4 MiB chunks took 1.5x gloo's ring at 100 Mbit/s where 1 MiB chunks took 1.35x. Every
-        rank computes the same size from the same tensor."""
+        4 MiB chunks took 1.5x gloo's ring at 100 Mbit/s where 1 MiB chunks took 1.35x. A step
+        of up to one chunk that would take over PIPELINE_HOP_S a hop at `uplink_bytes_per_s`
+        is cut too (see SLOW_CHUNK_S): as one chunk the thesis MLP's 1.63 MB took 3.3x gloo's
+        time behind 100 Mbit/s uplinks, in 256 KiB chunks 1.3x. Every rank must compute the
+        same size, so `chunk_bytes` and `uplink_bytes_per_s` must be the same on every worker
+        (a difference fails the step as a chunk mismatch)."""
+        per_chunk = -(-nbytes // SPLIT_CHUNKS)
         if nbytes <= self.chunk_bytes:
-            return self.chunk_bytes
+            if nbytes <= self.uplink_bytes_per_s * PIPELINE_HOP_S:
+                return self.chunk_bytes
+            floor = max(MIN_SLOW_CHUNK_BYTES, int(self.uplink_bytes_per_s * SLOW_CHUNK_S))
+            return min(self.chunk_bytes, max(floor, per_chunk))
         floor = min(MIN_SPLIT_CHUNK_BYTES, self.chunk_bytes)
-        return min(self.chunk_bytes, max(floor, -(-nbytes // SPLIT_CHUNKS)))
+        return min(self.chunk_bytes, max(floor, per_chunk))
 
     def make_timeouts(self) -> TimeoutPolicy:
         if self.timeout_policy == "adaptive":

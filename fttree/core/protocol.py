@@ -683,6 +683,9 @@ class TreeMachine:
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
                   f"for chunk {op.chunk}, rank {self.rank} has {op.signature} "
                   f"({op.acc.size} x {op.dtype})")  # type: ignore[union-attr]
+        if msg.signature == op.signature and self._accepts(op, msg.dtype):
+            reason += (": the same tensor cut into other chunks; chunk_bytes and uplink_bytes_per_s "
+                       "(--chunk-bytes, --uplink) must be the same on every worker")
         self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out)
         return False
 
