@@ -48,8 +48,9 @@ def _job_options(f: F) -> F:
                      help="Every chunk on one tree; default: a step of two or more chunks alternates them between "
                           "two trees (the double binary tree: about 2N bytes per rank instead of 3N).")(f)
     f = click.option("--uplink", default=None, metavar="RATE",
-                     help="This worker's uplink speed in tc units (100mbit, 1gbit): backup watches allow queued "
-                          "data to leave at this pace (default: a LAN's 50 MB/s).")(f)
+                     help="The workers' uplink speed in tc units (100mbit, 1gbit), the same on every worker (the "
+                          "slowest uplink's): backup watches allow queued data to leave at this pace, and a step "
+                          "that would take over 100 ms a hop is pipelined in chunks (default: a LAN's 50 MB/s).")(f)
     f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
