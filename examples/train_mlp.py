@@ -131,7 +131,7 @@ def train(args: argparse.Namespace) -> int:
     progress = Progress(args.steps, enabled=rank == 0, as_json=args.json)
     if args.comm == "fttree":
         try:
-            audits, short_steps = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
+            audits, fewest = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -145,7 +145,7 @@ def train(args: argparse.Namespace) -> int:
                                        "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
                                        "detours": sum(n.kind.value == "detour" for n in recoveries),
                                        "notes": dict(Counter(n.cause.value for n in recoveries)),
-                                       "short_steps": short_steps,
+                                       "fewest_contributors": fewest,
                                        "epochs": len(audits),
                                        "exactly_once": all(a["once"] for a in audits if a["complete"])})
         close()
@@ -178,11 +178,11 @@ def train(args: argparse.Namespace) -> int:
 
 
 def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
-                       progress: Progress, recoveries: list[Any]) -> tuple[list[dict[str, Any]], list[int]]:
+                       progress: Progress, recoveries: list[Any]) -> tuple[list[dict[str, Any]], int]:
     """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
     optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
-    ends with an audit of what was committed. Returns the audits and the steps whose sum
-    lacked some worker's batch."""
+    ends with an audit of what was committed. Returns the audits and the fewest workers whose
+    batches one step's sum held."""
     import numpy as np
     from torch.utils.data import DataLoader
 
@@ -200,7 +200,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                         collate_fn=fttree.CollateOrNone(), timeout=120 if args.loader_workers else 0)
     loss_fn = nn.CrossEntropyLoss()
     audits: list[dict[str, Any]] = []
-    short_steps: list[int] = []  # steps whose sum lacks a worker's batch (a worker died or was cut off)
+    fewest = ar.world  # the fewest workers whose batches one step's sum held (fewer: one died, or was lost)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -221,8 +221,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                 opt.step()
                 loss_value, acc, note = loss.item(), float((out.argmax(1) == y).float().mean()), ""
             done = opt.last_step
-            if len(done.contributors) < ar.world:
-                short_steps.append(step)
+            fewest = min(fewest, len(done.contributors))
             if batch is not None and rank in done.contributors:
                 trained.extend(idx.tolist())
             sampler.commit_from(opt)
@@ -237,7 +236,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
         audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
                                   quiet=args.json))
         epoch += 1
-    return audits, short_steps
+    return audits, fewest
 
 
 def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n_train: int,

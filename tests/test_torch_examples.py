@@ -24,7 +24,7 @@ def test_train_mlp_goes_on_through_a_cut_link() -> None:
     # first step the cut bites, or the planned way once link memory marks 1->0 failed (a detour).
     assert summary["recoveries"] + summary["detours"] > 0, f"the cut link was never worked around: {summary}"
     # ...and no step may pay for the cut with a worker's batch: each sum holds all three.
-    assert summary["short_steps"] == [], f"steps that lost a worker's batch to a cut link: {summary}"
+    assert summary["fewest_contributors"] == 3, f"a step lost a worker's batch to a cut link: {summary}"
     assert summary["test_accuracy"] > 0.3  # 6 SGD steps on digits already beat chance (0.1)
 
 
