@@ -7,8 +7,10 @@ import asyncio
 import socket
 
 import numpy as np
+import pytest
 
 from fttree.core.messages import Kind, Message
+from fttree.net import tcp
 from fttree.net.address import Address
 from fttree.net.tcp import TcpTransport, _BufferPool
 
@@ -63,13 +65,15 @@ class _Events:
         self.stale = False
         self.got: list[Message] = []
         self.ready = asyncio.Event()
+        self.refused = asyncio.Event()
 
     def on_message(self, msg: Message) -> None:
         self.got.append(msg)
         self.ready.set()
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
-        pass
+        if refused:
+            self.refused.set()
 
     def is_stale(self, msg: Message) -> bool:
         return self.stale
@@ -142,6 +146,39 @@ def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
             assert receiver.pool.reused >= 4
         finally:
             await sender.close(flush_s=1)
+            await receiver.close(flush_s=0)
+
+    asyncio.run(run())
+
+
+def test_a_link_in_redial_backoff_dials_at_once_when_the_peer_connects_to_us(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted or joining rank connects to its peers as it starts. A peer whose link to it
+    is waiting out a redial backoff (its frames for the rank's last process were refused) must
+    dial then, not at the end of the backoff: its first ops' frames were lost to that wait (the
+    peer moved to a later view meanwhile and dropped them as stale). The backoff is made an
+    hour here, so only the peer's connection can end it within the test."""
+    monkeypatch.setattr(tcp, "REDIAL_FIRST_S", 3600.0)
+    monkeypatch.setattr(tcp, "REDIAL_MAX_S", 3600.0)
+
+    async def run() -> None:
+        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.2", _free_port())]
+        sender = TcpTransport(0, addrs, connect_timeout_s=0.5)
+        sent = _Events()
+        sender.bind(sent)
+        await sender.start()
+        receiver = TcpTransport(1, addrs)
+        got = _Events()
+        receiver.bind(got)
+        try:
+            sender.send(1, _data(0, np.ones(10, dtype=np.float32)))
+            await asyncio.wait_for(sent.refused.wait(), 20)  # rank 1 is not up: the link waits an hour
+            await receiver.start()
+            receiver.send(0, Message(kind=Kind.META_BCAST_RECEIVED, src=1, step=0))  # rank 1 dials us
+            await asyncio.wait_for(got.ready.wait(), 20)
+            assert got.got[0].kind is Kind.DATA_BCAST
+        finally:
+            await sender.close(flush_s=0)
             await receiver.close(flush_s=0)
 
     asyncio.run(run())

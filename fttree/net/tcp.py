@@ -67,6 +67,8 @@ def tcp_rtt_s(writer: Any) -> float | None:
 
 
 HELLO_TIMEOUT_S = 10.0
+REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
+REDIAL_MAX_S = 1.0  # ... up to this
 
 
 class _BufferPool:
@@ -138,8 +140,17 @@ class _OutLink:
         self.writer: asyncio.StreamWriter | None = None
         self.ever_connected = False
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
+        self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
         self.eof_watch: asyncio.Task[None] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"fttree-link-{peer}")
+
+    def peer_is_up(self) -> None:
+        """The peer connected to us, so it listens: a redial waiting out its backoff (up to 1 s)
+        dials now. A restarted or joining rank is sent its first ops' frames at once; waiting
+        a backoff left them queued until its peers had moved on to a later view and dropped
+        them as stale, and the joiner hung in its first step."""
+        if self.writer is None:
+            self.retry_now.set()
 
     def backlog_bytes(self) -> int:
         """Bytes waiting to go out on this link: queued frames plus the socket's send buffer."""
@@ -208,7 +219,7 @@ class _OutLink:
         self.queued_bytes = sum(len(m.payload) for m in kept if m.payload is not None)
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = REDIAL_FIRST_S
         while not self.t.closed:
             if self.writer is None and self.ever_connected and not self.queue and not self.redial:
                 self.idle.set()  # nothing to send: dial again only when there is
@@ -219,10 +230,12 @@ class _OutLink:
                 self.redial = False
                 if not await self._connect():
                     self._drop_stale()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
+                    self.retry_now.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.retry_now.wait(), backoff)
+                    backoff = min(backoff * 2, REDIAL_MAX_S)
                     continue
-            backoff = 0.05
+            backoff = REDIAL_FIRST_S
             try:
                 await self._drain_queue()
             except (OSError, TimeoutError, RuntimeError) as exc:
@@ -554,6 +567,9 @@ class _Inbound(asyncio.BufferedProtocol):
             self.src = t._check_hello(msg, self.peer[0])
             if self.hello_timer is not None:
                 self.hello_timer.cancel()
+            link = t._out.get(self.src)
+            if link is not None:
+                link.peer_is_up()
             return
         if msg.src != self.src:
             raise FrameError(f"frame says it is from rank {msg.src} on rank {self.src}'s connection")
