@@ -193,10 +193,10 @@ def test_bench_command_end_to_end(tmp_path: Path) -> None:
     assert "fttree/plain" in out.output
     data = json.loads((tmp_path / "bench.json").read_text())
     kinds = sorted((r["spec"]["kind"], r["spec"]["purpose"]) for r in data["runs"])
-    assert kinds == [("fttree", "matrix"), ("fttree", "sweep"), ("fttree", "sweep"), ("gloo", "matrix"),
-                     ("gloo", "sweep"), ("plain", "matrix")]  # the sweep: single tree and double tree
-    assert sorted(r["spec"]["double_tree"] for r in data["runs"] if r["spec"]["purpose"] == "sweep"
-                  and r["spec"]["kind"] == "fttree") == [False, True]
+    assert kinds == [("fttree", "matrix"), ("fttree", "sweep"), ("fttree", "sweep"), ("fttree", "sweep"),
+                     ("gloo", "matrix"), ("gloo", "sweep"), ("plain", "matrix")]  # sweep: single, double, rotated
+    assert sorted(r["spec"]["trees"] for r in data["runs"] if r["spec"]["purpose"] == "sweep"
+                  and r["spec"]["kind"] == "fttree") == ["double", "rotated", "single"]
     assert all(r["ok"] for r in data["runs"])
     assert all(len(recs) == 3 for r in data["runs"] for recs in r["records"].values())
     assert data["fig11"]["results"][0]["world"] == 3

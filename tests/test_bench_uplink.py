@@ -40,12 +40,13 @@ def test_uplink_plan_shapes_every_run_and_binds_gloo(tmp_path: Path) -> None:
     runs, _ = b.plan(opts)
     assert {r.kind for r in runs} == {"fttree", "gloo"}
     assert all(r.uplink_bps == 100e6 for r in runs)
-    # the single tree, the double tree, and bf16 on the double tree
-    assert [(r.compression, r.double_tree) for r in runs if r.kind == "fttree"] == [("", False), ("", True),
-                                                                                     ("bf16", True)]
-    assert "--single-tree" in b.worker_commands(runs[0], tmp_path)[0]
-    assert "--single-tree" not in b.worker_commands(runs[1], tmp_path)[0]
-    assert "double tree" in runs[1].label
+    # the single tree, the double tree, the rotated trees, and bf16 on the rotated trees
+    assert [(r.compression, r.trees) for r in runs if r.kind == "fttree"] == [
+        ("", "single"), ("", "double"), ("", "rotated"), ("bf16", "rotated")]
+    for run, family in zip(runs, ("single", "double", "rotated"), strict=False):
+        cmd = b.worker_commands(run, tmp_path)[0]
+        assert cmd[cmd.index("--trees") + 1] == family
+    assert "double trees" in runs[1].label
     gloo = next(r for r in runs if r.kind == "gloo")
     cmds = b.worker_commands(gloo, tmp_path, bind=True)
     assert [c[c.index("--bind") + 1] for c in cmds] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
@@ -69,7 +70,7 @@ def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
                                                                         ("uplink_bytes_per_s", "1.25e+08")))
     opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
                           sweep_policies=("static",))
-    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree" and not r.double_tree]
+    (ft,) = [r for r in b.plan(opts)[0] if r.kind == "fttree" and r.trees == "single"]
     cmd = b.worker_commands(ft, tmp_path)[0]
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
     assert sets == ["adaptive_ceiling_s=24", "uplink_bytes_per_s=1.25e+07"]
@@ -80,9 +81,9 @@ def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
 
 
 def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int], steps: int = 4,
-          compression: str = "", double: bool = False) -> b.RunResult:
+          compression: str = "", trees: str = "single") -> b.RunResult:
     spec = b.RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",
-                     uplink_bps=100e6, compression=compression, double_tree=double)
+                     uplink_bps=100e6, compression=compression, trees=trees)
     res = b.RunResult(spec=spec, sent_bytes=sent)
     for s in range(steps):
         for r in range(world):
@@ -118,7 +119,7 @@ def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
     assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 
 
-def test_the_double_tree_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Path) -> None:
+def test_each_tree_family_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Path) -> None:
     world, size, steps = 7, 4_000_000, 4
     n, bound = size * 4, b.ring_bound_bytes(size, world)
     opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
@@ -126,19 +127,27 @@ def test_the_double_tree_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Pat
     single = {r: steps * (3 if r in (1, 2) else 2 if r == 0 else 1) * n for r in range(world)}
     # chunks alternate: interior in one tree 3 x N/2 + N/2 as a leaf of the other
     double = {r: steps * (2 * n if r in (1, 2, 4, 5) else 3 * n // 2 if r in (0, 6) else n) for r in range(world)}
+    rotated = {r: int(steps * bound) for r in range(world)}  # every rank at the bound
     summary = b.Summary(opts=opts, results=[
-        _fake("fttree", world, size, 4.0, single), _fake("fttree", world, size, 2.6, double, double=True),
-        _fake("fttree", world, size, 1.3, {r: v // 2 for r, v in double.items()}, compression="bf16", double=True),
+        _fake("fttree", world, size, 4.0, single), _fake("fttree", world, size, 2.6, double, trees="double"),
+        _fake("fttree", world, size, 2.2, rotated, trees="rotated"),
+        _fake("fttree", world, size, 1.1, {r: v // 2 for r, v in rotated.items()}, compression="bf16",
+              trees="rotated"),
         _fake("gloo", world, size, 2.3, {r: int(steps * bound) for r in range(world)})], notes=[])
-    assert [name for name, *_ in summary.sweep_systems()] == ["fttree static", "fttree double", "fttree double bf16"]
+    assert [name for name, *_ in summary.sweep_systems()] == ["fttree static", "fttree double", "fttree rotated",
+                                                              "fttree rotated bf16"]
     rows = {r["system"]: r for r in summary.bandwidth_rows()}
     assert rows["fttree double"]["max_bytes"] / bound == pytest.approx(7 / 6)  # the double tree's floor, 2N
     assert rows["fttree static"]["max_bytes"] / bound == pytest.approx(1.75)
+    assert rows["fttree rotated"]["max_bytes"] / bound == pytest.approx(1.0, abs=1e-6)
     table = b.render(summary)
     assert "ft double" in table
-    assert "(double tree)" in table  # the compression table compares bf16 with float32 on the same tree
+    assert "ft rotated" in table
+    assert "(rotated trees)" in table  # the compression table compares bf16 with float32 on the same trees
     targets = {text: met for met, text in summary.targets()}
     assert any("fttree double: busiest rank sends 1.17x" in t and not met for t, met in targets.items())
+    assert any("fttree rotated: busiest rank sends 1.00x" in t and met for t, met in targets.items())
+    assert any("fttree rotated: step/gloo 0.96" in t and met for t, met in targets.items())
     pytest.importorskip("matplotlib")
     assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 

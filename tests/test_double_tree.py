@@ -1,11 +1,12 @@
-"""The double binary tree (Config.double_tree): chunk c of a step of two or more chunks runs on
+"""The double binary tree (Config.trees="double"): chunk c of a step of two or more chunks runs on
 tree c mod 2, tree 1 being the heap over the reversed slot order, so every rank is interior in at
 most one tree and sends about 2N bytes per allreduce instead of 3N.
 
 On the simulator (deterministic, fake clock): the trees' shape, bytes per rank, exact sums and
 identical bits on every rank under every single link cut in each tree, two parallel and two
 serial cuts, a crash of a rank interior in tree 1, bf16 compression, link memory per tree and
-the tree id on the wire. Then 7 workers over real TCP.
+the tree id on the wire. Then 7 workers over real TCP. The rotated family, the default, has its
+own tests (test_rotated_trees.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def run_step(world: int, cuts: set[Link] = frozenset(), *, size: int = SIZE,  # 
     kw.setdefault("timeout_policy", "static")
     kw.setdefault("step_timeout_s", 10.0)
     kw.setdefault("chunk_bytes", CHUNK)
+    kw.setdefault("trees", "double")
     net = SimNetwork(world, **kw)
     for a, b in cuts:
         net.cut(a, b)
@@ -109,7 +111,7 @@ def sent_bytes(net: SimNetwork) -> list[int]:
 def test_every_rank_is_interior_in_at_most_one_tree(world: int) -> None:
     shuffled = View(3, tuple(np.random.default_rng(world).permutation(world * 2)[:world].tolist()))
     for view in (View.initial(world), shuffled):
-        a, b = view.tree(0), view.tree(1)
+        a, b = view.tree(0, "double"), view.tree(1, "double")
         assert a is view
         assert b.members == tuple(reversed(view.members))
         assert b.epoch == view.epoch
@@ -118,25 +120,26 @@ def test_every_rank_is_interior_in_at_most_one_tree(world: int) -> None:
         for tree in (a, b):  # each is a whole tree over every member
             assert set(tree.subtree(tree.root)) == set(view.members)
     with pytest.raises(ConfigError, match="tree 2 does not exist"):
-        View.initial(3).tree(2)
+        View.initial(3).tree(2, "double")
 
 
 def test_chunks_alternate_and_a_one_chunk_step_stays_on_tree_0() -> None:
     view = View.initial(7)
-    on = TreeMachine(0, view, Config())
-    off = TreeMachine(0, view, Config(double_tree=False))
-    assert [on.tree_of(c) for c in range(5)] == [0, 1, 0, 1, 0]
-    assert [off.tree_of(c) for c in range(5)] == [0] * 5
-    assert on.peers == tuple(sorted(set(view.neighbours(0).all) | set(view.tree(1).neighbours(0).all)))
+    on = TreeMachine(0, view, Config(trees="double"))
+    off = TreeMachine(0, view, Config(trees="single"))
+    assert [on.tree_of(c, 5) for c in range(5)] == [0, 1, 0, 1, 0]
+    assert [off.tree_of(c, 5) for c in range(5)] == [0] * 5
+    assert on.tree_of(0, 1) == 0
+    assert on.peers == tuple(sorted(set(view.neighbours(0).all) | set(view.tree(1, "double").neighbours(0).all)))
     assert off.peers == view.neighbours(0).all
-    with pytest.raises(ConfigError, match="double_tree must be true or false"):
-        Config.build(double_tree=1)
+    with pytest.raises(ConfigError, match="trees must be one of 'single', 'double', 'rotated', got 'triple'"):
+        Config.build(trees="triple")
 
 
 @pytest.mark.parametrize("cuts", [set(), {(0, 1)}], ids=["no-fault", "cut"])
 def test_a_one_chunk_step_costs_exactly_what_the_single_tree_costs(cuts: set[Link]) -> None:
-    single, data = run_step(7, cuts, size=6, chunk_bytes=4096, double_tree=False)
-    double, _ = run_step(7, cuts, size=6, chunk_bytes=4096, double_tree=True)
+    single, data = run_step(7, cuts, size=6, chunk_bytes=4096, trees="single")
+    double, _ = run_step(7, cuts, size=6, chunk_bytes=4096, trees="double")
     check_exact(double, 7, data)
     assert sent_bytes(double) == sent_bytes(single)
     assert [(r, n.text) for r, n in double.notes] == [(r, n.text) for r, n in single.notes]
@@ -151,8 +154,8 @@ def test_interior_ranks_send_about_2n_instead_of_3n(world: int) -> None:
     chunk = 64 * 1024
     size = 8 * chunk // 8  # 8 chunks of int64: N = 512 KiB
     n = size * 8
-    single, _ = run_step(world, size=size, chunk_bytes=chunk, double_tree=False)
-    double, data = run_step(world, size=size, chunk_bytes=chunk, double_tree=True)
+    single, _ = run_step(world, size=size, chunk_bytes=chunk, trees="single")
+    double, data = run_step(world, size=size, chunk_bytes=chunk, trees="double")
     check_exact(double, world, data)
     s, d = sent_bytes(single), sent_bytes(double)
     interior_a = interior(View.initial(world))
@@ -172,7 +175,7 @@ def test_interior_ranks_send_about_2n_instead_of_3n(world: int) -> None:
 @pytest.mark.parametrize("tree", [0, 1])
 @pytest.mark.parametrize("world", [4, 7, 15])
 def test_every_single_link_cut_in_each_tree_completes_exactly(world: int, tree: int) -> None:
-    for link in tree_links(View.initial(world).tree(tree)):
+    for link in tree_links(View.initial(world).tree(tree, "double")):
         net, data = run_step(world, {link})
         check_exact(net, world, data)
 
@@ -187,9 +190,9 @@ def _slot_links(view: View, pairs: list[Link]) -> set[Link]:
 @pytest.mark.parametrize("pairs", [[(3, 1), (5, 2)], [(3, 1), (1, 0)]], ids=["parallel", "serial"])
 def test_two_cuts_in_each_tree_complete_exactly(world: int, tree: int, pairs: list[Link]) -> None:
     view = View.initial(world)
-    cuts = _slot_links(view.tree(tree), pairs)
+    cuts = _slot_links(view.tree(tree, "double"), pairs)
     assert bridgeable(view, cuts)
-    assert bridgeable(view.tree(1), cuts)
+    assert bridgeable(view.tree(1, "double"), cuts)
     net, data = run_step(world, cuts)
     check_exact(net, world, data)
     recovered = {n.link for _, n in net.notes if n.kind is NoteKind.RECOVERY}
@@ -202,9 +205,10 @@ def test_float_data_gives_the_same_bits_everywhere(world: int, compression: str 
     rng = np.random.default_rng(world)
     data = [(rng.standard_normal(3000) * rng.uniform(0.1, 10)).astype(np.float32) for _ in range(world)]
     view = View.initial(world)
-    cut = _slot_links(view.tree(1), [(1, 0)])  # tree 1's first primary link
+    cut = _slot_links(view.tree(1, "double"), [(1, 0)])  # tree 1's first primary link
     for cuts in (set(), cut):
-        net, outs = one_step(world, data, cuts=tuple(cuts), chunk_bytes=4096, compression=compression)
+        net, outs = one_step(world, data, cuts=tuple(cuts), chunk_bytes=4096, compression=compression,
+                             trees="double")
         first = outs[0].data.view(np.uint32)
         exact = np.sum(np.array(data, dtype=np.float64), axis=0)
         magnitude = np.sum(np.abs(np.array(data, dtype=np.float64)), axis=0)
@@ -226,9 +230,9 @@ def test_float_data_gives_the_same_bits_everywhere(world: int, compression: str 
 @pytest.mark.parametrize("victim", [5, 6], ids=["interior-in-1", "root-of-1"])
 def test_a_crash_of_a_rank_interior_in_tree_1_leaves_the_survivors_with_one_result(victim: int, at: float) -> None:
     view = View.initial(7)
-    assert victim in interior(view.tree(1))
+    assert victim in interior(view.tree(1, "double"))
     assert victim not in interior(view)
-    net = SimNetwork(7, chunk_bytes=16)  # 6 int64: 3 chunks, trees 0, 1, 0
+    net = SimNetwork(7, chunk_bytes=16, trees="double")  # 6 int64: 3 chunks, trees 0, 1, 0
     run = Run(net)
     run.steps(1)
     out = run.step(1, [(at, lambda: net.crash(victim))])
@@ -272,8 +276,8 @@ def test_link_memory_of_one_tree_does_not_disturb_the_other() -> None:
     # 5-6 is tree 1's primary link (6 is the root of tree 1, 5 its child) and a backup link
     # (brothers) of tree 0, whose primary links it does not touch.
     world, a, b = 7, 5, 6
-    assert View.initial(world).tree(1).neighbours(a).parent == b
-    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK)
+    assert View.initial(world).tree(1, "double").neighbours(a).parent == b
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK, trees="double")
     net.cut(a, b)
     data = data_for(world)
     net.submit_all(0, data)
@@ -308,7 +312,7 @@ def test_a_failed_tree_1_uplink_shows_on_status_metrics_and_the_status_command()
     # 5-6 is a primary link of tree 1 only: the tree drawn from tree 0's links shows nothing of
     # it, so status must say it on its own (structured, per tree), and so must /metrics.
     world, a, b = 7, 5, 6
-    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK)
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK, trees="double")
     monitors = [Monitor(node) for node in net.nodes]
     net.cut(a, b)
     net.submit_all(0, data_for(world))
@@ -328,12 +332,12 @@ def test_a_failed_tree_1_uplink_shows_on_status_metrics_and_the_status_command()
     assert 'fttree_tree_uplink_state{tree="0",parent="2",state="up"} 1' in metrics
     lines = [click.unstyle(line) for line in render_status(docs)]
     assert f"tree 1: link {a}->{b} failed; its chunks go through rank 4" in lines
-    single = SimNetwork(world, timeout_policy="static", double_tree=False)
+    single = SimNetwork(world, timeout_policy="static", trees="single")
     assert [t.tree for t in single.nodes[a].status().machine.trees] == [0]
 
 
 def test_a_link_down_marks_the_uplink_of_the_tree_it_is_the_uplink_of() -> None:
-    net = SimNetwork(7, timeout_policy="static", chunk_bytes=CHUNK)
+    net = SimNetwork(7, timeout_policy="static", chunk_bytes=CHUNK, trees="double")
     net.link_down(2, 5)  # 5 is 2's child in tree 0 and its parent in tree 1
     trees = net.nodes[2].machine.trees
     assert trees[0].down_failed == {5}
@@ -353,27 +357,32 @@ def test_a_link_down_marks_the_uplink_of_the_tree_it_is_the_uplink_of() -> None:
 # ---- the tree id on the wire -----------------------------------------------------------------------
 
 
-def test_frames_carry_the_tree_and_refuse_any_other_than_0_or_1() -> None:
-    msg = Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=1, tree=1, origin=1, target=0)
-    assert decode(b"".join(bytes(b) for b in encode(msg))).tree == 1
+def test_frames_carry_the_tree_and_the_chunk_count_and_refuse_negative_ones() -> None:
+    msg = Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=1, tree=5, chunks=16, origin=1, target=0)
+    back = decode(b"".join(bytes(b) for b in encode(msg)))
+    assert (back.tree, back.chunks) == (5, 16)
     old = Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=0, origin=1, target=0)
     assert b"tr" not in b"".join(bytes(b) for b in encode(old))  # tree 0 is not written: old frames decode
     assert decode(b"".join(bytes(b) for b in encode(old))).tree == 0
-    for bad in (2, -1):
-        with pytest.raises(FrameError, match="tree must be 0 or 1"):
-            decode(b"".join(bytes(b) for b in encode(Message(kind=Kind.PROBE, src=1, tree=bad))))
+    assert b"nc" not in b"".join(bytes(b) for b in encode(old))  # one chunk is not written either
+    assert decode(b"".join(bytes(b) for b in encode(old))).chunks == 1
+    with pytest.raises(FrameError, match="tree must not be negative"):
+        decode(b"".join(bytes(b) for b in encode(Message(kind=Kind.PROBE, src=1, tree=-1))))
+    with pytest.raises(FrameError, match="chunk count must be at least 1"):
+        decode(b"".join(bytes(b) for b in encode(Message(kind=Kind.PROBE, src=1, chunks=0))))
 
 
-def test_workers_that_differ_in_double_tree_fail_the_step_with_a_tree_mismatch() -> None:
+@pytest.mark.parametrize("theirs", ["single", "rotated"])
+def test_workers_that_differ_in_trees_fail_the_step_with_a_tree_mismatch(theirs: str) -> None:
     world = 7
-    net = SimNetwork(world, timeout_policy="static", step_timeout_s=5.0, chunk_bytes=CHUNK)
-    net.nodes[3].machine.cfg = Config.build(net.config, double_tree=False)
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=5.0, chunk_bytes=CHUNK, trees="double")
+    net.nodes[3].machine = TreeMachine(3, View.initial(world), Config.build(net.config, trees=theirs))
     data = data_for(world)
     net.submit_all(0, data)
     net.run_until_finished(0)
     outs = [net.outcome(r, 0) for r in range(world)]
     assert all(isinstance(o, StepAborted) for o in outs), outs
-    assert any("tree mismatch" in str(o) and "double_tree" in str(o) for o in outs)
+    assert any("tree mismatch" in str(o) and "same trees setting" in str(o) for o in outs), outs
     assert net.now < 1.0  # an abort, not a deadline
 
 
@@ -385,8 +394,9 @@ def test_workers_that_differ_in_double_tree_fail_the_step_with_a_tree_mismatch()
 @pytest.mark.parametrize("faults", ["", "cut 5-6 @1.."], ids=["no-fault", "cut-in-tree-1"])
 def test_seven_workers_over_tcp_get_the_exact_sum_on_the_double_tree(faults: str) -> None:
     size = 40_000  # float32, 160 KB: 10 chunks of 16 KiB, alternating between the trees
-    with cluster(7, timeout_s=0.3, step_timeout_s=20.0, chunk_bytes=16 * 1024, faults=faults) as handles:
-        assert all(h.config.double_tree for h in handles)
+    with cluster(7, timeout_s=0.3, step_timeout_s=20.0, chunk_bytes=16 * 1024, faults=faults,
+                 trees="double") as handles:
+        assert all(h.config.trees == "double" for h in handles)
         for step in range(2):
             tensors = [np.arange(size, dtype=np.float32) % 1000 + h.rank + step for h in handles]
             futures = [h.allreduce_async(t) for h, t in zip(handles, tensors, strict=True)]
@@ -403,7 +413,7 @@ def test_seven_workers_over_tcp_get_the_exact_sum_on_the_double_tree(faults: str
 def test_launch_real_cut_of_a_tree_1_link_with_the_double_tree(netns: str) -> None:  # noqa: F811
     """7 worker processes, 5 chunks a step, the kernel's firewall cutting 5-6 (tree 1's link from
     rank 5 to its root, a backup link of tree 0) during steps 5..10: every step exact."""
-    run = run_real(netns, "cut 5-6 @5..10", "--chunk-bytes", "16384")  # 20,000 float32: 5 chunks
+    run = run_real(netns, "cut 5-6 @5..10", "--chunk-bytes", "16384", "--trees", "double")  # 5 chunks
     assert_cut_was_real(run, ["5-6"], netns)
 
 
@@ -440,7 +450,7 @@ def test_a_step_that_would_take_long_per_hop_is_pipelined_behind_a_slow_uplink()
     assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(200_000) == 64 * 1024  # never under 64 KiB
     assert slow.chunk_bytes_for(16 * (1 << 20)) == Config().chunk_bytes_for(16 * (1 << 20))  # big steps as before
     world = 7
-    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, uplink_bytes_per_s=12.5e6)
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, uplink_bytes_per_s=12.5e6, trees="double")
     net.cut(5, 6)  # a primary link of tree 1 only: the MLP's chunks now use it
     data = [np.full(407_050, r + 1, dtype=np.float32) for r in range(world)]
     net.submit_all(0, data)

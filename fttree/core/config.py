@@ -13,13 +13,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
+from .trees import check_family
 
 TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 COMPRESSIONS = (None, "bf16", "fp16")
 
 
-SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many (8 per tree)
+SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many
 MIN_SPLIT_CHUNK_BYTES = 1 << 20
 # A step small enough for one chunk is still pipelined when one hop of it would take longer than
 # PIPELINE_HOP_S at uplink_bytes_per_s (behind 100 Mbit/s: from 1.25 MB on; never at the LAN
@@ -60,10 +61,10 @@ class Config:
     # data path
     chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
     # (a step larger than one chunk: in at least SPLIT_CHUNKS pieces, see chunk_bytes_for)
-    # a step of two or more chunks alternates them between two trees (chunk c on tree c mod 2;
-    # tree 1 is the heap over the reversed slot order), so each rank sends about 2N bytes instead
-    # of 3N; a one-chunk step always runs on tree 0 (protocol.py). False: every chunk on tree 0
-    double_tree: bool = True
+    # which trees a step of two or more chunks spreads them over (trees.py): "rotated" (p trees,
+    # each rank sends the ring's 2N(p-1)/p), "double" (the double binary tree, 2N) or "single"
+    # (3N on interior ranks); a one-chunk step always runs on tree 0. The same on every worker
+    trees: str = "rotated"
     max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
@@ -104,8 +105,7 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.double_tree, bool):
-            raise ConfigError(f"double_tree must be true or false, got {self.double_tree!r}")
+        check_family(self.trees)
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
             raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 

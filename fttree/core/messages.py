@@ -95,7 +95,8 @@ class Message:
     epoch: int = 0  # the membership view the message belongs to (view.py)
     step: int = -1
     chunk: int = 0
-    tree: int = 0  # which tree of the double binary tree the op runs on (0 or 1; protocol.py)
+    tree: int = 0  # which tree the op runs on (trees.py)
+    chunks: int = 1  # how many chunks the op's step has (the tree rule depends on it)
     origin: int = -1
     target: int = -1
     contributors: tuple[int, ...] = ()
@@ -134,6 +135,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header["ep"] = msg.epoch
     if msg.tree:
         header["tr"] = msg.tree
+    if msg.chunks != 1:
+        header["nc"] = msg.chunks
     if msg.origin >= 0:
         header["o"] = msg.origin
     if msg.target >= 0:
@@ -216,7 +219,8 @@ _INT, _INTS, _STR, _BOOL = range(4)
 #: header key -> (Message field, its name in errors, type)
 _FIELDS: dict[str, tuple[str, str, int]] = {
     "f": ("src", "src", _INT), "ep": ("epoch", "epoch", _INT), "s": ("step", "step", _INT),
-    "c": ("chunk", "chunk", _INT), "tr": ("tree", "tree", _INT), "o": ("origin", "origin", _INT),
+    "c": ("chunk", "chunk", _INT), "tr": ("tree", "tree", _INT),
+    "nc": ("chunks", "chunk count", _INT), "o": ("origin", "origin", _INT),
     "t": ("target", "target", _INT),
     "n": ("contributors", "contributors", _INTS), "d": ("dtype", "dtype", _STR), "e": ("numel", "numel", _INT),
     "g": ("signature", "signature", _STR), "r": ("reason", "reason", _STR), "m": ("missing", "missing", _INTS),
@@ -264,8 +268,10 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         elif type(value) is not bool:
             raise FrameError(f"frame field {label} must be true or false, got {value!r}")
         fields[name] = value
-    if fields.get("tree", 0) not in (0, 1):
-        raise FrameError(f"frame field tree must be 0 or 1 (the double binary tree's trees), got {fields['tree']!r}")
+    if fields.get("tree", 0) < 0:
+        raise FrameError(f"frame field tree must not be negative, got {fields['tree']!r}")
+    if fields.get("chunks", 1) < 1:
+        raise FrameError(f"frame field chunk count must be at least 1, got {fields['chunks']!r}")
     payload_len = 0 if payload is None else len(payload)
     dtype: str = fields.get("dtype", "")
     numel: int = fields.get("numel", 0)

@@ -32,15 +32,14 @@ from what is already summed, so even a protocol bug cannot count a rank twice si
 result is taken once (first DATA_BCAST wins). Messages of retired ops are dropped, never mixed
 into a new op; messages of ops not yet submitted locally are kept until the submit.
 
-Two trees (the double binary tree, Config.double_tree). A step of two or more chunks runs chunk
-c on tree c mod 2: tree 0 is the heap over the view's slot order, tree 1 the heap over the
-reversed order (View.tree), so tree 1's interior ranks are leaves of tree 0 and every rank is
-interior in at most one tree: an interior rank sends 3 x N/2 in its tree and N/2 as a leaf of the
-other, 2N in all, where the single tree's interior ranks send 3N. A one-chunk step has only chunk
-0 and runs on tree 0 exactly as the single tree. Each tree has its own neighbours, subtrees, link
-memory and broken-child set (`_Tree`); an op runs on one tree, and everything above (observers,
-relays, pushes, exactly-once) happens in that tree's family. Frames carry the tree id, checked
-against the rule: workers that differ in `double_tree` fail the op as a mismatch.
+Several trees (Config.trees, trees.py). A step of two or more chunks spreads them over
+several heaps of the same members, so no rank carries the 3N bytes of a single tree's interior:
+with the default "rotated" family, p trees whose busiest rank sends about the ring's 2N(p-1)/p.
+A one-chunk step has only chunk 0 and runs on tree 0 exactly as the single tree. Each tree has
+its own neighbours, subtrees, link memory and broken-child set (`_Tree`); an op runs on one
+tree, and everything above (observers, relays, pushes, exactly-once) happens in that tree.
+Frames carry the tree id and the step's chunk count, and the tree is checked against the rule:
+workers that differ in `trees` fail the op as a mismatch.
 
 Failures are data. A step that cannot finish ends by a deadline: the root gives up after
 `root_timeout_s` and floods ABORT naming the ranks whose contributions never arrived; every
@@ -64,6 +63,7 @@ from .config import Config
 from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
 from .timeouts import Phase, TimeoutPolicy
 from .topology import Neighbours
+from .trees import tree_count, tree_of
 from .view import View
 
 OpId = tuple[int, int]  # (step, chunk)
@@ -149,6 +149,7 @@ class Submit:
 
     step: int
     chunk: int = 0
+    chunks: int = 1  # how many chunks the step has: the tree a chunk runs on depends on it
     data: np.ndarray
     signature: str  # dtype and shape of the whole tensor, compared across workers
     contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
@@ -280,7 +281,7 @@ class UplinkStatus:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TreeStatus:
     """This rank's place in one tree and what link memory holds about that tree's links (the
-    uplink and the children differ between the two trees of the double binary tree)."""
+    uplink and the children differ from tree to tree, trees.py)."""
 
     tree: int
     neighbours: Neighbours
@@ -293,7 +294,7 @@ class MachineStatus:
     rank: int
     view: View
     ops: tuple[OpStatus, ...]  # the ops not finished here, oldest first
-    trees: tuple[TreeStatus, ...]  # tree 0, and tree 1 when the double tree is on
+    trees: tuple[TreeStatus, ...]  # every tree of Config.trees over the view, tree 0 first
     footprint: dict[str, int]
 
     @property
@@ -319,9 +320,9 @@ class _UpLink:
 
 @dataclass(slots=True)
 class _Tree:
-    """This rank's place in one tree of the double binary tree (tree 0: the heap over the view's
-    slot order; tree 1: over the reversed order, View.tree) and what it remembers about that
-    tree's links: the uplink differs per tree, so does its link memory."""
+    """This rank's place in one tree (tree 0: the heap over the view's slot order; the others
+    over other orders, trees.py) and what it remembers about that tree's links: the uplink
+    differs per tree, so does its link memory."""
 
     tree: int
     view: View  # the view whose heap is this tree
@@ -331,8 +332,8 @@ class _Tree:
     down_failed: set[int] = field(default_factory=set)  # children whose link to us is known broken
 
     @classmethod
-    def build(cls, tree: int, view: View, rank: int) -> _Tree:
-        heap = view.tree(tree)
+    def build(cls, family: str, tree: int, view: View, rank: int) -> _Tree:
+        heap = view.tree(tree, family)
         me = heap.neighbours(rank)
         return cls(tree=tree, view=heap, me=me, subtrees={c: heap.subtree(c) for c in me.children})
 
@@ -349,7 +350,8 @@ class _Op:
     step: int
     chunk: int
     epoch: int = 0  # the view it runs in
-    tree: int = 0  # the tree of the double binary tree it runs on (TreeMachine.tree_of)
+    chunks: int = 1  # how many chunks its step has (which tree it runs on depends on it)
+    tree: int = 0  # the tree it runs on (TreeMachine.tree_of)
     submitted: bool = False
     signature: str = ""
     dtype: str = ""
@@ -393,7 +395,7 @@ class TreeMachine:
         self.rank = rank
         self.view = view
         self.cfg = config or Config()
-        self.trees: tuple[_Tree, _Tree] = (_Tree.build(0, view, rank), _Tree.build(1, view, rank))
+        self.trees: tuple[_Tree, ...] = self._build_trees(view)
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
         self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
@@ -450,7 +452,7 @@ class TreeMachine:
     def _enter(self, view: View) -> None:
         """This rank's place in `view`; link memory starts over, as the tree changed."""
         self.view = view
-        self.trees = (_Tree.build(0, view, self.rank), _Tree.build(1, view, self.rank))
+        self.trees = self._build_trees(view)
 
     def _replay_later(self, view: View, now: float, out: list[Action]) -> None:
         """Frames that came before this view was installed here: handled now (those of a later
@@ -502,7 +504,7 @@ class TreeMachine:
             ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(op.contributors)),
                                 waiting_for=tuple(c for c in self._t(op).me.children if c not in op.got_children)))
         return MachineStatus(rank=self.rank, view=self.view, ops=tuple(ops), footprint=self.footprint(),
-                             trees=tuple(self._tree_status(t) for t in self.trees[:2 if self.cfg.double_tree else 1]))
+                             trees=tuple(self._tree_status(t) for t in self.trees))
 
     def _tree_status(self, t: _Tree) -> TreeStatus:
         up = t.up
@@ -517,14 +519,18 @@ class TreeMachine:
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
                 "retired": len(self._retired), "early": sum(len(op.early) for op in self._ops.values())}
 
-    # ---- the two trees (double binary tree) --------------------------------------------
+    # ---- the trees (trees.py) ---------------------------------------------------------
 
-    def tree_of(self, chunk: int) -> int:
-        """The tree chunk `chunk` of a step runs on: chunk c on tree c mod 2 with the double tree
-        on, else tree 0. A one-chunk step has only chunk 0, so it always runs on tree 0: small
-        tensors and their fault costs are those of the single tree. Stateless, so a frame that
-        comes before the local submit is checked against the same rule (and `tree` in its header)."""
-        return chunk % 2 if self.cfg.double_tree else 0
+    def _build_trees(self, view: View) -> tuple[_Tree, ...]:
+        family = self.cfg.trees
+        return tuple(_Tree.build(family, t, view, self.rank) for t in range(tree_count(family, view.size)))
+
+    def tree_of(self, chunk: int, chunks: int) -> int:
+        """The tree chunk `chunk` of a step of `chunks` chunks runs on in this view (trees.py).
+        A one-chunk step always runs on tree 0: small tensors and their fault costs are those
+        of the single tree. Stateless, so a frame that comes before the local submit is checked
+        against the same rule (and `tree` in its header)."""
+        return tree_of(self.cfg.trees, chunk, chunks, self.view.size)
 
     def _t(self, op: _Op) -> _Tree:
         return self.trees[op.tree]
@@ -547,11 +553,11 @@ class TreeMachine:
 
     @property
     def peers(self) -> tuple[int, ...]:
-        """Every rank this one exchanges frames with: its neighbours in tree 0 and, with the
-        double tree on, in tree 1 too (the transport connects to these at start)."""
-        if not self.cfg.double_tree:
+        """Every rank this one exchanges frames with: its neighbours in every tree (the
+        transport connects to these at start)."""
+        if len(self.trees) == 1:
             return self.trees[0].me.all
-        return tuple(sorted(set(self.trees[0].me.all) | set(self.trees[1].me.all)))
+        return tuple(sorted({r for t in self.trees for r in t.me.all}))
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -561,7 +567,7 @@ class TreeMachine:
 
     def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
         return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
-                       **kw)  # type: ignore[arg-type]
+                       chunks=op.chunks, **kw)  # type: ignore[arg-type]
 
     def _data_msg(self, op: _Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
                   **kw: object) -> Message:
@@ -604,7 +610,7 @@ class TreeMachine:
         """Has this op finished here long enough ago that its messages are dropped?"""
         return op_id[0] < self._retired_floor or op_id in self._retired
 
-    def _get_op(self, step: int, chunk: int, out: list[Action], src: int) -> _Op | None:
+    def _get_op(self, step: int, chunk: int, chunks: int, out: list[Action], src: int) -> _Op | None:
         op_id = (step, chunk)
         op = self._ops.get(op_id)
         if op is not None:
@@ -617,7 +623,8 @@ class TreeMachine:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
-        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch, tree=self.tree_of(chunk))
+        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch, chunks=chunks,
+                                    tree=self.tree_of(chunk, chunks))
         return op
 
     def _retire(self, op: _Op) -> None:
@@ -650,8 +657,8 @@ class TreeMachine:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
         op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk,
-                                                                    epoch=self.view.epoch,
-                                                                    tree=self.tree_of(ev.chunk)))
+                                                                    epoch=self.view.epoch, chunks=ev.chunks,
+                                                                    tree=self.tree_of(ev.chunk, ev.chunks)))
         t = self._t(op)
         op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
         op.own = op.acc = ev.data
@@ -678,11 +685,13 @@ class TreeMachine:
         """True if msg's tensor matches ours; otherwise abort the op everywhere."""
         if not op.submitted:
             return True
-        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.acc.size:  # type: ignore[union-attr]
+        assert op.acc is not None
+        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.acc.size \
+                and msg.chunks == op.chunks:
             return True
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
-                  f"for chunk {op.chunk}, rank {self.rank} has {op.signature} "
-                  f"({op.acc.size} x {op.dtype})")  # type: ignore[union-attr]
+                  f"for chunk {op.chunk} of {msg.chunks}, rank {self.rank} has {op.signature} "
+                  f"({op.acc.size} x {op.dtype}, chunk {op.chunk} of {op.chunks})")
         if msg.signature == op.signature and self._accepts(op, msg.dtype):
             reason += (": the same tensor cut into other chunks; chunk_bytes and uplink_bytes_per_s "
                        "(--chunk-bytes, --uplink) must be the same on every worker")
@@ -759,8 +768,8 @@ class TreeMachine:
             self._on_catchup(msg, now, out)
             return
         probe = msg.kind in (Kind.PROBE, Kind.PROBE_ACK)
-        tree = msg.tree if probe else self.tree_of(msg.chunk)  # a probe is about the uplink of its tree
-        if msg.tree != tree or (probe and tree and not self.cfg.double_tree):
+        tree = msg.tree if probe else self.tree_of(msg.chunk, msg.chunks)  # a probe: the uplink of its tree
+        if msg.tree != tree or not 0 <= tree < len(self.trees):
             self._tree_mismatch(msg, tree, now, out)
             return
         t = self.trees[tree]
@@ -777,7 +786,7 @@ class TreeMachine:
             if msg.src == t.me.parent:
                 self._on_probe_ack(t, now, out)
             return
-        op = self._get_op(msg.step, msg.chunk, out, msg.src)
+        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src)
         if op is None:
             return
         if op.epoch != msg.epoch:  # a committed op of an older view, waiting for its catch-up
@@ -823,21 +832,21 @@ class TreeMachine:
 
     def _tree_mismatch(self, msg: Message, tree: int, now: float, out: list[Action]) -> None:
         """A frame names another tree than this rank's rule gives for its op: the workers differ
-        in `double_tree` (or a peer is broken). Like a tensor mismatch, the op fails everywhere
-        with both sides in the reason; a probe, which belongs to no op, is dropped."""
-        known = set(self.trees[0].me.all) | set(self.trees[1].me.all)
-        if msg.src not in known:
-            self._protocol(out, msg, f"tree {msg.tree} from a rank that is no neighbour in either tree")
+        in `trees` (or a peer is broken). Like a tensor mismatch, the op fails everywhere with
+        both sides in the reason; a probe, which belongs to no op, is dropped."""
+        if msg.src not in self.peers:
+            self._protocol(out, msg, f"tree {msg.tree} from a rank that is no neighbour in any tree")
             return
         if msg.kind in (Kind.PROBE, Kind.PROBE_ACK):
-            self._protocol(out, msg, f"a probe of tree {msg.tree}, but double_tree is off on rank {self.rank}")
+            self._protocol(out, msg, f"a probe of tree {msg.tree}, but rank {self.rank} has trees 0.."
+                                     f"{len(self.trees) - 1} (trees={self.cfg.trees!r})")
             return
-        op = self._get_op(msg.step, msg.chunk, out, msg.src)
+        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src)
         if op is None or op.epoch != msg.epoch:
             return
         reason = (f"tree mismatch: rank {msg.src} runs step {msg.step} chunk {msg.chunk} on tree {msg.tree}, "
-                  f"rank {self.rank} on tree {tree} (double_tree={self.cfg.double_tree} here; every worker "
-                  f"must use the same double_tree setting)")
+                  f"rank {self.rank} on tree {tree} (trees={self.cfg.trees!r} here; every worker "
+                  f"must use the same trees setting)")
         self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out, remote=msg.src)
 
     def _protocol(self, out: list[Action], msg: Message, why: str) -> None:
@@ -935,7 +944,7 @@ class TreeMachine:
             op.detoured_for.add(origin)
         out.append(Send(dst=msg.target, msg=Message(
             kind=Kind.DATA_REDUCE, src=self.rank, epoch=msg.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
-            origin=origin,
+            chunks=op.chunks, origin=origin,
             contributors=msg.contributors, dtype=msg.dtype, numel=msg.numel,
             signature=msg.signature, planned=msg.planned, payload=msg.payload)))
         if msg.planned:
@@ -1256,7 +1265,7 @@ class TreeMachine:
         """A refused or reset connection: act now instead of waiting for a watch to expire."""
         if not self._ft:
             return
-        for t in self.trees[:2 if self.cfg.double_tree else 1]:  # the peer may be a neighbour in both
+        for t in self.trees:  # the peer may be a neighbour in several
             self._link_down_in(t, peer, reason, now, out)
 
     def _link_down_in(self, t: _Tree, peer: int, reason: str, now: float, out: list[Action]) -> None:

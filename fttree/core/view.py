@@ -5,10 +5,9 @@ slot, so a rank is no longer its heap position and the group can shrink or grow 
 new view. Op ids and wire headers carry the epoch: a message of another view never mixes into
 this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in slot r.
 
-Large steps run on two trees (the double binary tree, protocol.py): tree 0 ("A") is the heap
-over `members`, tree 1 ("B") the heap over `members` reversed (`View.tree(1)`). A heap's
-interior slots are 0 .. p//2 - 1, so B's interior ranks are A's last p//2 slots, all leaves of
-A: every rank is interior in at most one tree.
+Large steps spread their chunks over several trees (trees.py): tree 0 is the heap over
+`members`, the others heaps over other orders of the same members (`View.tree(t, family)`), in
+the same epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from . import topology as topo
 from .topology import Neighbours
+from .trees import tree_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class View:
     members: tuple[int, ...]  # members[slot] = rank; slot 0 is the root
     _slot: dict[int, int] = field(init=False, repr=False, compare=False)
     _neighbours: dict[int, Neighbours] = field(init=False, repr=False, compare=False)
-    _mirror: list[View] = field(init=False, repr=False, compare=False)  # tree 1's view, built once
+    _trees: dict[tuple[str, int], View] = field(init=False, repr=False, compare=False)  # View.tree, built once
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -36,7 +36,7 @@ class View:
             raise ConfigError(f"view {self.epoch} members {list(self.members)} must be distinct ranks >= 0")
         object.__setattr__(self, "_slot", {rank: slot for slot, rank in enumerate(self.members)})
         object.__setattr__(self, "_neighbours", {})
-        object.__setattr__(self, "_mirror", [])
+        object.__setattr__(self, "_trees", {})
 
     @classmethod
     def initial(cls, world: int) -> View:
@@ -76,16 +76,15 @@ class View:
                 height=slots.height, depth=slots.depth)
         return found
 
-    def tree(self, tree: int) -> View:
-        """The view whose heap is tree `tree` of the double binary tree: this one for tree 0,
-        the same members in reversed slot order (same epoch) for tree 1."""
+    def tree(self, tree: int, family: str) -> View:
+        """The view whose heap is tree `tree` of `family` (trees.py): this one for tree 0, the
+        same members in that tree's order (same epoch) for the others."""
         if tree == 0:
             return self
-        if tree != 1:
-            raise ConfigError(f"tree {tree} does not exist (the double binary tree has trees 0 and 1)")
-        if not self._mirror:
-            self._mirror.append(View(self.epoch, tuple(reversed(self.members))))
-        return self._mirror[0]
+        found = self._trees.get((family, tree))
+        if found is None:
+            found = self._trees[(family, tree)] = View(self.epoch, tree_order(family, tree, self.members))
+        return found
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
         """The next view: `dead` removed, each hole filled by the member in the last slot (a heap

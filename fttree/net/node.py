@@ -202,7 +202,7 @@ class Node:
         await self._connect_neighbours(end)
 
     async def _connect_neighbours(self, end: float) -> None:
-        # Tree 0's neighbours, as always; tree 1's (the double tree) too where their address is
+        # Tree 0's neighbours, as always; the other trees' too where their address is
         # known, so a first big step finds them listening. A joiner may not know a rank that
         # joined with it: that link connects when first used, once the address is learnt.
         tree0 = set(self.machine.me.all)
@@ -338,7 +338,7 @@ class Node:
         per_chunk = max(1, self.cfg.chunk_bytes_for(st.submitted.nbytes) // max(1, st.submitted.itemsize))
         for chunk, start in st.offsets.items():
             piece = st.submitted[start:start + per_chunk]
-            self._handle(Submit(step=st.step, chunk=chunk, data=piece, signature=st.signature,
+            self._handle(Submit(step=st.step, chunk=chunk, chunks=len(st.offsets), data=piece, signature=st.signature,
                                 contribute=st.contribute), raise_errors=True)
 
     def active_steps(self) -> list[int]:
@@ -463,7 +463,7 @@ class Node:
             self._group = (msg.epoch, msg.members)
             self._learn_addresses(msg.reason)
         elif msg.code == 1 and self.rank in msg.members:
-            # the admitting member's address book: ranks that joined with us (tree 1 links them)
+            # the admitting member's address book: ranks that joined with us (other trees link them)
             self._learn_addresses(msg.reason)
             view = View(msg.epoch, msg.members)
             self.machine = TreeMachine(self.rank, view, self.cfg)

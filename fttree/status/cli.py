@@ -234,16 +234,16 @@ def _name(a: int, b: int) -> str:
     return f"{max(a, b)}-{min(a, b)}"  # the fault language's spelling, as the workers report links
 
 
-def _second_tree_lines(docs: dict[int, dict[str, Any]]) -> list[str]:
-    """Tree 1 of the double binary tree runs over other links than the tree drawn above (every
-    second chunk of a large step): its uplinks that link memory holds failed or probing."""
+def _other_tree_lines(docs: dict[int, dict[str, Any]]) -> list[str]:
+    """The other trees (Config.trees) run over other links than tree 0, drawn above (they carry
+    chunks of large steps): their uplinks that link memory holds failed or probing."""
     lines = []
     for rank, d in sorted(docs.items()):
         for t in d.get("trees", []):
-            if t.get("tree") == 1 and t.get("uplink") in ("failed", "probing"):
+            if t.get("tree", 0) > 0 and t.get("uplink") in ("failed", "probing"):
                 via = " and ".join(map(str, t.get("relays", [])))
-                lines.append(click.style(f"tree 1: link {rank}->{t.get('parent')} {t['uplink']}; its chunks go "
-                                         f"through rank {via}", fg=COLOURS[t["uplink"]]))
+                lines.append(click.style(f"tree {t['tree']}: link {rank}->{t.get('parent')} {t['uplink']}; its "
+                                         f"chunks go through rank {via}", fg=COLOURS[t["uplink"]]))
     return lines
 
 
@@ -296,7 +296,7 @@ def render(reports: Sequence[Report], *, now: float | None = None, max_events: i
         lines.append("backup links: " + "  ".join(f"{lk['name']} {_badge(lk['state'], 0)}" for lk in backups))
         lines.extend(f"  {lk['name']}: " + click.style(str(lk.get("reason", "")), fg=COLOURS[lk["state"]])
                      for lk in backups if lk["state"] != "up")
-    lines.extend(_second_tree_lines(docs))
+    lines.extend(_other_tree_lines(docs))
     evicted: dict[int, dict[str, Any]] = {}
     for d in docs.values():
         for e in d.get("membership", {}).get("evictions", []):

@@ -144,7 +144,7 @@ def render(snap: Snapshot) -> str:
     w.family("fttree_frame_errors_total", "counter", "Undecodable frames received (their connections were closed).",
              [({}, snap.frame_errors)])
     w.family("fttree_tree_uplink_state", "gauge",
-             "This worker's link to its parent in each tree (tree 1: the double binary tree's second), one "
+             "This worker's link to its parent in each tree (Config.trees; tree 0 carries small steps), one "
              "series per state: 1 for the current one.",
              [({"tree": t.tree, "parent": t.parent, "state": st}, int(t.uplink == st))
               for t in snap.trees if t.parent is not None for st in UPLINK_STATES])

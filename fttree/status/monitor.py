@@ -121,9 +121,9 @@ class EvictionView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TreeView:
-    """This worker in one tree of the double binary tree: its family there and what link memory
-    holds about that tree's links. Tree 0 carries every one-chunk step; tree 1 carries every
-    second chunk of larger steps, over other links, so a link can fail in one tree only."""
+    """This worker in one tree (Config.trees): its family there and what link memory holds
+    about that tree's links. Tree 0 carries every one-chunk step; the others carry chunks of
+    larger steps over other links, so a link can fail in some trees and not in others."""
 
     tree: int
     parent: int | None
@@ -156,7 +156,7 @@ class Snapshot:
     brother: int | None
     uncle: int | None
     nephews: tuple[int, ...]
-    trees: tuple[TreeView, ...]  # tree 0 (its links are `links`), and tree 1 with the double tree on
+    trees: tuple[TreeView, ...]  # tree 0 (its links are `links`), then the others of Config.trees
     step: int | None  # the newest step in flight, else the last finished one
     phase: str  # idle, starting, reduce, broadcast, done
     in_flight: tuple[int, ...]

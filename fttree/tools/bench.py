@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.faults import FaultKind, FaultSchedule
+from ..core.trees import TREE_FAMILIES
 from ..errors import ConfigError
 from . import SOURCE_ROOT
 from .analyze import bridgeable
@@ -170,7 +171,7 @@ class RunSpec:
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
     compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
-    double_tree: bool = False  # fttree: a step's chunks alternate between two trees; False: the single tree
+    trees: str = "single"  # fttree: the trees a step's chunks spread over (Config.trees)
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
 
@@ -182,8 +183,8 @@ class RunSpec:
         what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
         if self.kind == "fttree" and not self.link_memory:
             what += " no-link-memory"
-        if self.kind == "fttree" and self.double_tree:
-            what += " double tree"
+        if self.kind == "fttree" and self.trees != "single":
+            what += f" {self.trees} trees"
         if self.compression:
             what += f" {self.compression}"
         where = f", uplinks {format_rate(self.uplink_bps)}" if self.uplink_bps else ""
@@ -374,8 +375,8 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args.append("--no-link-memory")
     if spec.kind == "fttree" and spec.compression:
         args += ["--compression", spec.compression]
-    if not spec.double_tree:  # always explicit: the API's default is the double tree
-        args.append("--single-tree")
+    if spec.kind in ("fttree", "plain"):  # always explicit: the API's default may change
+        args += ["--trees", spec.trees]
     for field_name, value in spec.settings:
         args += ["--set", f"{field_name}={value}"]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
@@ -649,11 +650,18 @@ class BenchOptions:
     sweep_policies: tuple[str, ...] = ("static",)
     uplink: str = ""  # every rank's uplink (tc rate, e.g. 100mbit): runs in a namespace under uplink.sh
     compressions: tuple[str, ...] = ()  # extra fttree sweep runs with these wire compressions
-    double_tree: bool = True  # the sweep also runs fttree on the double tree (compressed runs too, then)
+    # the sweep also runs fttree on these tree families (besides the single tree); compressed runs
+    # use the last of them
+    trees: tuple[str, ...] = ("double", "rotated")
 
     @property
     def uplink_bps(self) -> float:
         return parse_rate(self.uplink) if self.uplink else 0.0
+
+    @property
+    def compression_trees(self) -> str:
+        """The tree family compressed sweep runs use: the last of `trees` (single if none)."""
+        return self.trees[-1] if self.trees else "single"
 
     node_patterns: tuple[str, ...] = NODE_PATTERNS
 
@@ -692,7 +700,7 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
 
 
 def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str,
-               double_tree: bool = False) -> RunSpec:
+               trees: str = "single") -> RunSpec:
     """One fttree point of the size sweep (timeouts scaled to the uplinks, if any)."""
     warmup, measured = sweep_steps(size)
     timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
@@ -703,7 +711,7 @@ def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compressi
     return RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
                    timeout_s=timeout_s, policy=policy, purpose="sweep", compression=compression,
                    step_timeout_s=step_timeout_s, chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory,
-                   uplink_bps=opts.uplink_bps, settings=settings, double_tree=double_tree)
+                   uplink_bps=opts.uplink_bps, settings=settings, trees=trees)
 
 
 def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
@@ -739,10 +747,10 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
                     continue  # the matrix runs measure this point already
                 runs.append(_sweep_run(opts, world, size, pol, ""))
             first_policy = (sweep_policies or ["static"])[0]
-            if opts.double_tree:
-                runs.append(_sweep_run(opts, world, size, first_policy, "", double_tree=True))
+            for family in opts.trees:
+                runs.append(_sweep_run(opts, world, size, first_policy, "", trees=family))
             for comp in opts.compressions:
-                runs.append(_sweep_run(opts, world, size, first_policy, comp, double_tree=opts.double_tree))
+                runs.append(_sweep_run(opts, world, size, first_policy, comp, trees=opts.compression_trees))
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
                                     purpose="sweep", uplink_bps=bps))
@@ -816,11 +824,11 @@ class Summary:
 
     def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
              policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep"),
-             compression: str = "", double: bool = False) -> RunResult | None:
+             compression: str = "", trees: str = "single") -> RunResult | None:
         for r in self.results:
             s = r.spec
             if (s.kind == kind and s.world == world and s.size == size and s.purpose in purposes
-                    and s.compression == compression and (kind != "fttree" or s.double_tree == double)
+                    and s.compression == compression and (kind != "fttree" or s.trees == trees)
                     and (timeout_s is None or kind != "fttree" or s.timeout_s == timeout_s
                          or bool(s.uplink_bps and s.purpose == "sweep"))  # timeouts scaled to the uplinks
                     and (kind != "fttree" or s.policy == policy)):
@@ -828,16 +836,16 @@ class Summary:
         return None
 
     def nofault(self, kind: str, world: int, size: int, policy: str = "static",
-                compression: str = "", double: bool = False) -> float | None:
+                compression: str = "", trees: str = "single") -> float | None:
         """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
         fault, or a spurious one on a big tensor), the baselines from their own runs."""
         r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy,
-                      compression=compression, double=double)
+                      compression=compression, trees=trees)
         return None if r is None else r.median("none")
 
     def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static",
-                    double: bool = False) -> float | None:
-        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy, double=double)
+                    trees: str = "single") -> float | None:
+        r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy, trees=trees)
         return None if r is None else r.cpu_median("none")
 
     def node_rows(self) -> list[NodeRow]:
@@ -865,23 +873,23 @@ class Summary:
     def sweep_policies(self) -> list[str]:
         """Policies of the single tree's sweep runs."""
         return sorted({r.spec.policy for r in self.results if r.spec.kind == "fttree" and r.spec.purpose == "sweep"
-                       and not r.spec.double_tree and not r.spec.compression} | {"static"}, key=POLICIES.index)
+                       and r.spec.trees == "single" and not r.spec.compression} | {"static"}, key=POLICIES.index)
 
-    def sweep_systems(self) -> list[tuple[str, str, str, bool]]:
-        """The fttree variants of the size sweep, as (name, policy, compression, double tree):
-        "fttree static" (the single tree), "fttree double", and each compression on the tree(s)
-        it ran on ("fttree double bf16"), in that order; only those that ran (and the single
-        tree's policies always)."""
-        ran = {(r.spec.policy, r.spec.compression, r.spec.double_tree) for r in self.results
+    def sweep_systems(self) -> list[tuple[str, str, str, str]]:
+        """The fttree variants of the size sweep, as (name, policy, compression, tree family):
+        "fttree static" (the single tree), "fttree double", "fttree rotated", and each
+        compression on the family it ran on ("fttree rotated bf16"), in that order; only those
+        that ran (and the single tree's policies always)."""
+        ran = {(r.spec.policy, r.spec.compression, r.spec.trees) for r in self.results
                if r.spec.kind == "fttree" and r.spec.purpose == "sweep"}
         first = (self.sweep_policies() or ["static"])[0]
-        out = [(f"fttree {p}", p, "", False) for p in self.sweep_policies()]
-        if (first, "", True) in ran:
-            out.append(("fttree double", first, "", True))
+        out = [(f"fttree {p}", p, "", "single") for p in self.sweep_policies()]
+        families = [f for f in TREE_FAMILIES if f != "single"]
+        out += [(f"fttree {f}", first, "", f) for f in families if (first, "", f) in ran]
         for c in self.opts.compressions:
-            for double in (False, True):
-                if (first, c, double) in ran:
-                    out.append((f"fttree {'double ' if double else ''}{c}", first, c, double))
+            for family in TREE_FAMILIES:
+                if (first, c, family) in ran:
+                    out.append((f"fttree {'' if family == 'single' else family + ' '}{c}", first, c, family))
         return out
 
     def targets(self) -> list[tuple[bool, str]]:
@@ -936,11 +944,11 @@ class Summary:
                         + (f": {'; '.join(false[:3])}" if false else "")))
         if 7 in o.sweep_workers and 25_000_000 in o.sweep_sizes:
             gloo = self.nofault("gloo", 7, 25_000_000)
-            for _name, pol, comp, double in self.sweep_systems():
-                run = self.find("fttree", 7, 25_000_000, o.timeouts[0], pol, double=double)
+            for _name, pol, comp, family in self.sweep_systems():
+                run = self.find("fttree", 7, 25_000_000, o.timeouts[0], pol, trees=family)
                 if run is None or not gloo or comp:
                     continue
-                what = pol if not double else "double tree"
+                what = pol if family == "single" else f"{family} trees"
                 ft, failed = run.median("none"), run.failed_steps()
                 if ft is None:
                     out.append((False, f"100 MB, 7 workers, {what}: no step finished exactly"))
@@ -974,7 +982,7 @@ class Summary:
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
                 bound = ring_bound_bytes(size, world)
-                systems = [(name, self.find("fttree", world, size, o.timeouts[0], p, compression=c, double=d))
+                systems = [(name, self.find("fttree", world, size, o.timeouts[0], p, compression=c, trees=d))
                            for name, p, c, d in self.sweep_systems()]
                 systems.append(("gloo", self.find("gloo", world, size)))
                 for name, run in systems:
@@ -1074,23 +1082,24 @@ def render(summary: Summary) -> str:
                             for c, w in zip(cpu, (11, 10, 9), strict=True))
             out.append(f"{world:>7} {_num(ft, 8)} {_num(plain, 8)} {_num(gloo, 8)} {rg:>12} {rp:>13} {cpus}")
     if o.sweep_workers and o.sweep_sizes:
-        # the single tree under each policy ("static", ...) and the double tree ("double")
+        # the single tree under each policy ("static", ...) and the other tree families
         systems = [(name.removeprefix("fttree "), p, d) for name, p, c, d in summary.sweep_systems() if not c]
         out.append("")
         out.append("Size sweep, no fault: median step seconds (gloo's CPU allreduce is a ring), CPU ms per step; "
-                   f"fttree at t={o.timeouts[0]:g} s (double: the double binary tree, from 2 chunks on)")
+                   f"fttree at t={o.timeouts[0]:g} s (double: the double binary tree; rotated: p rotated trees; "
+                   f"both from 2 chunks on)")
         out.append(f"{'workers':>7} {'size':>9} " + " ".join(f"{'ft ' + n:>11}" for n, _, _ in systems)
                    + f" {'gloo':>8} " + " ".join(f"{'ft/gloo ' + n[:3]:>12}" for n, _, _ in systems) + " "
                    + " ".join(f"{'cpu ' + n[:3]:>8}" for n, _, _ in systems) + f" {'cpu gloo':>8}  failed steps")
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
                 gloo = summary.nofault("gloo", world, size)
-                fts = [summary.nofault("fttree", world, size, p, double=d) for _, p, d in systems]
+                fts = [summary.nofault("fttree", world, size, p, trees=d) for _, p, d in systems]
                 ratios = [f"{ft / gloo:.2f}" if ft and gloo else "-" for ft in fts]
-                ft_cpus = [_ms(summary.nofault_cpu("fttree", world, size, p, double=d), 8) for _, p, d in systems]
+                ft_cpus = [_ms(summary.nofault_cpu("fttree", world, size, p, trees=d), 8) for _, p, d in systems]
                 sweep_failed: list[str] = []
                 for n, p, d in systems:
-                    run = summary.find("fttree", world, size, o.timeouts[0], p, double=d)
+                    run = summary.find("fttree", world, size, o.timeouts[0], p, trees=d)
                     if run is not None and run.failed_steps():
                         sweep_failed.append(f"{n} {run.failed_steps()}")
                 out.append(f"{world:>7} {format_bytes(size):>9} " + " ".join(_num(ft, 11) for ft in fts)
@@ -1117,18 +1126,16 @@ def render(summary: Summary) -> str:
         out.append("Wire compression (float32 accumulation at every hop): median step seconds and ratios to gloo "
                    "float32")
         pol = (summary.sweep_policies() or ["static"])[0]
-        # float32 on the tree the compressed runs used (the double tree unless it was left out)
-        comp_trees = {d for _, _, c, d in summary.sweep_systems() if c}
-        double = True in comp_trees if comp_trees else o.double_tree
-        tree = "double" if double else "single"
+        # float32 on the trees the compressed runs used
+        tree = o.compression_trees
         out.append(f"{'workers':>7} {'size':>9} {'ft f32':>11} " + " ".join(f"{'ft ' + c:>9}" for c in
                                                                             o.compressions)
                    + f" {'gloo':>8} {'f32/gloo':>9} " + " ".join(f"{c + '/gloo':>10}" for c in o.compressions)
-                   + f"  ({tree} tree)")
+                   + f"  ({tree} trees)")
         for world in o.sweep_workers:
             for size in o.sweep_sizes:
-                f32 = summary.nofault("fttree", world, size, pol, double=double)
-                comp = [summary.nofault("fttree", world, size, pol, c, double=double) for c in o.compressions]
+                f32 = summary.nofault("fttree", world, size, pol, trees=tree)
+                comp = [summary.nofault("fttree", world, size, pol, c, trees=tree) for c in o.compressions]
                 gloo = summary.nofault("gloo", world, size)
                 out.append(f"{world:>7} {format_bytes(size):>9} {_num(f32, 11)} " + " ".join(_num(c, 9) for c in comp)
                            + f" {_num(gloo, 8)} " + (f"{f32 / gloo:>9.2f}" if f32 and gloo else f"{'-':>9}") + " "
@@ -1245,12 +1252,12 @@ def plot_steps(summary: Summary, out_dir: Path) -> list[Path]:
     if o.sweep_workers and o.sweep_sizes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for world in o.sweep_workers:
-            lines = [(name, "-^" if c else "-D" if d else "-o", "fttree", p, c, d)
+            lines = [(name, "-^" if c else {"single": "-o", "double": "-D"}.get(d, "-v"), "fttree", p, c, d)
                      for name, p, c, d in summary.sweep_systems()]
-            lines.append(("gloo", "--s", "gloo", "static", "", False))
-            for name, style, kind, pol, comp, double in lines:
+            lines.append(("gloo", "--s", "gloo", "static", "", "single"))
+            for name, style, kind, pol, comp, family in lines:
                 pts = [(s * 4, m) for s in o.sweep_sizes
-                       if (m := summary.nofault(kind, world, s, pol, comp, double)) is not None]
+                       if (m := summary.nofault(kind, world, s, pol, comp, family)) is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, label=f"{name}, {world} workers")
         where = f", uplinks {o.uplink} per rank" if o.uplink else ", loopback"

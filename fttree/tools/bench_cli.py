@@ -99,9 +99,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
                    "(--sizes, --sweep-workers). Needs root, ip and tc.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
               help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
-@click.option("--double-tree/--no-double-tree", "double_tree", default=True, show_default=True,
-              help="Also run the size sweep's fttree on the double binary tree (\"fttree double\"; the --compression "
-                   "runs then use it too) beside the single tree (\"fttree static\").")
+@click.option("--trees", "trees_text", default="double,rotated", show_default=True, metavar="LIST",
+              help="Also run the size sweep's fttree on these tree families (double, rotated; '' for none) beside "
+                   "the single tree (\"fttree static\"); the --compression runs use the last of them.")
 @click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
               help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
                    "and synced from a peer, then a graceful leave; the thesis MLP).")
@@ -112,7 +112,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
-          elastic: int | None, uplink: str, compression_text: str, double_tree: bool, dry_run: bool, strict: bool,
+          elastic: int | None, uplink: str, compression_text: str, trees_text: str, dry_run: bool, strict: bool,
           out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
@@ -164,6 +164,11 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         # the Table 1-2 matrix (fault windows, the plain tree) is about timeouts, not bandwidth
         workers, plain, fig11_trials = "", False, 0
 
+    def family(text: str) -> str:
+        if text not in ("double", "rotated"):
+            raise ValueError(f"unknown tree family {text!r}; the sweep adds double or rotated to the single tree")
+        return text
+
     def compression(text: str) -> str:
         if text not in ("bf16", "fp16"):
             raise ValueError("compressions are bf16 and fp16")
@@ -178,7 +183,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
         link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,
-        compressions=_split(compression_text, compression, "--compression"), double_tree=double_tree)
+        compressions=_split(compression_text, compression, "--compression"),
+        trees=_split(trees_text, family, "--trees"))
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
     runs, notes = b.plan(opts)

@@ -121,8 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-link-memory", action="store_true", help="re-detect a broken link in every step")
     p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                    help="wire compression (the check then allows its rounding)")
-    p.add_argument("--single-tree", action="store_true",
-                   help="every chunk on one tree (Config.double_tree=False); default: the double binary tree")
+    p.add_argument("--trees", choices=["single", "double", "rotated"], default=None,
+                   help="the trees a step's chunks spread over (Config.trees; default: the API's)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other Config field (numbers as numbers), e.g. adaptive_ceiling_s=8")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
@@ -148,8 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["link_memory"] = False
     if args.compression:
         kwargs["compression"] = args.compression
-    if args.single_tree:
-        kwargs["double_tree"] = False
+    if args.trees:
+        kwargs["trees"] = args.trees
     for item in args.settings:
         field, _, text = item.partition("=")
         value: Any = text

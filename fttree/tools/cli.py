@@ -44,9 +44,11 @@ def _job_options(f: F) -> F:
     f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
     f = click.option("--chunk-bytes", type=click.IntRange(min=1), default=None,
                      help="A step travels as chunks of this many bytes (default 4 MiB).")(f)
-    f = click.option("--single-tree", is_flag=True,
-                     help="Every chunk on one tree; default: a step of two or more chunks alternates them between "
-                          "two trees (the double binary tree: about 2N bytes per rank instead of 3N).")(f)
+    f = click.option("--trees", type=click.Choice(["rotated", "double", "single"]), default="rotated",
+                     show_default=True,
+                     help="The trees a step of two or more chunks spreads them over, the same on every worker: "
+                          "rotated (p trees: each rank sends the ring's 2N(p-1)/p bytes), double (the double "
+                          "binary tree: 2N) or single (interior ranks send 3N).")(f)
     f = click.option("--uplink", default=None, metavar="RATE",
                      help="The workers' uplink speed in tc units (100mbit, 1gbit), the same on every worker (the "
                           "slowest uplink's): backup watches allow queued data to leave at this pace, and a step "
@@ -106,7 +108,7 @@ def topology(world: int) -> None:
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
-           on_node_failure: str, chunk_bytes: int | None, single_tree: bool, uplink: str | None) -> None:
+           on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
@@ -117,7 +119,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
         ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
                              startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
-                             on_node_failure=on_node_failure, join=join or False, double_tree=not single_tree,
+                             on_node_failure=on_node_failure, join=join or False, trees=trees,
                              chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
                              **http_kwargs(rank, peers))
         ar.start()
@@ -178,7 +180,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
-           single_tree: bool, uplink: str | None) -> None:
+           trees: str, uplink: str | None) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -199,8 +201,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         args.append("--no-link-memory")
     if chunk_bytes:
         args += ["--chunk-bytes", str(chunk_bytes)]
-    if single_tree:
-        args.append("--single-tree")
+    args += ["--trees", trees]
     if uplink is not None:
         args += ["--uplink", uplink]
     in_process = link_schedule_text(schedule)
