@@ -439,16 +439,21 @@ def test_a_step_larger_than_one_chunk_is_cut_into_at_least_16() -> None:
 def test_a_step_that_would_take_long_per_hop_is_pipelined_behind_a_slow_uplink() -> None:
     """Behind 100 Mbit/s one hop of the thesis MLP's 1.63 MB takes 130 ms, and as one chunk
     every hop waits for the whole of it (3.3x gloo's ring): such a step is cut too, in chunks of
-    at least 20 ms of uplink time. On a LAN's default pace nothing changes."""
+    at least 5 ms of uplink time and 64 KiB, and big steps in 48 chunks of 256 KiB or more. On
+    a LAN's default pace nothing changes."""
     mlp = 407_050 * 4
     assert Config().chunk_bytes_for(mlp) == Config().chunk_bytes  # the default: one chunk, as before
     assert Config(uplink_bytes_per_s=125e6).chunk_bytes_for(mlp) == Config().chunk_bytes  # 1 Gbit/s: 13 ms a hop
     slow = Config(uplink_bytes_per_s=12.5e6)  # 100 Mbit/s
     assert slow.chunk_bytes_for(1_000_000) == slow.chunk_bytes  # 80 ms a hop: one chunk
-    assert slow.chunk_bytes_for(mlp) == 250_000  # 20 ms of uplink time: 7 chunks
-    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(mlp) == -(-mlp // 16)  # 10 Mbit/s: 16 chunks
+    assert slow.chunk_bytes_for(mlp) == 64 * 1024  # 48 would be under 64 KiB: 25 chunks
     assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(200_000) == 64 * 1024  # never under 64 KiB
-    assert slow.chunk_bytes_for(16 * (1 << 20)) == Config().chunk_bytes_for(16 * (1 << 20))  # big steps as before
+    assert Config(uplink_bytes_per_s=125e3).chunk_bytes_for(4_000_000) == -(-4_000_000 // 48)  # 48 chunks
+    mib = 1 << 20
+    assert Config().chunk_bytes_for(16 * mib) == mib  # the LAN pace: 16 chunks of 1 MiB
+    assert slow.chunk_bytes_for(16 * mib) == -(-16 * mib // 48)  # behind 100 Mbit/s: 48 chunks
+    assert slow.chunk_bytes_for(6 * mib) == mib // 4  # ... of at least 256 KiB
+    assert slow.chunk_bytes_for(400 * mib) == slow.chunk_bytes  # never over chunk_bytes
     world = 7
     net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, uplink_bytes_per_s=12.5e6, trees="double")
     net.cut(5, 6)  # a primary link of tree 1 only: the MLP's chunks now use it

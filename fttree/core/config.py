@@ -20,14 +20,19 @@ NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 COMPRESSIONS = (None, "bf16", "fp16")
 
 
-SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many
-MIN_SPLIT_CHUNK_BYTES = 1 << 20
-# A step small enough for one chunk is still pipelined when one hop of it would take longer than
-# PIPELINE_HOP_S at uplink_bytes_per_s (behind 100 Mbit/s: from 1.25 MB on; never at the LAN
-# default, where that takes 5 MB, more than a chunk). Its chunks carry at least SLOW_CHUNK_S of
-# uplink time and MIN_SLOW_CHUNK_BYTES, so per-chunk costs stay small against the transfer.
+SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many ...
+MIN_SPLIT_CHUNK_BYTES = 1 << 20  # ... of at least this size (or chunk_bytes, if smaller)
+# Behind a slow uplink (one hop of a whole chunk takes over PIPELINE_HOP_S at
+# uplink_bytes_per_s: 100 Mbit/s, not the LAN default) finer: store-and-forward of each chunk
+# at each hop is what keeps a step above its bytes' time there.
 PIPELINE_HOP_S = 0.1
-SLOW_CHUNK_S = 0.02
+SLOW_SPLIT_CHUNKS = 48
+MIN_SLOW_SPLIT_CHUNK_BYTES = 1 << 18
+# A step small enough for one chunk is still pipelined when one hop of it would take longer than
+# PIPELINE_HOP_S (behind 100 Mbit/s: from 1.25 MB on; never at the LAN default, where that
+# takes 5 MB, more than a chunk). Its chunks carry at least SLOW_CHUNK_S of uplink time and
+# MIN_SLOW_CHUNK_BYTES, so per-chunk costs stay small against the transfer.
+SLOW_CHUNK_S = 0.005
 MIN_SLOW_CHUNK_BYTES = 64 * 1024
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,21 +139,25 @@ class Config:
     def chunk_bytes_for(self, nbytes: int) -> int:
         """The chunk size of a step of `nbytes`. Up to `chunk_bytes` it is one chunk. A larger
         step is cut into at least SPLIT_CHUNKS chunks (no smaller than MIN_SPLIT_CHUNK_BYTES,
-        nor larger than `chunk_bytes`): behind a slow uplink each hop carries a whole chunk, so
-        a tree of depth d fills its pipeline only after about 2d chunk times, and 16 MB in four
-        4 MiB chunks took 1.5x gloo's ring at 100 Mbit/s where 1 MiB chunks took 1.35x. A step
-        of up to one chunk that would take over PIPELINE_HOP_S a hop at `uplink_bytes_per_s`
-        is cut too (see SLOW_CHUNK_S): as one chunk the thesis MLP's 1.63 MB took 3.3x gloo's
-        time behind 100 Mbit/s uplinks, in 256 KiB chunks 1.3x. Every rank must compute the
+        nor larger than `chunk_bytes`): each hop carries a whole chunk before the next hop can
+        send it, so a tree of depth d fills its pipeline only after about 2d chunk times, and
+        16 MB in four 4 MiB chunks took 1.5x gloo's ring at 100 Mbit/s where 1 MiB chunks took
+        1.35x. Behind a slow uplink (see PIPELINE_HOP_S) in at least SLOW_SPLIT_CHUNKS of
+        MIN_SLOW_SPLIT_CHUNK_BYTES or more: on the rotated trees at 100 Mbit/s, 48 chunks took
+        16 MB from 1.27x to 1.20x gloo's time and 100 MB from 1.12x to 1.07x. A step of up to
+        one chunk that would take over PIPELINE_HOP_S a hop is cut too (see SLOW_CHUNK_S): as
+        one chunk the thesis MLP's 1.63 MB took 3.3x gloo's time behind 100 Mbit/s uplinks, in
+        7 chunks 1.5x on the rotated trees, in 25 chunks 1.15x. Every rank must compute the
         same size, so `chunk_bytes` and `uplink_bytes_per_s` must be the same on every worker
         (a difference fails the step as a chunk mismatch)."""
-        per_chunk = -(-nbytes // SPLIT_CHUNKS)
+        slow = self.chunk_bytes > self.uplink_bytes_per_s * PIPELINE_HOP_S
+        per_chunk = -(-nbytes // (SLOW_SPLIT_CHUNKS if slow else SPLIT_CHUNKS))
         if nbytes <= self.chunk_bytes:
             if nbytes <= self.uplink_bytes_per_s * PIPELINE_HOP_S:
                 return self.chunk_bytes
             floor = max(MIN_SLOW_CHUNK_BYTES, int(self.uplink_bytes_per_s * SLOW_CHUNK_S))
             return min(self.chunk_bytes, max(floor, per_chunk))
-        floor = min(MIN_SPLIT_CHUNK_BYTES, self.chunk_bytes)
+        floor = min(MIN_SLOW_SPLIT_CHUNK_BYTES if slow else MIN_SPLIT_CHUNK_BYTES, self.chunk_bytes)
         return min(self.chunk_bytes, max(floor, per_chunk))
 
     def make_timeouts(self) -> TimeoutPolicy:
