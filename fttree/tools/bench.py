@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.config import Config
 from ..core.faults import FaultKind, FaultSchedule
 from ..core.trees import TREE_FAMILIES
 from ..errors import ConfigError
@@ -48,6 +49,8 @@ from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
 from .launch import local_peers
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
+
+DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
 
 # ---- what the thesis reports ---------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class RunSpec:
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
     compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
-    trees: str = "single"  # fttree: the trees a step's chunks spread over (Config.trees)
+    trees: str = DEFAULT_TREES  # fttree: the trees a step's chunks spread over (Config.trees)
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
 
@@ -183,7 +186,7 @@ class RunSpec:
         what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
         if self.kind == "fttree" and not self.link_memory:
             what += " no-link-memory"
-        if self.kind == "fttree" and self.trees != "single":
+        if self.kind == "fttree" and self.trees != DEFAULT_TREES:
             what += f" {self.trees} trees"
         if self.compression:
             what += f" {self.compression}"
@@ -375,8 +378,10 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args.append("--no-link-memory")
     if spec.kind == "fttree" and spec.compression:
         args += ["--compression", spec.compression]
-    if spec.kind in ("fttree", "plain"):  # always explicit: the API's default may change
+    if spec.kind == "fttree":  # always explicit: the API's default may change
         args += ["--trees", spec.trees]
+    elif spec.kind == "plain":  # the thesis's baseline: one plain tree
+        args += ["--trees", "single"]
     for field_name, value in spec.settings:
         args += ["--set", f"{field_name}={value}"]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
@@ -743,9 +748,7 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
         for size in opts.sweep_sizes:
             warmup, measured = sweep_steps(size)
             for pol in sweep_policies:
-                if size == opts.size and world in opts.workers and pol in policies:
-                    continue  # the matrix runs measure this point already
-                runs.append(_sweep_run(opts, world, size, pol, ""))
+                runs.append(_sweep_run(opts, world, size, pol, ""))  # the single tree (the matrix: rotated)
             first_policy = (sweep_policies or ["static"])[0]
             for family in opts.trees:
                 runs.append(_sweep_run(opts, world, size, first_policy, "", trees=family))
@@ -824,7 +827,7 @@ class Summary:
 
     def find(self, kind: str, world: int, size: int, timeout_s: float | None = None,
              policy: str = "static", purposes: tuple[str, ...] = ("matrix", "sweep"),
-             compression: str = "", trees: str = "single") -> RunResult | None:
+             compression: str = "", trees: str = DEFAULT_TREES) -> RunResult | None:
         for r in self.results:
             s = r.spec
             if (s.kind == kind and s.world == world and s.size == size and s.purpose in purposes
@@ -836,7 +839,7 @@ class Summary:
         return None
 
     def nofault(self, kind: str, world: int, size: int, policy: str = "static",
-                compression: str = "", trees: str = "single") -> float | None:
+                compression: str = "", trees: str = DEFAULT_TREES) -> float | None:
         """No-fault median at `size`: fttree from its first-timeout run (a timeout fires only on a
         fault, or a spurious one on a big tensor), the baselines from their own runs."""
         r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy,
@@ -844,7 +847,7 @@ class Summary:
         return None if r is None else r.median("none")
 
     def nofault_cpu(self, kind: str, world: int, size: int, policy: str = "static",
-                    trees: str = "single") -> float | None:
+                    trees: str = DEFAULT_TREES) -> float | None:
         r = self.find(kind, world, size, self.opts.timeouts[0] if kind == "fttree" else None, policy, trees=trees)
         return None if r is None else r.cpu_median("none")
 
