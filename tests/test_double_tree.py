@@ -252,17 +252,20 @@ def test_a_crash_of_a_rank_interior_in_tree_1_leaves_the_survivors_with_one_resu
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("trees", ["double", "rotated"])
 @pytest.mark.parametrize("case", ["restart", "grow"])
-def test_elastic_jobs_with_steps_on_both_trees(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_elastic_jobs_with_steps_on_several_trees(case: str, trees: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The elastic tests over TCP with 1 KiB chunks (the model's 892 parameters make 4 chunks, so
-    tree 1 carries half of every step). restart: the killed rank's children in tree 1 probe it
-    while it is dead, and those queued probes reach its restarted process, which must not answer
-    them from view 0 (the answer drew the view that left it out). grow: two ranks join together
-    and are linked in tree 1 (the last slots are its top), so a joiner learns its co-joiner's
-    address from its admission."""
+    tree 1 carries half of every step on the double tree; on the rotated trees each chunk runs on
+    a tree of its own). restart: the killed rank's children in other trees probe it while it
+    is dead, and those queued probes reach its restarted process, which must not answer them
+    from view 0 (the answer drew the view that left it out). grow: two ranks join together and
+    are linked in other trees (the last slots are tree 1's top), so a joiner learns its
+    co-joiner's address from its admission."""
     from . import test_elastic
 
     monkeypatch.setitem(test_elastic.SETTINGS, "chunk_bytes", 1024)
+    monkeypatch.setitem(test_elastic.SETTINGS, "trees", trees)
     if case == "restart":
         test_elastic.test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_for_bit()
     else:

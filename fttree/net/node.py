@@ -178,7 +178,7 @@ class Node:
 
     @property
     def neighbours(self) -> tuple[int, ...]:
-        """The ranks this one exchanges frames with, in both trees of the double tree."""
+        """The ranks this one exchanges frames with, in every tree (Config.trees)."""
         return self.machine.peers
 
     # ---- lifecycle (asyncio) ---------------------------------------------------------------
