@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import uvloop
 
+from .core.buffers import BufferPool
 from .core.config import Config
 from .core.faults import FaultKind, FaultSchedule
 from .core.topology import check_rank
@@ -36,25 +37,39 @@ if TYPE_CHECKING:
     from .status.control import ControlServer
 
 _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
+# Staging buffers tracked for reuse: each step's while it runs, the newest result (`last`) and
+# whatever results the caller still holds; DDP's buckets each have their own size.
+STAGING_BUFFERS = 8
 
 
-def _as_flat_array(tensor: Any) -> tuple[np.ndarray, str, Any]:
+def _private_copy(array: np.ndarray, staging: BufferPool | None) -> np.ndarray:
+    """`array` as a flat little-endian copy of our own, in a staging buffer the last steps'
+    callers have let go of where there is one (a fresh 100 MB array costs its pages' zeroing)."""
+    dtype = array.dtype.newbyteorder("<")
+    flat = np.empty(array.size, dtype) if staging is None else staging.array(array.size, dtype)
+    np.copyto(flat.reshape(array.shape), array)
+    return flat
+
+
+def _as_flat_array(tensor: Any, staging: BufferPool | None = None) -> tuple[np.ndarray, str, Any]:
     """A private flat copy in a wire dtype, the signature workers compare, and how to convert
     the result back. torch is imported only when a torch tensor is passed."""
     if isinstance(tensor, np.ndarray):
         if tensor.dtype not in _WIRE_DTYPES:
             raise TypeError(f"allreduce supports float16/32/64 and int32/64 arrays, not {tensor.dtype}")
-        flat = np.array(tensor, dtype=tensor.dtype.newbyteorder("<"), copy=True, order="C").reshape(-1)
-        return flat, f"{tensor.dtype.name}{list(tensor.shape)}", ("numpy", tensor.shape, tensor.dtype)
+        return _private_copy(tensor, staging), f"{tensor.dtype.name}{list(tensor.shape)}", \
+            ("numpy", tensor.shape, tensor.dtype)
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
     src = tensor.detach()
     host = src.to("cpu", torch.float32 if src.dtype == torch.bfloat16 else src.dtype).contiguous()
-    flat = host.numpy().reshape(-1).copy() if host.data_ptr() == src.data_ptr() else host.numpy().reshape(-1)
+    flat = host.numpy().reshape(-1)
     if flat.dtype not in _WIRE_DTYPES:
         raise TypeError(f"allreduce supports float16/bfloat16/32/64 and int32/64 tensors, not {src.dtype}")
+    if host.data_ptr() == src.data_ptr():  # no conversion made a copy: make our own
+        flat = _private_copy(flat, staging)
     sig = f"{str(src.dtype).removeprefix('torch.')}{list(src.shape)}"
     return flat, sig, ("torch", src.shape, src.dtype, src.device)
 
@@ -138,6 +153,8 @@ class FTTreeAllreduce:
         self._thread: threading.Thread | None = None
         self._next_step = 0
         self._marks = StepMarks()  # user steps (training steps) for fault windows
+        # private copies of submitted tensors, in buffers used again once their results are let go
+        self.staging = BufferPool(keep=STAGING_BUFFERS)
         self._lock = threading.Lock()
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None
@@ -396,7 +413,7 @@ class FTTreeAllreduce:
 
     def allreduce_async(self, tensor: Any, *, average: bool = False) -> Future[Any]:
         """Start an allreduce; the Future gives the summed (or averaged) tensor."""
-        flat, signature, how = _as_flat_array(tensor)
+        flat, signature, how = _as_flat_array(tensor, self.staging)
         if average and flat.dtype.kind != "f":
             raise TypeError("average=True needs a floating-point tensor")
         inner = self.submit_array(flat, signature)

@@ -9,16 +9,17 @@ import socket
 import numpy as np
 import pytest
 
+from fttree.core.buffers import BufferPool
 from fttree.core.messages import Kind, Message
 from fttree.net import tcp
 from fttree.net.address import Address
-from fttree.net.tcp import TcpTransport, _BufferPool
+from fttree.net.tcp import TcpTransport
 
-BIG = _BufferPool.MIN_BYTES * 4
+BIG = BufferPool.MIN_BYTES * 4
 
 
 def test_small_payloads_are_plain_bytearrays() -> None:
-    pool = _BufferPool()
+    pool = BufferPool()
     buf = pool.take(100)
     assert isinstance(buf, bytearray)
     assert len(buf) == 100
@@ -26,7 +27,7 @@ def test_small_payloads_are_plain_bytearrays() -> None:
 
 
 def test_a_buffer_comes_back_only_when_nothing_holds_it() -> None:
-    pool = _BufferPool()
+    pool = BufferPool()
     first = pool.take(BIG)
     assert len(first) == BIG
     owner = id(first.obj)  # an id: holding the object would keep it busy
@@ -48,7 +49,7 @@ def test_a_buffer_comes_back_only_when_nothing_holds_it() -> None:
 
 
 def test_sizes_do_not_mix_and_the_pool_stays_bounded() -> None:
-    pool = _BufferPool(keep=3)
+    pool = BufferPool(keep=3)
     a = pool.take(BIG)
     owner = id(a.obj)
     del a

@@ -59,12 +59,17 @@ from typing import Any
 
 import numpy as np
 
+from .buffers import BufferPool
 from .config import Config
 from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
 from .timeouts import Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
 from .view import View
+
+# Sum buffers the machine tracks for reuse (buffers.py): one per op this rank adds into, held
+# until the op lingers out; two 100 MB steps in 4 MiB chunks need about 50.
+SUM_BUFFERS = 64
 
 OpId = tuple[int, int]  # (step, chunk)
 
@@ -406,6 +411,7 @@ class TreeMachine:
         self.fenced = False  # a view change is being agreed: take and produce no results
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
         self._wire = COMPRESSIONS[self.cfg.compression] if self.cfg.compression else None
+        self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
 
     # ---- public ------------------------------------------------------------------------
 
@@ -706,7 +712,7 @@ class TreeMachine:
         else:
             incoming = from_wire(msg.payload, msg.dtype, op.dtype)
         if op.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
-            op.acc = np.add(op.acc, incoming)
+            op.acc = np.add(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
         else:
             np.add(op.acc, incoming, out=op.acc)
         op.contributors.update(msg.contributors)
@@ -1078,6 +1084,7 @@ class TreeMachine:
             op.bcast_pending.clear()
         if t.me.parent is not None:
             op.acc = op.acc_wire = None  # our sum is in the result now; drop the buffer early (see linger_s)
+        op.own = None  # our contribution too: the caller's buffer may take the next step's now
         view = op.result.view()
         view.flags.writeable = False
         out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))

@@ -19,15 +19,13 @@ import logging
 import os
 import socket
 import struct
-import sys
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
-
+from ..core.buffers import BufferPool
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
 from ..errors import FrameError, PeerError
 from .address import Address, is_ip
@@ -69,48 +67,9 @@ def tcp_rtt_s(writer: Any) -> float | None:
 HELLO_TIMEOUT_S = 10.0
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
-
-
-class _BufferPool:
-    """Receive buffers for payloads: never zero-filled, and used again once nobody holds them.
-
-    A fresh `bytearray(n)` per frame costs a zero fill of bytes the kernel overwrites at once
-    and, for megabyte chunks, fresh pages to fault in. Large payloads get an uninitialised
-    numpy buffer instead, handed out as a memoryview. The protocol adds a payload to its sum
-    and lets go (reduce), or keeps a view of it as the result until the op retires (broadcast).
-    Every view of a buffer (memoryviews of memoryviews, numpy arrays on it, a write still
-    queued in the event loop) references the numpy array that owns the memory, so a buffer
-    that only this pool references is free, whatever the protocol did with it: nothing is ever
-    reused while read. Only the newest `keep` buffers are tracked; older ones are left to the
-    allocator once their holders let go."""
-
-    MIN_BYTES = 64 * 1024  # smaller payloads are cheap to allocate
-    FREE_REFS = 3
-
-    def __init__(self, keep: int = 24) -> None:
-        self.keep = keep
-        self.lent: deque[np.ndarray] = deque()
-        self.reused = 0
-        self.allocated = 0
-
-    def take(self, nbytes: int) -> bytearray | memoryview:
-        if nbytes < self.MIN_BYTES:
-            return bytearray(nbytes)
-        for i in range(len(self.lent)):
-            buf = self.lent[i]
-            # references: the deque's, `buf`'s and getrefcount's argument; any more is a holder
-            if buf.size == nbytes and sys.getrefcount(buf) <= self.FREE_REFS:
-                del self.lent[i]
-                self.lent.append(buf)
-                self.reused += 1
-                return buf.data
-            del buf
-        self.allocated += 1
-        fresh = np.empty(nbytes, dtype=np.uint8)
-        self.lent.append(fresh)
-        if len(self.lent) > self.keep:
-            self.lent.popleft()
-        return fresh.data
+# Receive buffers the pool tracks: a 100 MB step in 4 MiB chunks holds one per chunk until its
+# result lingers out (linger_s), about two steps' worth; 24 missed most reuses there.
+RECEIVE_BUFFERS = 96
 
 
 @dataclass
@@ -327,7 +286,7 @@ class TcpTransport:
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
         self._inbound: set[asyncio.Transport] = set()
-        self.pool = _BufferPool()
+        self.pool = BufferPool(keep=RECEIVE_BUFFERS)
 
     def bind(self, events: TransportEvents) -> None:
         self._events = events

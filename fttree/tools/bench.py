@@ -676,14 +676,18 @@ class BenchOptions:
         return "adaptive" if "adaptive" in self.policies else self.policies[0]
 
 
-def sweep_steps(size: int) -> tuple[int, int]:
-    """(warmup, measured) steps for a size-sweep point: fewer for big tensors."""
+def sweep_steps(size: int, uplink: bool = False) -> tuple[int, int]:
+    """(warmup, measured) steps for a size-sweep point: fewer for big tensors. Without slow
+    uplinks a big step is short against `linger_s` (2 s), for which finished steps hold their
+    buffers, so fttree's buffer pools (core/buffers.py) fill over its first three steps; a long
+    run only ever sees them full, so those steps are warm-up (gloo's as well)."""
     nbytes = size * 4
     if nbytes <= 4_000_000:
         return WARMUP_STEPS, 10
+    warmup = 1 if uplink else 3
     if nbytes <= 40_000_000:
-        return 1, 5
-    return 1, 3
+        return warmup, 5
+    return warmup, 3
 
 
 def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
@@ -707,7 +711,7 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
 def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str,
                trees: str = "single") -> RunSpec:
     """One fttree point of the size sweep (timeouts scaled to the uplinks, if any)."""
-    warmup, measured = sweep_steps(size)
+    warmup, measured = sweep_steps(size, bool(opts.uplink))
     timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
     settings: tuple[tuple[str, str], ...] = ()
     if opts.uplink:
@@ -746,7 +750,7 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
             runs.append(RunSpec(kind="gloo", world=world, size=opts.size, steps=baseline_steps, uplink_bps=bps))
     for world in opts.sweep_workers:
         for size in opts.sweep_sizes:
-            warmup, measured = sweep_steps(size)
+            warmup, measured = sweep_steps(size, bool(opts.uplink))
             for pol in sweep_policies:
                 runs.append(_sweep_run(opts, world, size, pol, ""))  # the single tree (the matrix: rotated)
             first_policy = (sweep_policies or ["static"])[0]

@@ -87,7 +87,7 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
         inner.set_result(exc)
 
     try:
-        flat, sig, _ = _as_flat_array(buffer)
+        flat, sig, _ = _as_flat_array(buffer, ar.staging)
         layout = digest(tuple(p.shape) for p in bucket.parameters())
         submitted = ar.submit_array(flat, f"ddp bucket {bucket.index()} {sig} #{layout}")
     except Exception as exc:  # not started, closed, unsupported dtype: report through the future

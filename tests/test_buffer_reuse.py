@@ -1,0 +1,66 @@
+"""Buffers used again (core/buffers.py): the staging copy of a submitted tensor, the sums a rank
+adds up and the payloads it receives come from pools, and a buffer anyone still holds, the
+caller's result included, is never handed out again."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fttree.core.buffers import BufferPool
+
+from .conftest import cluster
+
+BIG = BufferPool.MIN_BYTES * 4
+
+
+def test_an_array_comes_back_only_when_nothing_holds_it() -> None:
+    pool = BufferPool()
+    first = pool.array(BIG // 4, "<f4")
+    assert first.dtype == np.float32
+    assert first.size == BIG // 4
+    assert first.flags.writeable
+    owner = id(first.base)  # an id: holding the owner would keep it busy
+    held = torch.from_numpy(first[:10])  # a caller's tensor on a slice of it
+    del first
+    second = pool.array(BIG // 4, "<f4")
+    assert id(second.base) != owner
+    del held, second
+    third = pool.array(BIG // 2, "<f2")  # the same bytes in another dtype: the same memory is fine
+    assert id(third.base) == owner
+    assert third.dtype == np.float16
+    assert pool.reused == 1
+    assert pool.allocated == 2
+
+
+def test_small_arrays_are_not_pooled() -> None:
+    pool = BufferPool()
+    small = pool.array(10, "<i8")
+    assert small.dtype == np.int64
+    assert small.size == 10
+    assert not pool.lent
+
+
+def test_results_the_caller_holds_are_never_written_again() -> None:
+    """Results kept (as numpy arrays and as torch tensors) stay exact while later steps reuse the
+    buffers of the results let go; the reuse is real: each pool handed buffers out again (sums
+    on the ranks that are interior but not the root of a tree: 4 workers have one per tree; a
+    root's sum is its result, held for linger_s, longer than this test runs)."""
+    size = 300_000  # 1.2 MB: a pooled staging copy, and with 256 KiB chunks pooled sums and payloads
+    kept: dict[int, list[object]] = {}
+    with cluster(4, timeout_s=0.5, chunk_bytes=256 * 1024) as handles:
+        for step in range(12):
+            tensors = [np.full(size, float((h.rank + 1) * (step + 1)), np.float32) for h in handles]
+            if step % 2:
+                tensors = [torch.from_numpy(t) for t in tensors]
+            futures = [h.allreduce_async(t) for h, t in zip(handles, tensors, strict=True)]
+            outs = [f.result(timeout=30) for f in futures]
+            if step % 3 == 0:
+                kept[step] = outs  # the rest are dropped here, and their buffers may serve again
+        for step, outs in kept.items():
+            want = np.full(size, 10.0 * (step + 1), np.float32)
+            for out in outs:
+                assert np.array_equal(np.asarray(out), want), step
+        assert all(h.staging.reused > 0 for h in handles)
+        assert sum(h.node.machine.buffers.reused for h in handles if h.node is not None) > 0
+        assert all(h.transport.inner.pool.reused > 0 for h in handles if h.transport is not None)
