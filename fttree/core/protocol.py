@@ -68,8 +68,8 @@ from .trees import tree_count, tree_of
 from .view import View
 
 # Sum buffers the machine tracks for reuse (buffers.py): one per op this rank adds into, held
-# until the op lingers out; two 100 MB steps in 4 MiB chunks need about 50.
-SUM_BUFFERS = 64
+# until it sent its sum on, or at a root (where the sum is the result) until the op lingers out.
+SUM_BUFFERS = 32
 
 OpId = tuple[int, int]  # (step, chunk)
 
