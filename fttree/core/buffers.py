@@ -31,8 +31,8 @@ class BufferPool:
     def __init__(self, keep: int = 24) -> None:
         self.keep = keep
         self.lent: deque[np.ndarray] = deque()
-        self.reused = 0
-        self.allocated = 0
+        self.reused = 0  # buffers handed out again
+        self.allocated = 0  # fresh ones handed out, small (untracked) ones included
 
     def _owner(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` that nobody else holds: a free tracked one, or a new one."""
@@ -54,6 +54,7 @@ class BufferPool:
     def take(self, nbytes: int) -> bytearray | memoryview:
         """A writable byte buffer of `nbytes` (contents undefined), e.g. to receive a payload into."""
         if nbytes < self.MIN_BYTES:
+            self.allocated += 1
             return bytearray(nbytes)
         return self._owner(nbytes).data
 
@@ -62,5 +63,6 @@ class BufferPool:
         kind = np.dtype(dtype)
         nbytes = count * kind.itemsize
         if nbytes < self.MIN_BYTES:
+            self.allocated += 1
             return np.empty(count, dtype=kind)
         return self._owner(nbytes).view(kind)
