@@ -429,6 +429,7 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
     ready: set[int] = set()
     done: set[int] = set()
     finishers = set(range(spec.world)) - killed  # every rank but the killed ones reports "done"
+    interrupted = True  # until the loop ends by itself: Ctrl-C must not wait out every worker's step
     try:
         for rank, cmd in enumerate(cmds):
             proc = subprocess.Popen([*cmd, *driver.worker_args(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -476,6 +477,7 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
                         result.sent_bytes = uplinks.counters()
                     except ConfigError as exc:
                         result.error = f"could not read the uplink counters: {exc}"
+        interrupted = False
     finally:
         driver.close()  # a stopped worker is continued before anything else: it could not even die
         result.wall_s = time.monotonic() - t0
@@ -483,7 +485,7 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
-        if result.error:
+        if result.error or interrupted:
             for proc in procs.values():
                 _kill_group(proc, 15)
         for rank, proc in procs.items():
