@@ -37,9 +37,10 @@ if TYPE_CHECKING:
     from .status.control import ControlServer
 
 _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
-# Staging buffers tracked for reuse: each step's while it runs, the newest result (`last`) and
-# whatever results the caller still holds; DDP's buckets each have their own size.
-STAGING_BUFFERS = 8
+# Staging buffers tracked for reuse: a step's while it runs, the newest result (`last`) and the
+# result the caller still holds. Few: each is as large as a submitted tensor, and one nobody
+# holds stays allocated until the pool drops it.
+STAGING_BUFFERS = 4
 
 
 def _private_copy(array: np.ndarray, staging: BufferPool | None) -> np.ndarray:

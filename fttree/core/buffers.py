@@ -17,44 +17,58 @@ that nobody else does.
 from __future__ import annotations
 
 import sys
+import threading
 from collections import deque
 
 import numpy as np
 
 
+def _references(lent: deque[np.ndarray], i: int) -> int:
+    """How many references `lent[i]` has, counted the same way for the baseline and the checks
+    (how many a bare call shows differs between Python versions)."""
+    return sys.getrefcount(lent[i])
+
+
+# what a buffer that only the pool references shows: anything more is a holder
+_ONLY_THE_POOL = _references(deque([np.empty(1, dtype=np.uint8)]), 0)
+
+
 class BufferPool:
-    """Buffers of `MIN_BYTES` or more, handed out again once only the pool references them."""
+    """Buffers of `MIN_BYTES` or more, handed out again once only the pool references them.
+    Thread-safe: the API's staging pool is used from the caller's threads."""
 
     MIN_BYTES = 64 * 1024  # smaller buffers are cheap to allocate
-    FREE_REFS = 3  # the deque's reference, the loop variable's and getrefcount's argument
 
     def __init__(self, keep: int = 24) -> None:
         self.keep = keep
         self.lent: deque[np.ndarray] = deque()
         self.reused = 0  # buffers handed out again
         self.allocated = 0  # fresh ones handed out, small (untracked) ones included
+        self._lock = threading.Lock()
 
     def _owner(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` that nobody else holds: a free tracked one, or a new one."""
-        for i in range(len(self.lent)):
-            buf = self.lent[i]
-            if buf.size == nbytes and sys.getrefcount(buf) <= self.FREE_REFS:
-                del self.lent[i]
-                self.lent.append(buf)
-                self.reused += 1
-                return buf
-            del buf
-        self.allocated += 1
-        fresh = np.empty(nbytes, dtype=np.uint8)
-        self.lent.append(fresh)
-        if len(self.lent) > self.keep:
-            self.lent.popleft()
-        return fresh
+        with self._lock:
+            lent = self.lent
+            for i in range(len(lent)):
+                if lent[i].size == nbytes and _references(lent, i) <= _ONLY_THE_POOL:
+                    buf = lent[i]
+                    del lent[i]
+                    lent.append(buf)
+                    self.reused += 1
+                    return buf
+            self.allocated += 1
+            fresh = np.empty(nbytes, dtype=np.uint8)
+            lent.append(fresh)
+            if len(lent) > self.keep:
+                lent.popleft()
+            return fresh
 
     def take(self, nbytes: int) -> bytearray | memoryview:
         """A writable byte buffer of `nbytes` (contents undefined), e.g. to receive a payload into."""
         if nbytes < self.MIN_BYTES:
-            self.allocated += 1
+            with self._lock:
+                self.allocated += 1
             return bytearray(nbytes)
         return self._owner(nbytes).data
 
@@ -63,6 +77,7 @@ class BufferPool:
         kind = np.dtype(dtype)
         nbytes = count * kind.itemsize
         if nbytes < self.MIN_BYTES:
-            self.allocated += 1
+            with self._lock:
+                self.allocated += 1
             return np.empty(count, dtype=kind)
         return self._owner(nbytes).view(kind)

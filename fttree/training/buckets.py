@@ -43,7 +43,7 @@ def copy_divided(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:
     if divisor == 1:
         dst.copy_(src)
     elif dst.dtype == src.dtype:
-        dst.copy_(src).div_(divisor)
+        torch.div(src, divisor, out=dst)  # one pass, not a copy and then a division in place
     else:  # e.g. bfloat16 from a float32 sum: divide in float32 first
         dst.copy_(src / divisor)
 

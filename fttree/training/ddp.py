@@ -4,11 +4,9 @@
     ddp.register_comm_hook(ar, fttree.comm_hook)  # gradients now travel over fttree
 
 DDP calls the hook once per gradient bucket, in bucket order, from the autograd thread. The
-hook submits the bucket as one fttree step and returns a torch Future at once; the fttree loop
-thread completes it with the averaged bucket. A CPU bucket travels as it is: DDP leaves it alone
-until the future completes, the step writes the sum into it and the average is a division in
-place. Any other bucket (on a GPU, bfloat16) is copied to a host array first and the average
-copied back. Nothing on the loop thread blocks.
+hook copies the bucket to a flat host array, submits it as one fttree step and returns a
+torch Future at once; the fttree loop thread completes it with the averaged bucket. Nothing on
+the loop thread blocks: the only work there is copying the averaged sum back into the bucket.
 
 Failures: a torch Future completed through `set_exception` hands DDP's C++ reducer a Python
 object it tries to cast to a Tensor ("Unable to cast ... to Tensor"), which hides the cause.
@@ -25,7 +23,6 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 from torch._C._distributed_c10d import GradBucket
 
@@ -35,8 +32,6 @@ from ..net.node import StepResult
 from .buckets import copy_divided, digest
 
 __all__ = ["CommHookError", "HookState", "comm_hook"]
-
-_IN_PLACE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)
 
 
 class CommHookError(FTTreeError):
@@ -74,15 +69,6 @@ def pending_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[An
     return inner, inner.then(_raise_if_error)
 
 
-def _bucket_itself(buffer: torch.Tensor) -> np.ndarray | None:
-    """The bucket as the flat array a step can run on in place, if it is one: on the CPU,
-    contiguous, of a dtype fttree carries. A copy would cost a pass over the bucket, and the
-    average another (a 100 MB model: two 100 MB memcpys per step)."""
-    if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.dtype not in _IN_PLACE_DTYPES:
-        return None
-    return buffer.detach().view(-1).numpy()
-
-
 def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP gradient bucket over all workers with fttree."""
     hs = state if isinstance(state, HookState) else None
@@ -101,12 +87,7 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
         inner.set_result(exc)
 
     try:
-        flat = _bucket_itself(buffer)
-        in_place = flat is not None
-        if flat is None:
-            flat, sig, _ = _as_flat_array(buffer, ar.staging)
-        else:
-            sig = f"{str(buffer.dtype).removeprefix('torch.')}{list(buffer.shape)}"
+        flat, sig, _ = _as_flat_array(buffer, ar.staging)
         layout = digest(tuple(p.shape) for p in bucket.parameters())
         submitted = ar.submit_array(flat, f"ddp bucket {bucket.index()} {sig} #{layout}")
     except Exception as exc:  # not started, closed, unsupported dtype: report through the future
@@ -116,15 +97,10 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
     def done(f: Future[StepResult]) -> None:  # runs on the fttree loop thread
         try:
             res = f.result()
-            # The average goes into DDP's own bucket buffer (as DDP's default allreduce does).
-            # res.data is the bucket itself or our staging copy, never a buffer the protocol
-            # still sends from (the node copies results out of those), so writing it is safe.
-            divisor = len(res.contributors) if average else 1
+            # The average goes into DDP's own bucket buffer (as DDP's default allreduce does),
+            # leaving res.data untouched: at the root it is also the result still being sent.
             with torch.no_grad():
-                if not in_place:
-                    copy_divided(buffer, torch.from_numpy(res.data), divisor)
-                elif divisor > 1:  # res.data is the bucket: the sum is in it already
-                    buffer.div_(divisor)
+                copy_divided(buffer, torch.from_numpy(res.data), len(res.contributors) if average else 1)
         except BaseException as exc:
             fail(exc)
             return
