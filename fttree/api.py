@@ -155,7 +155,7 @@ class FTTreeAllreduce:
         self._next_step = 0
         self._marks = StepMarks()  # user steps (training steps) for fault windows
         # private copies of submitted tensors, in buffers used again once their results are let go
-        self.staging = BufferPool(keep=STAGING_BUFFERS)
+        self.staging = BufferPool(keep=STAGING_BUFFERS, lock=threading.Lock())  # callers may use threads
         self._lock = threading.Lock()
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None

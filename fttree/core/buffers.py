@@ -16,9 +16,11 @@ that nobody else does.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-import threading
 from collections import deque
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -35,16 +37,17 @@ _ONLY_THE_POOL = _references(deque([np.empty(1, dtype=np.uint8)]), 0)
 
 class BufferPool:
     """Buffers of `MIN_BYTES` or more, handed out again once only the pool references them.
-    Thread-safe: the API's staging pool is used from the caller's threads."""
+    Pass a `lock` (a threading.Lock) when takes come from several threads, as the API's
+    staging pool's do; the transport and the protocol take on their event loop only."""
 
     MIN_BYTES = 64 * 1024  # smaller buffers are cheap to allocate
 
-    def __init__(self, keep: int = 24) -> None:
+    def __init__(self, keep: int = 24, lock: AbstractContextManager[Any] | None = None) -> None:
         self.keep = keep
         self.lent: deque[np.ndarray] = deque()
         self.reused = 0  # buffers handed out again
         self.allocated = 0  # fresh ones handed out, small (untracked) ones included
-        self._lock = threading.Lock()
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
 
     def _owner(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` that nobody else holds: a free tracked one, or a new one."""
