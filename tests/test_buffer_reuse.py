@@ -5,6 +5,7 @@ caller's result included, is never handed out again."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fttree.core.buffers import BufferPool
@@ -64,3 +65,21 @@ def test_results_the_caller_holds_are_never_written_again() -> None:
         assert all(h.staging.reused > 0 for h in handles)
         assert sum(h.node.machine.buffers.reused for h in handles if h.node is not None) > 0
         assert all(h.transport.inner.pool.reused > 0 for h in handles if h.transport is not None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_tensors_are_summed_on_the_host_without_a_staging_copy() -> None:  # pragma: no cover - needs a GPU
+    """A CUDA tensor's host copy is already private, so nothing is staged; results come back on
+    the tensor's device, exact, and a result kept stays so while later steps run."""
+    size = 300_000
+    with cluster(3, timeout_s=0.5, chunk_bytes=256 * 1024) as handles:
+        kept = None
+        for step in range(4):
+            tensors = [torch.full((size,), float((h.rank + 1) * (step + 1)), device="cuda") for h in handles]
+            outs = [f.result(timeout=60) for f in [h.allreduce_async(t) for h, t in zip(handles, tensors, strict=True)]]
+            for out in outs:
+                assert out.device.type == "cuda"
+                assert torch.equal(out, torch.full((size,), 6.0 * (step + 1), device="cuda"))
+            kept = kept if kept is not None else outs
+        assert all(torch.equal(out, torch.full((size,), 6.0, device="cuda")) for out in kept)
+        assert [h.staging.allocated + h.staging.reused for h in handles] == [0, 0, 0]

@@ -42,8 +42,10 @@ def copy_divided(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:
     """dst = src / divisor without writing to src, rounding once into dst's dtype."""
     if divisor == 1:
         dst.copy_(src)
-    elif dst.dtype == src.dtype:
+    elif dst.dtype == src.dtype and dst.device == src.device:
         torch.div(src, divisor, out=dst)  # one pass, not a copy and then a division in place
+    elif dst.dtype == src.dtype:  # to a GPU: the copy crosses devices, the division runs there
+        dst.copy_(src).div_(divisor)
     else:  # e.g. bfloat16 from a float32 sum: divide in float32 first
         dst.copy_(src / divisor)
 
