@@ -43,16 +43,15 @@ _WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", 
 STAGING_BUFFERS = 4
 
 
-def _private_copy(array: np.ndarray, staging: BufferPool | None) -> np.ndarray:
+def _private_copy(array: np.ndarray, staging: BufferPool) -> np.ndarray:
     """`array` as a flat little-endian copy of our own, in a staging buffer the last steps'
     callers have let go of where there is one (a fresh 100 MB array costs its pages' zeroing)."""
-    dtype = array.dtype.newbyteorder("<")
-    flat = np.empty(array.size, dtype) if staging is None else staging.array(array.size, dtype)
+    flat = staging.array(array.size, array.dtype.newbyteorder("<"))
     np.copyto(flat.reshape(array.shape), array)
     return flat
 
 
-def _as_flat_array(tensor: Any, staging: BufferPool | None = None) -> tuple[np.ndarray, str, Any]:
+def _as_flat_array(tensor: Any, staging: BufferPool) -> tuple[np.ndarray, str, Any]:
     """A private flat copy in a wire dtype, the signature workers compare, and how to convert
     the result back. torch is imported only when a torch tensor is passed."""
     if isinstance(tensor, np.ndarray):
