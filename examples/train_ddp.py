@@ -94,7 +94,11 @@ def train(args: argparse.Namespace) -> int:
         crashed = injected_crash()
         if crashed:  # the fault this run asked for: this rank is "dead", the others go on
             print(f"rank {rank}: {crashed}; the other workers go on without it", file=sys.stderr, flush=True)
-            return 0
+            sys.stdout.flush()
+            # Gone as a dead process is: no interpreter teardown. Tearing down torch with a
+            # failed DDP backward and a live process group once aborted in C++ ("terminate
+            # called without an active exception", exit -6) in CI, failing the whole run.
+            os._exit(0)
         print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     extra: dict[str, object] = {"backend": args.backend, "workers": world,
