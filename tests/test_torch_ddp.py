@@ -186,7 +186,8 @@ def run_workers(scenario: str, tmp_path: Path, env: dict[str, str] | None = None
     results = []
     for rank in range(WORLD):
         path = tmp_path / f"rank{rank}.pt"
-        assert path.exists(), f"rank {rank} wrote no result; its output:\n{logs[rank][-3000:]}"
+        others = "".join(f"\n--- rank {r}:\n{logs[r][-1500:]}" for r in range(WORLD) if r != rank)
+        assert path.exists(), f"rank {rank} wrote no result; its output:\n{logs[rank][-3000:]}{others}"
         results.append(torch.load(path))
     return results
 
