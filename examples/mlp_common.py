@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from fttree.tools import launch
 
 BATCH = 100  # per worker, as in the thesis
 
@@ -99,9 +100,8 @@ def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = B
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 to 127.0.0.16, where local workers listen (one port for all)."""
+    return launch.free_port(launch.local_hosts(16))
 
 
 def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],

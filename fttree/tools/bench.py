@@ -27,7 +27,6 @@ import os
 import platform
 import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from ..errors import ConfigError
 from . import SOURCE_ROOT
 from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
-from .launch import local_peers
+from .launch import free_port, local_peers
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
 
 DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
@@ -333,22 +332,6 @@ class RunResult:
             "membership": self.membership,
             "records": {s: [recs[r] for r in sorted(recs)] for s, recs in sorted(self.records.items())},
         }
-
-
-def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
-    """A port that is free on every one of `hosts` right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = int(s.getsockname()[1])
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-        except OSError:
-            continue
-        return port
-    raise ConfigError(f"no TCP port free on all of {hosts[0]}..{hosts[-1]}")
 
 
 def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[list[str]]:
