@@ -224,3 +224,20 @@ def test_mlp_gradient_error_against_float32(compression: str, limit: float) -> N
           f"cosine {cosine:.7f}, max relative error of the entries above 1e-3 of the largest {rel_big:.2e}")
     assert rel_norm < limit
     assert cosine > 1 - limit
+
+
+def test_working_arrays_give_the_same_bits() -> None:
+    """The pooled forms (an encoder's scratch array, decoding into a given array) are the same
+    codec: every bf16 pattern and NaNs of both signs round trip as without them."""
+    x = decode_bf16(np.arange(2**16, dtype=np.uint16))
+    x[:3] = [np.nan, -np.nan, 1.00390625]
+    scratch = np.full(x.size, 0xDEADBEEF, dtype=np.uint32)  # garbage a pool might hold
+    assert np.array_equal(encode_bf16(x, scratch), encode_bf16(x))
+    bits = encode_bf16(x)
+    into = np.full(x.size, 7.0, dtype=np.float32)
+    back = decode_bf16(bits, into)
+    assert back is into or back.base is into
+    assert np.array_equal(into.view(np.uint32), decode_bf16(bits).view(np.uint32))
+    half = to_wire(np.linspace(-3, 3, 101, dtype=np.float32), "<f2")
+    into16 = np.empty(half.size, dtype=np.float32)
+    assert np.array_equal(from_wire(half.data.cast("B"), "<f2", "<f4", into=into16), half.astype(np.float32))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -308,43 +308,60 @@ def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAY
 # own encoding, so what every rank holds is the same float32 values bit for bit.
 
 
-def encode_bf16(a: np.ndarray) -> np.ndarray:
+def encode_bf16(a: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16): round to nearest, ties to even, as hardware does.
-    Overflow rounds to infinity; a NaN stays a (quiet) NaN of the same sign."""
+    Overflow rounds to infinity; a NaN stays a (quiet) NaN of the same sign. `scratch`, a
+    uint32 array of a's size, saves a fresh one (whose pages would have to be zeroed)."""
     f = np.ascontiguousarray(a, dtype=np.float32)
     u = f.view(np.uint32)
-    t = np.right_shift(u, 16)
+    t = np.right_shift(u, 16, out=scratch)
     t &= 1
     t += 0x7FFF  # with the lowest kept bit: ties go to the even neighbour
     t += u  # wraps only for negative NaNs, fixed below
     t >>= 16
     out = t.astype(np.uint16)
-    nan = np.isnan(f)
-    if nan.any():
+    # min() is NaN exactly when some element is: one pass, no mask to allocate
+    if f.size and np.isnan(np.minimum.reduce(f, axis=None)):
+        nan = np.isnan(f)
         out[nan] = (np.right_shift(u[nan], 16) | 0x0040).astype(np.uint16)
     return out
 
 
-def decode_bf16(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32, exactly."""
-    wide = np.left_shift(np.asarray(bits, dtype=np.uint16), 16, dtype=np.uint32)
+def decode_bf16(bits: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly; into `into` (float32, bits' size) if given."""
+    wide = np.left_shift(np.asarray(bits, dtype=np.uint16), 16, dtype=np.uint32,
+                         out=None if into is None else into.view(np.uint32))
     return wide.view(np.float32)
 
 
-def to_wire(a: np.ndarray, wire: str) -> np.ndarray:
-    """`a` (1-D) as it travels as `wire`: itself when `wire` is its dtype, else encoded."""
+class Buffers(Protocol):
+    """Where temporary arrays come from (core/buffers.py's BufferPool)."""
+
+    def array(self, count: int, dtype: np.dtype[Any] | str) -> np.ndarray: ...
+
+
+def to_wire(a: np.ndarray, wire: str, scratch: Buffers | None = None) -> np.ndarray:
+    """`a` (1-D) as it travels as `wire`: itself when `wire` is its dtype, else encoded (with
+    bf16's working array from `scratch`, if given)."""
     if wire == a.dtype.str:
         return a
     if wire == BF16:
-        return encode_bf16(a)
+        return encode_bf16(a, None if scratch is None else scratch.array(a.size, np.dtype(np.uint32)))
     return a.astype(np.dtype(wire))
 
 
-def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str) -> np.ndarray:
+def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str,
+              into: np.ndarray | None = None) -> np.ndarray:
     """The `dtype` array a payload of `wire` holds: a view of the payload when nothing was
-    encoded, else a new decoded array."""
+    encoded, else decoded into `into` (an array of `dtype` and the payload's length) or a new
+    array."""
     if wire == dtype:
         return np.frombuffer(payload, dtype=np.dtype(dtype))
+    if into is not None:
+        if wire == BF16:  # only float32 data travels as bf16
+            return decode_bf16(np.frombuffer(payload, dtype=np.uint16), into)
+        np.copyto(into, np.frombuffer(payload, dtype=np.dtype(wire)))
+        return into
     if wire == BF16:
         return decode_bf16(np.frombuffer(payload, dtype=np.uint16)).astype(np.dtype(dtype), copy=False)
     return np.frombuffer(payload, dtype=np.dtype(wire)).astype(np.dtype(dtype))
