@@ -98,7 +98,7 @@ def hook_worker(args: argparse.Namespace) -> int:
 def run_hook_part(args: argparse.Namespace) -> int:
     from fttree.tools.launch import local_peers
 
-    peers = ",".join(local_peers(args.workers, port=free_port()))
+    peers = ",".join(local_peers(args.workers, port=free_port(args.workers)))
     envs = {r: {"FTTREE_RANK": str(r), "FTTREE_PEERS": peers} for r in range(args.workers)}
     argv = ["--part", "hook-worker", "--iters", str(args.iters), "--threads", str(args.threads)]
     return launch_local(__file__, args.workers, argv, envs, deadline_s=600)

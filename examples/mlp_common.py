@@ -99,9 +99,10 @@ def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = B
     return perm[start:start + batch]
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 to 127.0.0.16, where local workers listen (one port for all)."""
-    return launch.free_port(launch.local_hosts(16))
+def free_port(workers: int = 16) -> int:
+    """A port free on 127.0.0.1 up to 127.0.0.(workers), where local workers listen, all on
+    the same port (at least 16 addresses: the default suits a master port as well)."""
+    return launch.free_port(launch.local_hosts(max(16, workers)))
 
 
 def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],

@@ -84,7 +84,7 @@ def launch(args: argparse.Namespace) -> int:
 
     n = args.workers
     if args.comm == "fttree":
-        peers = ",".join(local_peers(n, port=free_port()))
+        peers = ",".join(local_peers(n, port=free_port(n)))
         envs = {r: {"FTTREE_RANK": str(r), "FTTREE_PEERS": peers} for r in range(n)}
     else:
         port = str(free_port())

@@ -86,9 +86,9 @@ def test_cuda_tensors_are_summed_on_the_host_without_a_staging_copy() -> None:  
 
 
 def test_compressed_steps_reuse_working_arrays_and_agree() -> None:
-    """bf16 steps decode received sums into pooled working arrays and the root decodes into its
-    sum's buffer: every rank still gets the same bits, within bf16's rounding of the exact sum,
-    for results kept while later steps ran."""
+    """End to end (API, TCP, 256 KiB chunks) with bf16 and its pooled working arrays: results
+    kept while later steps ran still agree bit for bit across ranks, within bf16's rounding of
+    the exact sum. Which arrays are pooled is checked on the simulator (test_compression.py)."""
     size = 300_000
     kept: dict[int, list[np.ndarray]] = {}
     rng = np.random.default_rng(5)

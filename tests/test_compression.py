@@ -15,6 +15,8 @@ import pytest
 
 from fttree.core.config import Config
 from fttree.core.messages import BF16, Kind, Message, decode, decode_bf16, encode, encode_bf16, from_wire, to_wire
+from fttree.core.protocol import Complete, Submit, TreeMachine
+from fttree.core.view import View
 from fttree.errors import ConfigError, FrameError
 from fttree.net.node import StepResult
 from fttree.testing.sim import SimNetwork
@@ -241,3 +243,40 @@ def test_working_arrays_give_the_same_bits() -> None:
     half = to_wire(np.linspace(-3, 3, 101, dtype=np.float32), "<f2")
     into16 = np.empty(half.size, dtype=np.float32)
     assert np.array_equal(from_wire(half.data.cast("B"), "<f2", "<f4", into=into16), half.astype(np.float32))
+
+
+def test_compressed_sums_are_decoded_into_working_arrays_and_the_root_into_its_sum() -> None:
+    """Every bf16 sum a rank adds is decoded into a pooled working array (as is its encoder's
+    work): a rank with two children takes three per op, a leaf one. The root decodes its
+    result into the buffer it summed in, not a fresh array, and all ranks get the same bits."""
+    world, n, steps = 7, 40_000, 3  # 160 KB per chunk: pooled working arrays
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, compression="bf16", chunk_bytes=1 << 20)
+    rng = np.random.default_rng(8)
+    for step in range(steps):
+        net.submit_all(step, [rng.standard_normal(n).astype(np.float32) for _ in range(world)])
+    net.run_until_finished(steps - 1)  # the results still linger: the root's are checked below
+    outs = [net.outcome(r, s) for r in range(world) for s in range(steps)]
+    assert all(isinstance(o, StepResult) for o in outs), outs
+    takes = [m.scratch.reused + m.scratch.allocated for m in net.machines]
+    assert takes[1] == takes[2] == 3 * steps  # interior: two decodes and one encoding per op
+    assert takes[3:] == [steps] * 4  # leaves: their encoding only
+    root = net.machines[0]
+    for step in range(steps):
+        ((_chunk, result, _contributors, _sig),) = root.result_of(step)
+        assert any(np.shares_memory(result, buf) for buf in root.buffers.lent), step
+    net.run()
+
+
+def test_a_compressed_root_without_children_leaves_its_contribution_alone() -> None:
+    """A lone worker is a root with no children: its result is the decoding of its own
+    encoding, in an array of its own. Its contribution is not overwritten with it (a step
+    re-run in a new view, after a join, must add the value submitted, not its rounding)."""
+    data = np.random.default_rng(9).standard_normal(40_000).astype(np.float32)
+    submitted = data.copy()
+    machine = TreeMachine(0, View.initial(1), Config(compression="bf16"))
+    actions = machine.handle(Submit(step=0, data=submitted, signature="float32[40000]"), 0.0)
+    (done,) = [a for a in actions if isinstance(a, Complete)]
+    assert np.array_equal(done.result, decode_bf16(encode_bf16(data)))
+    assert not np.array_equal(done.result, data)  # it did round
+    assert np.array_equal(submitted, data)
+    assert not np.shares_memory(done.result, submitted)

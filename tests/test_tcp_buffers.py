@@ -4,7 +4,6 @@ them, and a send backlog kept as a running count instead of a walk of the queue.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from fttree.core.messages import Kind, Message
 from fttree.net import tcp
 from fttree.net.address import Address
 from fttree.net.tcp import TcpTransport
+from fttree.tools.launch import free_port
 
 BIG = BufferPool.MIN_BYTES * 4
 
@@ -80,10 +80,8 @@ class _Events:
         return self.stale
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(host: str = "127.0.0.1") -> int:
+    return free_port([host])
 
 
 def _data(step: int, values: np.ndarray) -> Message:
@@ -163,7 +161,7 @@ def test_a_link_in_redial_backoff_dials_at_once_when_the_peer_connects_to_us(
     monkeypatch.setattr(tcp, "REDIAL_MAX_S", 3600.0)
 
     async def run() -> None:
-        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.2", _free_port())]
+        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.2", _free_port("127.0.0.2"))]
         sender = TcpTransport(0, addrs, connect_timeout_s=0.5)
         sent = _Events()
         sender.bind(sent)

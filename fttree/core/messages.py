@@ -340,25 +340,26 @@ class Buffers(Protocol):
     def array(self, count: int, dtype: np.dtype[Any] | str) -> np.ndarray: ...
 
 
-def to_wire(a: np.ndarray, wire: str, scratch: Buffers | None = None) -> np.ndarray:
+def to_wire(a: np.ndarray, wire: str, pool: Buffers | None = None) -> np.ndarray:
     """`a` (1-D) as it travels as `wire`: itself when `wire` is its dtype, else encoded (with
-    bf16's working array from `scratch`, if given)."""
+    bf16's working array from `pool`, if given)."""
     if wire == a.dtype.str:
         return a
     if wire == BF16:
-        return encode_bf16(a, None if scratch is None else scratch.array(a.size, np.dtype(np.uint32)))
+        return encode_bf16(a, None if pool is None else pool.array(a.size, np.dtype(np.uint32)))
     return a.astype(np.dtype(wire))
 
 
 def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str,
               into: np.ndarray | None = None) -> np.ndarray:
     """The `dtype` array a payload of `wire` holds: a view of the payload when nothing was
-    encoded, else decoded into `into` (an array of `dtype` and the payload's length) or a new
-    array."""
+    encoded (`into` is then not used), else decoded into `into` (an array of `dtype` and the
+    payload's length) or a new array. bf16 is float32 data only."""
     if wire == dtype:
         return np.frombuffer(payload, dtype=np.dtype(dtype))
     if into is not None:
-        if wire == BF16:  # only float32 data travels as bf16
+        if wire == BF16:
+            assert dtype == "<f4", f"bf16 carries float32 data, not {dtype}"
             return decode_bf16(np.frombuffer(payload, dtype=np.uint16), into)
         np.copyto(into, np.frombuffer(payload, dtype=np.dtype(wire)))
         return into

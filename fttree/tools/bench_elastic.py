@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .launch import free_port, local_hosts, local_peers
 
 START_AT = 12  # rank 0's step at which the killed rank's new process starts
 CRASH_AT = 10
@@ -125,10 +126,7 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
     if steps < 60:
         error("--steps must be at least 60")
         return
-    with socket.socket() as probe:  # a port free now; every worker binds its own 127.0.0.x with it
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    peers = [f"127.0.0.{r + 1}:{port}" for r in range(n)]
+    peers = local_peers(n, "127.0.0.1", free_port(local_hosts(n)))  # every worker on its own 127.0.0.x
     leave_step = steps - 20
     seen = {r: _Seen() for r in range(n)}
     rejoined = _Seen()

@@ -36,7 +36,6 @@ def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list
     return [".".join([*parts[:3], str(last + r)]) + f":{port}" for r in range(n)]
 
 
-
 def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
     """A port free on every one of `hosts` right now. Local workers listen on 127.0.0.(r+1)
     with one port, so a port free only on the first address is not enough: an earlier run's
@@ -58,6 +57,7 @@ def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
 def local_hosts(n: int, host_base: str = "127.0.0.1") -> list[str]:
     """The addresses of `local_peers(n, host_base)`, without ports."""
     return [peer.rsplit(":", 1)[0] for peer in local_peers(n, host_base)]
+
 
 @dataclass
 class LaunchResult:
