@@ -127,7 +127,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     if elastic is not None:
         from .bench_elastic import run as run_elastic
 
-        run_elastic(elastic, 600, error=lambda why: click.echo(why, err=True))
+        if not run_elastic(elastic, 600, error=lambda why: click.echo(why, err=True)):
+            sys.exit(1)
         return
 
     def positive(text: str) -> int:

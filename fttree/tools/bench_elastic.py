@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from .launch import free_port, local_hosts, local_peers
 
 START_AT = 12  # rank 0's step at which the killed rank's new process starts
 CRASH_AT = 10
+STDERR_LINES = 12  # of a worker's stderr, shown when the pattern did not happen
 
 
 def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, leave_at: int | None) -> None:
@@ -88,6 +90,7 @@ class _Seen:
     times: dict[int, float] = field(default_factory=dict)
     walls: dict[int, float] = field(default_factory=dict)  # when each step ended (time.time())
     events: dict[str, Any] = field(default_factory=dict)
+    stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))  # its last lines
 
 
 def _spawn(rank: int, peers: list[str], steps: int, seen: _Seen, *, crash_at: int | None = None,
@@ -99,7 +102,14 @@ def _spawn(rank: int, peers: list[str], steps: int, seen: _Seen, *, crash_at: in
         cmd += ["--crash-at", str(crash_at)]
     if leave_at is not None:
         cmd += ["--leave-at", str(leave_at)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.stderr.append(line.rstrip())
+
+    threading.Thread(target=read_stderr, daemon=True).start()
 
     def read() -> None:
         assert proc.stdout is not None
@@ -118,14 +128,15 @@ def _spawn(rank: int, peers: list[str], steps: int, seen: _Seen, *, crash_at: in
     return proc, reader
 
 
-def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
-    """Run the pattern and print its figures."""
+def run(n: int, steps: int, error: Callable[[str], object] = print) -> bool:
+    """Run the pattern and print its figures. False (after saying why, with the workers' last
+    words) when the pattern did not happen: a restart that never joined, a run cut short."""
     if n < 3:
         error("-n must be at least 3 (one restarts, one leaves)")
-        return
+        return False
     if steps < 60:
         error("--steps must be at least 60")
-        return
+        return False
     peers = local_peers(n, "127.0.0.1", free_port(local_hosts(n)))  # every worker on its own 127.0.0.x
     leave_step = steps - 20
     seen = {r: _Seen() for r in range(n)}
@@ -153,6 +164,14 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return report(n, steps, seen, rejoined)
+
+
+def report(n: int, steps: int, seen: dict[int, _Seen], rejoined: _Seen) -> bool:
+    """Print what the run of `n` workers and `steps` steps showed (`seen`: each first process;
+    `rejoined`: the restarted one). False when the pattern did not happen, said with the
+    last lines of the worker concerned."""
+    leave_step = steps - 20
     print(f"{n} worker processes, thesis MLP (407,050 parameters, SGD momentum), one torch thread each")
     ev = rejoined.events
     if "joined" in ev:
@@ -180,10 +199,22 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> None:
             print(f"  the same worst-of-{len(window)}-steps figure over the run's windows without a join: median "
                   f"{floor[0]:.2f}x, 90th percentile {floor[1]:.2f}x (the noise of this machine)")
     times = seen[0].times
+    missing = []
+    if "synced" not in ev:
+        missing.append((f"the restarted rank {n - 1} never {'synced' if 'joined' in ev else 'joined'} "
+                        f"(rank 0 ran to step {max(times, default=-1)} of {steps}; a restart needs its start-up "
+                        f"time in steps: raise --steps)", rejoined))
+    if leave_step not in times:
+        missing.append((f"rank 0 never reached step {leave_step}, where rank {n - 2} leaves", seen[0]))
+    for why, whose in missing:
+        print(f"not measured: {why}; its last output:")
+        for line in whose.stderr or ["(none)"]:
+            print(f"    {line}")
     if leave_step in times:
         median = statistics.median(times[s] for s in range(30, leave_step - 5) if s in times)
         print(f"graceful leave at step {leave_step}: rank 0's step took {times[leave_step] * 1000:.1f} ms "
               f"(median {median * 1000:.1f} ms, {times[leave_step] / median:.2f}x; a timeout would cost >= 1000 ms)")
+    return not missing
 
 
 def _noise_floor(runs: list[dict[int, float]], length: int, steady: range, busy: range) -> tuple[float, float] | None:
@@ -215,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker is not None:
         _worker(args.worker, args.peers.split(","), args.steps, args.crash_at, args.leave_at)
         return
-    run(args.workers, args.steps, parser.error)
+    if not run(args.workers, args.steps, parser.error):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
