@@ -13,7 +13,8 @@ from fttree.core.messages import Kind, Message
 from fttree.net import tcp
 from fttree.net.address import Address
 from fttree.net.tcp import TcpTransport
-from fttree.tools.launch import free_port
+
+from .conftest import free_port
 
 BIG = BufferPool.MIN_BYTES * 4
 
@@ -80,10 +81,6 @@ class _Events:
         return self.stale
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    return free_port([host])
-
-
 def _data(step: int, values: np.ndarray) -> Message:
     return Message(kind=Kind.DATA_BCAST, src=0, step=step, dtype="<f4", numel=int(values.size),
                    signature=f"float32[{values.size}]", payload=values.data.cast("B"))
@@ -92,8 +89,8 @@ def _data(step: int, values: np.ndarray) -> Message:
 def test_backlog_is_counted_as_frames_come_and_go() -> None:
     async def run() -> None:
         # rank 1 does not listen: frames wait in the queue
-        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port()),
-                 Address("127.0.0.1", _free_port())]
+        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port()),
+                 Address("127.0.0.1", free_port())]
         t = TcpTransport(0, addrs, connect_timeout_s=0.2)
         events = _Events()
         t.bind(events)
@@ -118,7 +115,7 @@ def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
     """Frames through a real connection: results kept (as the protocol keeps them) must not be
     overwritten by later frames, and released buffers are used again."""
     async def run() -> None:
-        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.1", _free_port())]
+        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]
         sender, receiver = TcpTransport(0, addrs), TcpTransport(1, addrs)
         got = _Events()
         sender.bind(_Events())
@@ -161,7 +158,7 @@ def test_a_link_in_redial_backoff_dials_at_once_when_the_peer_connects_to_us(
     monkeypatch.setattr(tcp, "REDIAL_MAX_S", 3600.0)
 
     async def run() -> None:
-        addrs = [Address("127.0.0.1", _free_port()), Address("127.0.0.2", _free_port("127.0.0.2"))]
+        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.2", free_port())]
         sender = TcpTransport(0, addrs, connect_timeout_s=0.5)
         sent = _Events()
         sender.bind(sent)

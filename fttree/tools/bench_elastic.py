@@ -29,6 +29,7 @@ from .launch import free_port, local_hosts, local_peers
 
 START_AT = 12  # rank 0's step at which the killed rank's new process starts
 CRASH_AT = 10
+LEAVE_BEFORE_END = 20  # rank n-2 leaves this many steps before the last
 STDERR_LINES = 12  # of a worker's stderr, shown when the pattern did not happen
 
 
@@ -138,7 +139,7 @@ def run(n: int, steps: int, error: Callable[[str], object] = print) -> bool:
         error("--steps must be at least 60")
         return False
     peers = local_peers(n, "127.0.0.1", free_port(local_hosts(n)))  # every worker on its own 127.0.0.x
-    leave_step = steps - 20
+    leave_step = steps - LEAVE_BEFORE_END
     seen = {r: _Seen() for r in range(n)}
     rejoined = _Seen()
     started_at: list[int] = []  # rank 0's step when the new process was started
@@ -171,7 +172,7 @@ def report(n: int, steps: int, seen: dict[int, _Seen], rejoined: _Seen) -> bool:
     """Print what the run of `n` workers and `steps` steps showed (`seen`: each first process;
     `rejoined`: the restarted one). False when the pattern did not happen, said with the
     last lines of the worker concerned."""
-    leave_step = steps - 20
+    leave_step = steps - LEAVE_BEFORE_END
     print(f"{n} worker processes, thesis MLP (407,050 parameters, SGD momentum), one torch thread each")
     ev = rejoined.events
     if "joined" in ev:

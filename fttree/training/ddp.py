@@ -97,8 +97,9 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
     def done(f: Future[StepResult]) -> None:  # runs on the fttree loop thread
         try:
             res = f.result()
-            # The average goes into DDP's own bucket buffer (as DDP's default allreduce does),
-            # leaving res.data untouched: at the root it is also the result still being sent.
+            # The average goes into DDP's own bucket buffer (as DDP's default allreduce does).
+            # res.data is our staging copy, into which the node copied the sum out of the
+            # protocol's buffers; it is only read here, and the staging pool reuses it after.
             with torch.no_grad():
                 copy_divided(buffer, torch.from_numpy(res.data), len(res.contributors) if average else 1)
         except BaseException as exc:
