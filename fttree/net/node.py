@@ -81,6 +81,7 @@ CONTACT = -2  # the transport's key for a joiner's contact, whose rank it does n
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})
+_WATCH_TIMERS = frozenset({TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH})  # a peer may still need us
 
 
 @dataclass(slots=True, kw_only=True)
@@ -135,6 +136,8 @@ class Node:
         self.transport = transport
         self.scheduler = scheduler
         self._timers: dict[TimerKey, Handle] = {}
+        self._watches: set[TimerKey] = set()  # the backup watches among them (owes_peers, per event)
+        self._stamped: tuple[Message, Message] | None = None  # the last metadata frame stamped (_stamp_backlog)
         self._steps: dict[int, _Step] = {}
         self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool]] = []  # during a view change
         self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
@@ -251,8 +254,7 @@ class Node:
 
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
-        watches = (TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH)
-        return bool(self._steps) or any(key.kind in watches for key in self._timers)
+        return bool(self._steps) or bool(self._watches)
 
     async def quiesce(self, limit_s: float) -> None:
         """Before closing: wait (bounded) until no peer can still need us for a finished step,
@@ -268,6 +270,7 @@ class Node:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
+        self._watches.clear()
         self._fail_all(lambda step: StepAborted(step, reason))
 
     def _fail_all(self, error: Callable[[int], StepAborted]) -> None:
@@ -529,6 +532,7 @@ class Node:
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
+        self._watches.discard(key)
         if key.kind in _MEMBER_TIMERS:
             self._member(MemberTimer(key=key))
         else:
@@ -547,6 +551,7 @@ class Node:
 
     def _do_all(self, actions: list[Action]) -> None:
         voided: set[int] = set()
+        self._stamped = None  # the backlog may have drained since the last batch
         for action in actions:
             if isinstance(action, Void):
                 voided.add(action.step)
@@ -556,6 +561,20 @@ class Node:
             self._voided(step)
         if not self.owes_peers():
             self._quiet.set()
+
+    def _stamp_backlog(self, msg: Message) -> Message:
+        """`msg` saying how much this worker had queued ahead of it, so observers' deadlines scale
+        with it: on every link, as they all leave through this worker's one uplink (the double
+        tree keeps up to five links busy at once). Only sends with a payload change that number,
+        so it is counted once per run of metadata frames, and a frame the protocol sends to
+        several observers is copied once."""
+        stamped = self._stamped
+        if stamped is not None and stamped[0] is msg:
+            return stamped[1]
+        queued = self.transport.backlog_bytes() if stamped is None else stamped[1].queued_bytes
+        out = dataclasses.replace(msg, queued_bytes=queued)
+        self._stamped = (msg, out)
+        return out
 
     def _send(self, dst: int, msg: Message) -> None:
         if dst == self.rank:  # a message to ourselves (a coordinator is a member too)
@@ -571,9 +590,12 @@ class Node:
         # going on their own: steps in flight do (their deadlines), and end.
         background = key.kind is TimerKind.PROBE or key.kind in _MEMBER_TIMERS
         self._timers[key] = self.scheduler.call_at(at, lambda: self._fire(key), background=background)
+        if key.kind in _WATCH_TIMERS:
+            self._watches.add(key)
 
     def _cancel_timer(self, key: TimerKey) -> None:
         handle = self._timers.pop(key, None)
+        self._watches.discard(key)
         if handle is not None:
             handle.cancel()
 
@@ -581,11 +603,10 @@ class Node:
         match action:
             case Send(dst=dst, msg=msg):
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
-                    # tell observers how much was queued ahead, so their deadlines scale with it: on
-                    # every link, as they all leave through this worker's one uplink (the double
-                    # tree keeps up to five links busy at once)
-                    msg = dataclasses.replace(msg, queued_bytes=self.transport.backlog_bytes())
+                    msg = self._stamp_backlog(msg)
                 self._send(dst, msg)
+                if msg.payload is not None:
+                    self._stamped = None  # the backlog just grew
             case SetTimer(key=key, at=at):
                 self._set_timer(key, at)
             case CancelTimer(key=key):

@@ -346,7 +346,7 @@ class TcpTransport:
         link = self._out.get(dst)
         return 0 if link is None else link.backlog_bytes()
 
-    def status(self) -> TransportStatus:
+    def status(self, *, rtt: bool = True) -> TransportStatus:
         links = []
         for peer, st in sorted(self.stats.items()):
             out = self._out.get(peer)
@@ -355,7 +355,7 @@ class TcpTransport:
                 peer=peer, connected=None if out is None else writer is not None,
                 frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
-                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
+                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer) if rtt else None))
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
                                frame_errors=self.frame_errors, last_frame_error=self.last_frame_error)
 

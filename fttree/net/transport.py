@@ -87,7 +87,9 @@ class Transport(Protocol):
     def backlog_bytes(self, dst: int | None = None) -> int:
         """Bytes queued on the link to `dst` (every link: None) and not yet on the wire."""
 
-    def status(self) -> TransportStatus: ...
+    def status(self, *, rtt: bool = True) -> TransportStatus:
+        """Every link's counters; `rtt=False` leaves out the kernel's round-trip times, which
+        cost a socket call per link (a monitor reads the counters after every step)."""
 
     async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
         """Stop, first giving queued frames up to `flush_s` to go out; with `abort`, at once,

@@ -74,7 +74,7 @@ class MemoryTransport:
     def backlog_bytes(self, dst: int | None = None) -> int:
         return 0
 
-    def status(self) -> TransportStatus:
+    def status(self, *, rtt: bool = True) -> TransportStatus:
         links = tuple(LinkStatus(peer=p, frames_sent=c.frames_sent, bytes_sent=c.bytes_sent,
                                  frames_received=c.frames_received, bytes_received=c.bytes_received)
                       for p, c in sorted(self.counts.items()))
