@@ -267,3 +267,27 @@ def test_node_failure_pattern_runs_and_prints_its_columns(tmp_path: Path) -> Non
     assert all(3 not in rec["ranks"] for step, recs in node["records"].items() if int(step) >= 8 for rec in recs)
     (link,) = [r for r in data["runs"] if r["spec"]["purpose"] == "matrix" and r["spec"]["kind"] == "fttree"]
     assert link["evictions"] == []
+
+
+def _loopback_run(kind: str, size: int, step_s: float, cpu_s: float, trees: str = "rotated") -> b.RunResult:
+    spec = b.RunSpec(kind=kind, world=7, size=size, steps=5, warmup=1, purpose="sweep", trees=trees)
+    res = b.RunResult(spec=spec)
+    for s in range(5):
+        for r in range(7):
+            res.records[s][r] = {"rank": r, "step": s, "duration_s": step_s, "cpu_s": cpu_s / 7, "exact": True,
+                                 "error": "", "events": []}
+    return res
+
+
+def test_loopback_targets_are_issue_14s_step_time_and_cpu_against_gloo() -> None:
+    opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(4_000_000, 25_000_000),
+                          sweep_policies=("static",), trees=("rotated",))
+    summary = b.Summary(opts=opts, notes=[], results=[
+        _loopback_run("fttree", 4_000_000, 0.20, 0.33), _loopback_run("gloo", 4_000_000, 0.13, 0.15),
+        _loopback_run("fttree", 25_000_000, 0.60, 0.72), _loopback_run("gloo", 25_000_000, 0.65, 0.80)])
+    met = {text: m for m, text in summary.targets()}
+    assert met == {
+        "loopback, 7 workers, 16 MB, rotated trees: fttree/gloo 1.54 (target <= 1.00)": False,
+        "loopback, 7 workers, 100 MB, rotated trees: fttree/gloo 0.92 (target <= 1.00)": True,
+        "loopback, 7 workers, 100 MB, rotated trees: CPU fttree/gloo 0.90 (target <= 1.00)": True,
+    }
