@@ -45,3 +45,4 @@ def test_bookkeeping_stays_bounded_over_many_thousand_ops() -> None:
         assert after == before, f"rank {rank} bookkeeping grew with history: {before} -> {after}"
         assert after["active_ops"] == 0
         assert after["steps"] == 0
+        assert after["watches"] == 0  # every backup watch ended with its op (owes_peers reads this set)

@@ -357,7 +357,7 @@ class Node:
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""
         return {**self.machine.footprint(), "steps": len(self._steps), "timers": len(self._timers),
-                "held_back": len(self._held_back)}
+                "watches": len(self._watches), "held_back": len(self._held_back)}
 
     # ---- transport events ------------------------------------------------------------------
 
