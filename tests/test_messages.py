@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from fttree.core.messages import DATA_KINDS, PREFIX, VERSION, Kind, Message, decode, encode
+from fttree.core.messages import DATA_KINDS, PREFIX, TREE_OP_KINDS, VERSION, Kind, Message, decode, encode
 from fttree.errors import FrameError
 
 
@@ -37,13 +37,31 @@ def test_every_kind_round_trips() -> None:
                       dtype=dtype if payload is not None else "", numel=numel if payload is not None else 0,
                       payload=None if payload is None else payload.tobytes())
         out = decode(frame(msg))
-        if payload is None:  # every field back as it was sent (a HELLO carries no step)
-            assert out == (dataclasses.replace(msg, step=-1) if kind is Kind.HELLO else msg)
         assert out.kind == kind
-        assert out.src == 1
+        assert (out.src, out.epoch, out.origin, out.target) == (1, 3, 2, 0)
+        if kind in TREE_OP_KINDS:  # a step's frames carry the op fields only: the rest stay unset
+            assert out == msg.but(**RARE_DEFAULTS)
+            continue
+        if payload is None:  # every field back as it was sent (a HELLO carries no step)
+            assert out == (msg.but(step=-1) if kind is Kind.HELLO else msg)
         assert (out.ballot, out.members, out.committed, out.plan, out.steps) == (
             65541, (0, 2, 1), (3, 4), (3, 0, 1, 2), (4,))
         assert (out.user_step, out.incarnation, out.training_step) == (9, 123456789, 8)
+
+
+RARE_DEFAULTS = {"reason": "", "missing": (), "world": 0, "ballot": 0, "accepted": 0, "proposed": 0, "members": (),
+                 "committed": (), "plan": (), "steps": (), "user_step": -1, "incarnation": 0, "training_step": -1}
+
+
+def test_but_copies_with_changes_and_leaves_the_original() -> None:
+    msg = Message(kind=Kind.META_REDUCE_SENT, src=1, step=7, origin=1, target=0, contributors=(1, 2))
+    stamped = msg.but(queued_bytes=4096)
+    assert stamped.queued_bytes == 4096
+    assert msg.queued_bytes == 0
+    assert stamped == dataclasses.replace(msg, queued_bytes=4096)
+    assert stamped is not msg
+    with pytest.raises(TypeError, match="no field 'queued'"):
+        msg.but(queued=1)
 
 
 def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int = VERSION) -> bytes:

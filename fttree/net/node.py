@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 from collections import Counter, deque
@@ -572,7 +571,7 @@ class Node:
         if stamped is not None and stamped[0] is msg:
             return stamped[1]
         queued = self.transport.backlog_bytes() if stamped is None else stamped[1].queued_bytes
-        out = dataclasses.replace(msg, queued_bytes=queued)
+        out = msg.but(queued_bytes=queued)
         self._stamped = (msg, out)
         return out
 
