@@ -73,3 +73,22 @@ def test_metadata_frames_say_what_was_queued_ahead_of_them() -> None:
         assert any(queued for _, queued, _ in spy.stamps)
     # read once per run of metadata frames (a result confirmed to several observers is one)
     assert sum(s.backlog_reads for s in spies) < sum(len(s.stamps) for s in spies)
+
+
+def test_link_health_gives_the_counters_the_status_gives_with_injected_drops() -> None:
+    """The monitor reads `link_health` after every step instead of the whole status: both must
+    say the same, the fault layer's drops included."""
+    sim = SimNetwork(3, faults="cut 1-0 @1")
+    for step in range(3):
+        sim.submit_all(step, [np.full(4, r + 1.0, np.float32) for r in range(3)])
+        sim.run_until_finished(step)
+    dropped = 0
+    for node in sim.nodes:
+        status = node.transport.status(rtt=False)
+        for peer in range(3):
+            link = status.link(peer)
+            health = node.transport.link_health(peer)
+            assert health == (link.frames_sent, link.errors, link.injected_drops, link.last_error)
+            dropped += health.injected_drops
+    assert sim.nodes[0].transport.link_health(1).injected_drops > 0
+    assert dropped > 0

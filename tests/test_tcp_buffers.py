@@ -140,6 +140,11 @@ def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
             for step, values in kept:
                 assert (values == float(step)).all(), step
             assert receiver.pool.reused >= 4
+            # the counters a monitor reads every step are the ones the status reports
+            link = sender.status(rtt=False).link(1)
+            assert sender.link_health(1) == (link.frames_sent, link.errors, 0, link.last_error)
+            assert sender.link_health(1).frames_sent == 12
+            assert sender.link_health(5) == (0, 0, 0, "")  # a rank never heard of
         finally:
             await sender.close(flush_s=1)
             await receiver.close(flush_s=0)

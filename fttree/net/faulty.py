@@ -24,7 +24,7 @@ from ..core.faults import FaultSchedule
 from ..core.messages import VIEW_KINDS, Message
 from .address import Address
 from .scheduler import Scheduler
-from .transport import Transport, TransportEvents, TransportStatus
+from .transport import LinkHealth, Transport, TransportEvents, TransportStatus
 
 
 class StepMarks:
@@ -134,6 +134,11 @@ class FaultyTransport:
 
     def backlog_bytes(self, dst: int | None = None) -> int:
         return self.inner.backlog_bytes(dst)
+
+    def link_health(self, peer: int) -> LinkHealth:
+        inner = self.inner.link_health(peer)
+        drops = self._drops.get(peer, 0)
+        return inner._replace(injected_drops=inner.injected_drops + drops) if drops else inner
 
     def status(self, *, rtt: bool = True) -> TransportStatus:
         inner = self.inner.status(rtt=rtt)

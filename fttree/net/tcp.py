@@ -29,7 +29,7 @@ from ..core.buffers import BufferPool
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
 from ..errors import FrameError, PeerError
 from .address import Address, is_ip
-from .transport import LinkStatus, TransportEvents, TransportStatus
+from .transport import LinkHealth, LinkStatus, TransportEvents, TransportStatus
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -345,6 +345,10 @@ class TcpTransport:
             return sum(link.backlog_bytes() for link in self._out.values())
         link = self._out.get(dst)
         return 0 if link is None else link.backlog_bytes()
+
+    def link_health(self, peer: int) -> LinkHealth:
+        st = self.stats.get(peer)
+        return LinkHealth() if st is None else LinkHealth(st.frames_sent, st.errors, 0, st.last_error)
 
     def status(self, *, rtt: bool = True) -> TransportStatus:
         links = []

@@ -350,10 +350,10 @@ class Monitor:
         else:
             self.steps_failed += 1
             self.last_error = f"step {step}: {error}"
-        # Every step: only the transport's counters. The whole node status (every tree, op and
+        # Every step: only the counters of our links. The whole node status (every tree, op and
         # view) is built only when a link is not up, which a step with no fault never needs;
         # built every step it was the largest cost of a 4 KB step after the protocol itself.
-        transport = self.node.transport.status(rtt=False)
+        transport = self.node.transport
         whole: NodeStatus | None = None
 
         def node_status() -> NodeStatus:
@@ -364,7 +364,7 @@ class Monitor:
 
         for link in self._links.values():
             assert link.peer is not None
-            s = transport.link(link.peer)
+            s = transport.link_health(link.peer)
             drops, errors, sent = (s.injected_drops - link.seen_drops, s.errors - link.seen_errors,
                                    s.frames_sent - link.seen_sent)
             link.seen_drops, link.seen_errors, link.seen_sent = s.injected_drops, s.errors, s.frames_sent

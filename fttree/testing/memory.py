@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.messages import Message, decode, encode
 from ..net.address import Address
-from ..net.transport import LinkStatus, TransportEvents, TransportStatus
+from ..net.transport import LinkHealth, LinkStatus, TransportEvents, TransportStatus
 from .clock import SimClock
 
 Pair = tuple[int, int]
@@ -73,6 +73,10 @@ class MemoryTransport:
 
     def backlog_bytes(self, dst: int | None = None) -> int:
         return 0
+
+    def link_health(self, peer: int) -> LinkHealth:
+        counts = self.counts.get(peer)
+        return LinkHealth() if counts is None else LinkHealth(frames_sent=counts.frames_sent)
 
     def status(self, *, rtt: bool = True) -> TransportStatus:
         links = tuple(LinkStatus(peer=p, frames_sent=c.frames_sent, bytes_sent=c.bytes_sent,
