@@ -25,14 +25,28 @@ from typing import Any
 import numpy as np
 
 
-def _references(lent: deque[np.ndarray], i: int) -> int:
-    """How many references `lent[i]` has, counted the same way for the baseline and the checks
-    (how many a bare call shows differs between Python versions)."""
-    return sys.getrefcount(lent[i])
+def _first_free(lent: deque[np.ndarray], nbytes: int, only_the_pool: int) -> int:
+    """The index of the oldest buffer of `nbytes` with at most `only_the_pool` references, or -1.
+    One pass over the deque (indexing one is a walk of its blocks); the references are counted
+    in this same loop for the baseline and the checks, as how many a bare call shows differs
+    between Python versions."""
+    for i, buf in enumerate(lent):
+        if buf.size == nbytes and sys.getrefcount(buf) <= only_the_pool:
+            return i
+    return -1
+
+
+def _references_in_scan() -> int:
+    """What a buffer that only the pool references shows in `_first_free`'s loop."""
+    lent = deque([np.empty(1, dtype=np.uint8)])
+    for bound in range(1, 64):
+        if _first_free(lent, 1, bound) == 0:
+            return bound
+    raise RuntimeError("cannot calibrate the buffer pool's reference count")
 
 
 # what a buffer that only the pool references shows: anything more is a holder
-_ONLY_THE_POOL = _references(deque([np.empty(1, dtype=np.uint8)]), 0)
+_ONLY_THE_POOL = _references_in_scan()
 
 
 class BufferPool:
@@ -53,13 +67,13 @@ class BufferPool:
         """A uint8 array of `nbytes` that nobody else holds: a free tracked one, or a new one."""
         with self._lock:
             lent = self.lent
-            for i in range(len(lent)):
-                if lent[i].size == nbytes and _references(lent, i) <= _ONLY_THE_POOL:
-                    buf = lent[i]
-                    del lent[i]
-                    lent.append(buf)
-                    self.reused += 1
-                    return buf
+            i = _first_free(lent, nbytes, _ONLY_THE_POOL)
+            if i >= 0:
+                buf = lent[i]
+                del lent[i]
+                lent.append(buf)
+                self.reused += 1
+                return buf
             self.allocated += 1
             fresh = np.empty(nbytes, dtype=np.uint8)
             lent.append(fresh)
