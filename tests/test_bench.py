@@ -227,6 +227,25 @@ def test_long_run_figure_compares_the_last_500_steps_with_steps_100_to_599() -> 
         longrun.spec(1000)
 
 
+def test_long_run_reports_the_largest_rank_s_bookkeeping_at_step_599_at_the_end_and_at_its_peak(tmp_path: Path) -> None:
+    spec = longrun.spec(1200)
+    assert spec.footprint_every == longrun.FOOTPRINT_EVERY
+    assert "--footprint-every" in b.worker_commands(spec, tmp_path)[0]
+    res = b.RunResult(spec=spec)
+    for s in range(1200):
+        for r in range(3):
+            res.records[s][r] = {"rank": r, "step": s, "duration_s": 0.02, "exact": True, "error": "", "events": []}
+            if (s + 1) % spec.footprint_every == 0:  # rank 2's ops peak at step 899
+                ops = 40 + r + (30 if (r, s) == (2, 899) else 0)
+                res.footprints[r].append((s, {"ops": ops, "rss_kib": 1000 * (r + 1) + s}))
+    fig = longrun.figure(res)
+    assert fig.footprint_early == {"ops": 42, "rss_kib": 3599}
+    assert fig.footprint_late == {"ops": 42, "rss_kib": 4199}
+    assert fig.footprint_peak == {"ops": 72, "rss_kib": 4199}
+    assert "ops 42 / 42 / 72, rss_kib 3599 / 4199 / 4199" in longrun.render(fig)
+    assert fig.to_json()["footprint_peak"] == {"ops": 72, "rss_kib": 4199}
+
+
 def test_node_patterns_are_runs_of_their_own_beside_a_plain_tree_of_the_survivors() -> None:
     opts = b.BenchOptions(workers=(3, 7), timeouts=(0.5,), policies=("static", "adaptive"), sweep_workers=(),
                           gloo=False, plain=False)

@@ -176,6 +176,7 @@ class RunSpec:
     trees: str = DEFAULT_TREES  # fttree: the trees a step's chunks spread over (Config.trees)
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
+    footprint_every: int = 0  # fttree: each worker reports its bookkeeping sizes after every this many steps
 
     def struck(self) -> list[NodeFault]:
         return node_faults(FaultSchedule(self.node_faults, world=self.world), self.steps) if self.node_faults else []
@@ -227,6 +228,8 @@ class RunResult:
         return {r: b / self.spec.steps for r, b in self.sent_bytes.items()} if self.spec.steps else {}
 
     membership: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its "membership" record
+    #: rank -> (step, sizes) the worker reported every `spec.footprint_every` steps
+    footprints: dict[int, list[tuple[int, dict[str, int]]]] = field(default_factory=lambda: defaultdict(list))
     signalled: dict[int, float] = field(default_factory=dict)  # victim -> monotonic time of its SIGKILL/SIGSTOP
 
     def counted_ranks(self, step: int) -> set[int]:
@@ -367,6 +370,8 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args += ["--trees", "single"]
     for field_name, value in spec.settings:
         args += ["--set", f"{field_name}={value}"]
+    if spec.footprint_every:
+        args += ["--footprint-every", str(spec.footprint_every)]
     return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
             for r in range(spec.world)]
 
@@ -453,6 +458,8 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
                     on_step(step)
             elif kind == "membership":
                 result.membership[rank] = rec
+            elif kind == "footprint":
+                result.footprints[rank].append((int(rec["step"]), {k: int(v) for k, v in rec["sizes"].items()}))
             elif kind == "done":
                 done.add(rank)
                 if uplinks is not None and len(done) == spec.world:

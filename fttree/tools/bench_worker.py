@@ -107,6 +107,16 @@ def _evictions(ar: Any) -> list[dict[str, Any]]:
              "suspected_by": list(e.suspected_by)} for e in status.evictions]
 
 
+def _footprint(ar: Any) -> dict[str, int]:
+    """What the node keeps (read on its loop) and this process's resident memory, in KiB."""
+    import asyncio
+
+    sizes: dict[str, int] = asyncio.run_coroutine_threadsafe(_call(ar.node.footprint), ar._loop).result(timeout=10)
+    with open("/proc/self/statm") as statm:  # Linux: pages resident, second field
+        sizes["rss_kib"] = int(statm.read().split()[1]) * resource.getpagesize() // 1024
+    return sizes
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fttree.tools.bench_worker", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
@@ -127,6 +137,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the trees a step's chunks spread over (Config.trees; default: the API's)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other Config field (numbers as numbers), e.g. adaptive_ceiling_s=8")
+    p.add_argument("--footprint-every", type=int, default=0, metavar="N",
+                   help="after every N steps, report the node's bookkeeping sizes and the RSS (0: never)")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the event-loop thread into this file")
     p.add_argument("--gate-dir", type=Path, default=None, help="where the node-fault driver's gate files are")
     p.add_argument("--node-gate-steps", default="", help="steps before which to wait for the node-fault driver")
@@ -210,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             emit({"kind": "step", "rank": args.rank, "step": step, "start": start, "end": end,
                   "duration_s": end - start, "cpu_s": cpu, "page_faults": faults, "exact": exact, "error": error,
                   "events": notes.pop(step), "ranks": ranks, "epoch": epoch})
+            if args.footprint_every and (step + 1) % args.footprint_every == 0:
+                emit({"kind": "footprint", "rank": args.rank, "step": step, "sizes": _footprint(ar)})
         emit({"kind": "membership", "rank": args.rank, "views": list(views), "evictions": _evictions(ar)})
         emit({"kind": "done", "rank": args.rank})
         if profiler is not None:
