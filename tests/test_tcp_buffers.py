@@ -111,25 +111,35 @@ def test_backlog_is_counted_as_frames_come_and_go() -> None:
     asyncio.run(run())
 
 
+async def _started_pair() -> tuple[TcpTransport, TcpTransport, _Events]:
+    """Rank 0 (the sender) and rank 1 on loopback, listening; rank 1's events record what came."""
+    addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]
+    sender, receiver = TcpTransport(0, addrs), TcpTransport(1, addrs)
+    got = _Events()
+    sender.bind(_Events())
+    receiver.bind(got)
+    await sender.start()
+    await receiver.start()
+    return sender, receiver, got
+
+
+async def _until_received(got: _Events, count: int) -> None:
+    while len(got.got) < count:
+        got.ready.clear()
+        await asyncio.wait_for(got.ready.wait(), 20)
+
+
 def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
     """Frames through a real connection: results kept (as the protocol keeps them) must not be
     overwritten by later frames, and released buffers are used again."""
     async def run() -> None:
-        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]
-        sender, receiver = TcpTransport(0, addrs), TcpTransport(1, addrs)
-        got = _Events()
-        sender.bind(_Events())
-        receiver.bind(got)
-        await sender.start()
-        await receiver.start()
+        sender, receiver, got = await _started_pair()
         try:
             n = BIG // 4
             kept = []
             for step in range(12):
                 sender.send(1, _data(step, np.full(n, float(step), dtype=np.float32)))
-                while len(got.got) <= step:
-                    got.ready.clear()
-                    await asyncio.wait_for(got.ready.wait(), 10)
+                await _until_received(got, step + 1)
                 msg = got.got[step]
                 assert msg.payload is not None
                 values = np.frombuffer(msg.payload, dtype=np.float32)
@@ -190,13 +200,7 @@ def test_frames_written_at_once_or_queued_arrive_in_the_order_sent() -> None:
     writer task. Mixed, in bursts, every frame must still arrive once and in order, and each
     path must have been taken."""
     async def run() -> None:
-        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]
-        sender, receiver = TcpTransport(0, addrs), TcpTransport(1, addrs)
-        got = _Events()
-        sender.bind(_Events())
-        receiver.bind(got)
-        await sender.start()
-        await receiver.start()
+        sender, receiver, got = await _started_pair()
         try:
             await sender.wait_for_peers([1], 10)
             big = np.ones(1 << 20, dtype=np.float32)  # 4 MB: more than the socket takes at once
@@ -212,9 +216,7 @@ def test_frames_written_at_once_or_queued_arrive_in_the_order_sent() -> None:
                     else:
                         queued += 1
                     seq += 1
-                while len(got.got) < seq:  # let the link drain between bursts
-                    got.ready.clear()
-                    await asyncio.wait_for(got.ready.wait(), 20)
+                await _until_received(got, seq)  # let the link drain between bursts
             assert [m.step for m in got.got] == list(range(seq))
             assert direct > 0
             assert queued > 0
