@@ -226,3 +226,27 @@ def test_frames_written_at_once_or_queued_arrive_in_the_order_sent() -> None:
             await receiver.close(flush_s=0)
 
     asyncio.run(run())
+
+
+def test_close_waits_for_a_large_frame_written_at_once() -> None:
+    """A frame written at once on an idle link can leave megabytes in the transport's buffer.
+    The link is then busy until the socket has taken them, so close() gives them its flush
+    time, as it does for queued frames: after close, at most what one drain leaves is still
+    buffered, never the frame's tail (lost when the worker's event loop stops)."""
+    async def run() -> None:
+        sender, receiver, got = await _started_pair()
+        try:
+            await sender.wait_for_peers([1], 10)
+            sender.send(1, _data(0, np.ones(4 << 20, dtype=np.float32)))  # 16 MB
+            assert sender.link_health(1).frames_sent == 1  # written at once, not queued
+            assert sender.backlog_bytes(1) > tcp.DRAIN_ABOVE_BYTES
+            await sender.close(flush_s=20)
+            assert sender.backlog_bytes(1) <= tcp.DRAIN_ABOVE_BYTES
+            await _until_received(got, 1)
+            assert got.got[0].payload is not None
+            assert len(got.got[0].payload) == 16 << 20
+        finally:
+            await sender.close(flush_s=0)
+            await receiver.close(flush_s=0)
+
+    asyncio.run(run())

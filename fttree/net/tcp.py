@@ -136,11 +136,19 @@ class _OutLink:
         if (writer is None or self.t.closed or writer.transport.is_closing()
                 or writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES):
             return False
+        stats = self.t.stats[self.peer]
+        if self.t.events.is_stale(msg):  # e.g. sent late by the fault layer's delay
+            stats.stale_dropped += 1
+            return True
         bufs = encode(msg)
         writer.writelines(bufs)
-        stats = self.t.stats[self.peer]
         stats.frames_sent += 1
         stats.bytes_sent += sum(len(buf) for buf in bufs)
+        if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
+            # backed up: the writer task waits for the socket (with the stall deadline), and
+            # until it has, the link is not idle: frames queue behind, and close() waits
+            self.idle.clear()
+            self.wake.set()
         return True
 
     async def _connect(self) -> bool:
@@ -251,6 +259,8 @@ class _OutLink:
             stats.bytes_sent += batch_bytes
             if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
                 await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
+        if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:  # a frame written at once
+            await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
 
 
 _LIVE: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # transports whose sockets a fork must not keep
