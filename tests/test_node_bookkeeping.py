@@ -84,7 +84,7 @@ def test_link_health_gives_the_counters_the_status_gives_with_injected_drops() -
         sim.run_until_finished(step)
     dropped = 0
     for node in sim.nodes:
-        status = node.transport.status(rtt=False)
+        status = node.transport.status()
         for peer in range(3):
             link = status.link(peer)
             health = node.transport.link_health(peer)

@@ -151,7 +151,7 @@ def test_payloads_arrive_intact_while_earlier_ones_are_held() -> None:
                 assert (values == float(step)).all(), step
             assert receiver.pool.reused >= 4
             # the counters a monitor reads every step are the ones the status reports
-            link = sender.status(rtt=False).link(1)
+            link = sender.status().link(1)
             assert sender.link_health(1) == (link.frames_sent, link.errors, 0, link.last_error)
             assert sender.link_health(1).frames_sent == 12
             assert sender.link_health(5) == (0, 0, 0, "")  # a rank never heard of

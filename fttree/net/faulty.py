@@ -140,17 +140,12 @@ class FaultyTransport:
         drops = self._drops.get(peer, 0)
         return inner._replace(injected_drops=inner.injected_drops + drops) if drops else inner
 
-    def status(self, *, rtt: bool = True) -> TransportStatus:
-        inner = self.inner.status(rtt=rtt)
-        faults = str(self.schedule)
-        if not self._drops and not faults:  # nothing injected: the inner status as it is
-            return inner
-        links = inner.links
-        if self._drops:  # (a monitor reads this every step: no copies where nothing was dropped)
-            peers = {s.peer for s in inner.links} | set(self._drops)
-            links = tuple(replace(inner.link(p), injected_drops=inner.link(p).injected_drops + self._drops[p])
-                          if self._drops[p] else inner.link(p) for p in sorted(peers))
-        return replace(inner, links=links, faults=faults)
+    def status(self) -> TransportStatus:
+        inner = self.inner.status()
+        peers = {s.peer for s in inner.links} | set(self._drops)
+        links = tuple(replace(inner.link(p), injected_drops=inner.link(p).injected_drops + self._drops[p])
+                      for p in sorted(peers))
+        return replace(inner, links=links, faults=str(self.schedule))
 
     async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
         await self.inner.close(flush_s, abort=abort)

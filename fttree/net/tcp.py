@@ -136,20 +136,25 @@ class _OutLink:
         if (writer is None or self.t.closed or writer.transport.is_closing()
                 or writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES):
             return False
-        stats = self.t.stats[self.peer]
-        if self.t.events.is_stale(msg):  # e.g. sent late by the fault layer's delay
-            stats.stale_dropped += 1
-            return True
-        bufs = encode(msg)
-        writer.writelines(bufs)
-        stats.frames_sent += 1
-        stats.bytes_sent += sum(len(buf) for buf in bufs)
+        writer.writelines(self._encode_fresh(msg))
         if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
             # backed up: the writer task waits for the socket (with the stall deadline), and
             # until it has, the link is not idle: frames queue behind, and close() waits
             self.idle.clear()
             self.wake.set()
         return True
+
+    def _encode_fresh(self, msg: Message) -> list[bytes | memoryview]:
+        """The frame's buffers, counted as sent; none, counted as dropped, if its op has
+        finished here (a frame queued meanwhile, or sent late by the fault layer's delay)."""
+        stats = self.t.stats[self.peer]
+        if self.t.events.is_stale(msg):
+            stats.stale_dropped += 1
+            return []
+        bufs = encode(msg)
+        stats.frames_sent += 1
+        stats.bytes_sent += sum(len(buf) for buf in bufs)
+        return bufs
 
     async def _connect(self) -> bool:
         t, addr = self.t, self.t.addresses[self.peer]
@@ -235,9 +240,14 @@ class _OutLink:
                 await self.wake.wait()
 
     async def _drain_queue(self) -> None:
-        writer, stats = self.writer, self.t.stats[self.peer]
+        writer = self.writer
         assert writer is not None
-        while self.queue:
+        while True:
+            # the socket backed up by the last batch, or by a frame written at once: wait for it
+            if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
+                await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
+            if not self.queue:
+                return
             if writer.transport.is_closing():  # closed under us; uvloop's write() would raise
                 raise ConnectionResetError(f"connection to rank {self.peer} was closed")
             # everything queued so far goes out in one writelines (one syscall for a burst of
@@ -248,19 +258,10 @@ class _OutLink:
                 msg = self.queue.popleft()
                 if msg.payload is not None:
                     self.queued_bytes -= len(msg.payload)
-                if self.t.events.is_stale(msg):
-                    stats.stale_dropped += 1
-                    continue
-                for buf in encode(msg):
+                for buf in self._encode_fresh(msg):
                     bufs.append(buf)
                     batch_bytes += len(buf)
-                stats.frames_sent += 1
             writer.writelines(bufs)
-            stats.bytes_sent += batch_bytes
-            if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
-                await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
-        if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:  # a frame written at once
-            await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
 
 
 _LIVE: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # transports whose sockets a fork must not keep
@@ -378,7 +379,7 @@ class TcpTransport:
         st = self.stats.get(peer)
         return LinkHealth() if st is None else LinkHealth(st.frames_sent, st.errors, 0, st.last_error)
 
-    def status(self, *, rtt: bool = True) -> TransportStatus:
+    def status(self) -> TransportStatus:
         links = []
         for peer, st in sorted(self.stats.items()):
             out = self._out.get(peer)
@@ -387,7 +388,7 @@ class TcpTransport:
                 peer=peer, connected=None if out is None else writer is not None,
                 frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
-                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer) if rtt else None))
+                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
                                frame_errors=self.frame_errors, last_frame_error=self.last_frame_error)
 

@@ -97,9 +97,7 @@ class Transport(Protocol):
     def backlog_bytes(self, dst: int | None = None) -> int:
         """Bytes queued on the link to `dst` (every link: None) and not yet on the wire."""
 
-    def status(self, *, rtt: bool = True) -> TransportStatus:
-        """Every link's counters; `rtt=False` leaves out the kernel's round-trip times, which
-        cost a socket call per link (a monitor reads the counters after every step)."""
+    def status(self) -> TransportStatus: ...
 
     def link_health(self, peer: int) -> LinkHealth:
         """The counters of the link to `peer` that `status` also reports, without building it."""

@@ -78,7 +78,7 @@ class MemoryTransport:
         counts = self.counts.get(peer)
         return LinkHealth() if counts is None else LinkHealth(frames_sent=counts.frames_sent)
 
-    def status(self, *, rtt: bool = True) -> TransportStatus:
+    def status(self) -> TransportStatus:
         links = tuple(LinkStatus(peer=p, frames_sent=c.frames_sent, bytes_sent=c.bytes_sent,
                                  frames_received=c.frames_received, bytes_received=c.bytes_received)
                       for p, c in sorted(self.counts.items()))
