@@ -267,10 +267,15 @@ class FTTreeAllreduce:
             self._thread = None
 
     def close(self) -> None:
-        """Stop this rank. It first stays (up to the protocol's linger time, at most 10 s)
-        while a peer may still need its relay or result for a finished step."""
+        """Stop this rank. It first tells the group it is done and stays until every member is
+        (or has left the view; at most `step_timeout_s`), then while a peer may still need its
+        relay or result for a finished step (up to the protocol's linger time, at most 10 s),
+        then until what it sent is acknowledged."""
         loop = self._loop
         if loop is not None and not loop.is_closed() and self.node is not None and self.node.started:
+            finish = self.config.step_timeout_s
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.node.finish(finish), loop).result(finish + 2)
             limit = min(self.config.linger_s, 10.0)
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(self.node.quiesce(limit), loop).result(limit + 2)

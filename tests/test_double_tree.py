@@ -450,16 +450,19 @@ def test_a_step_larger_than_one_chunk_is_cut_into_at_least_16() -> None:
 def test_a_step_that_would_take_long_per_hop_is_pipelined_behind_a_slow_uplink() -> None:
     """Behind 100 Mbit/s one hop of the thesis MLP's 1.63 MB takes 130 ms, and as one chunk
     every hop waits for the whole of it (3.3x gloo's ring): such a step is cut too, in chunks of
-    at least 5 ms of uplink time and 64 KiB, and big steps in 48 chunks of 256 KiB or more. On
-    a LAN's default pace nothing changes."""
+    at least 5 ms of uplink time and 32 KiB, and big steps in 48 chunks of 256 KiB or more. On
+    a LAN's default pace nothing changes. The pace is the view's once the group agreed on one
+    (membership.py), else the configured uplink."""
     mlp = 407_050 * 4
     assert Config().chunk_bytes_for(mlp) == Config().chunk_bytes  # the default: one chunk, as before
     assert Config(uplink_bytes_per_s=125e6).chunk_bytes_for(mlp) == Config().chunk_bytes  # 1 Gbit/s: 13 ms a hop
     slow = Config(uplink_bytes_per_s=12.5e6)  # 100 Mbit/s
     assert slow.chunk_bytes_for(1_000_000) == slow.chunk_bytes  # 80 ms a hop: one chunk
-    assert slow.chunk_bytes_for(mlp) == 64 * 1024  # 48 would be under 64 KiB: 25 chunks
-    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(200_000) == 64 * 1024  # never under 64 KiB
+    assert slow.chunk_bytes_for(mlp) == int(12.5e6 * 0.005)  # 5 ms of uplink a chunk: 27 chunks
+    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(mlp) == -(-mlp // 48)  # 10 Mbit/s: 48 chunks
+    assert Config(uplink_bytes_per_s=1.25e6).chunk_bytes_for(200_000) == 32 * 1024  # never under 32 KiB
     assert Config(uplink_bytes_per_s=125e3).chunk_bytes_for(4_000_000) == -(-4_000_000 // 48)  # 48 chunks
+    assert Config().chunk_bytes_for(mlp, pace=1.25e6) == -(-mlp // 48)  # the view's pace decides
     mib = 1 << 20
     assert Config().chunk_bytes_for(16 * mib) == mib  # the LAN pace: 16 chunks of 1 MiB
     assert slow.chunk_bytes_for(16 * mib) == -(-16 * mib // 48)  # behind 100 Mbit/s: 48 chunks

@@ -9,9 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fttree import StepResult
-from fttree.core.config import Config
 from fttree.core.protocol import Cause
-from fttree.core.timeouts import AdaptiveTimeouts, Phase, StaticTimeouts
+from fttree.core.timeouts import CHECK_FLOOR_S, SLACK, AdaptiveTimeouts, Phase, StaticTimeouts
 from fttree.testing.sim import SimNetwork
 
 from .test_protocol_sim import contributions
@@ -22,52 +21,57 @@ KEY = (3, 1, Phase.REDUCE)
 # ---- the timeout policies ------------------------------------------------------------------
 
 
-def test_static_policy_is_the_thesis_timeout() -> None:
+def test_static_policy_is_the_thesis_timeout_plus_the_queued_bytes_time() -> None:
     policy = StaticTimeouts(0.5)
-    policy.observe(KEY, 0.001, 100)
+    policy.observe(KEY, 0.001, 100, 50e6)
     policy.timed_out(KEY)
-    assert policy.deadline_s(KEY, 0) == 0.5
-    assert policy.deadline_s(KEY, 4 * 2**20) == 0.5  # one chunk ahead: nothing extra
-    assert policy.deadline_s(KEY, 10**9 + 4 * 2**20) == pytest.approx(0.5 + 20.0)  # 1 GB more at 50 MB/s
+    assert policy.deadline_s(KEY, 0, 50e6) == 0.5
+    # what the sender had queued, at the rate it measured, with SLACK to spare
+    assert policy.deadline_s(KEY, 10**9, 50e6) == pytest.approx(0.5 + SLACK * 20.0)
+    assert policy.deadline_s(KEY, 10**9, 12.5e6) == pytest.approx(0.5 + SLACK * 80.0)
 
 
 def test_adaptive_follows_rfc6298_and_clamps() -> None:
     policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.01, ceiling_s=2.0)
-    assert policy.deadline_s(KEY, 0) == 0.5  # no sample yet
-    policy.observe(KEY, 0.1, 1000)  # first sample: SRTT = R, RTTVAR = R/2
-    assert policy.deadline_s(KEY, 0) == pytest.approx(0.1 + 4 * 0.05)
-    policy.observe(KEY, 0.1, 1000)  # RTTVAR = 3/4 * 0.05 + 1/4 * 0, SRTT stays
-    assert policy.deadline_s(KEY, 0) == pytest.approx(0.1 + 4 * 0.0375)
+    assert policy.deadline_s(KEY, 0, 1e6) == 0.5  # no sample yet
+    policy.observe(KEY, 0.1, 0, 1e6)  # first sample: SRTT = R, RTTVAR = R/2
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.1 + 4 * 0.05)
+    policy.observe(KEY, 0.1, 0, 1e6)  # RTTVAR = 3/4 * 0.05 + 1/4 * 0, SRTT stays
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.1 + 4 * 0.0375)
     for _ in range(200):
-        policy.observe(KEY, 0.0001, 1000)
-    assert policy.deadline_s(KEY, 0) == pytest.approx(0.01)  # floor
+        policy.observe(KEY, 0.0001, 0, 1e6)
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.01)  # floor
     policy.timed_out(KEY)
     policy.timed_out(KEY)
-    assert policy.deadline_s(KEY, 0) == pytest.approx(0.04)  # backoff doubles per timeout
-    policy.observe(KEY, 0.0001, 1000)
-    assert policy.deadline_s(KEY, 0) == pytest.approx(0.01)  # a clean sample resets it
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.04)  # backoff doubles per timeout
+    policy.observe(KEY, 0.0001, 0, 1e6)
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.01)  # a clean sample resets it
+    for _ in range(50):
+        policy.observe(KEY, 30.0, 0, 1e6)
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(2.0)  # the latency part is capped ...
+    assert policy.deadline_s(KEY, 10**7, 1e6) == pytest.approx(2.0 + SLACK * 10.0)  # ... the bytes' time is not
 
 
-def test_adaptive_allows_for_the_bytes_queued_ahead() -> None:
+def test_adaptive_learns_the_latency_the_queued_bytes_do_not_explain() -> None:
+    """A confirmation that took 1.02 s for 1 MB queued at 1 MB/s says the latency is 20 ms: a
+    deadline for 10 MB at that rate is 10 s of bytes, with slack, plus that latency's bound."""
     policy = AdaptiveTimeouts(initial_s=0.5, floor_s=0.001, ceiling_s=2.0)
-    for _ in range(20):
-        policy.observe(KEY, 0.02, 1_600_000)
-    small = policy.deadline_s(KEY, 0)
-    more = 100_000_000 + 4 * 2**20
-    assert policy.deadline_s(KEY, more) == pytest.approx(small + 2.0)  # 100 MB beyond a chunk at 50 MB/s
-    assert AdaptiveTimeouts(initial_s=0.5).deadline_s(KEY, more) == pytest.approx(2.5)  # before samples
+    for _ in range(40):
+        policy.observe(KEY, 1.02, 1_000_000, 1e6)
+    assert policy.deadline_s(KEY, 0, 1e6) == pytest.approx(0.02, rel=0.05)
+    assert policy.deadline_s(KEY, 10_000_000, 1e6) == pytest.approx(0.02 + SLACK * 10.0, rel=0.01)
+    assert AdaptiveTimeouts(initial_s=0.5).deadline_s(KEY, 10_000_000, 1e6) == pytest.approx(0.5 + SLACK * 10.0)
 
 
-def test_the_queued_bytes_allowance_follows_the_configured_uplink() -> None:
-    """Behind 100 Mbit/s (12.5 MB/s) the same queue takes four times as long to leave as at the
-    LAN default of 50 MB/s: watches must wait that long, or they fire on healthy links."""
-    more = 100_000_000 + 4 * 2**20
-    assert StaticTimeouts(0.5).deadline_s(KEY, more) == pytest.approx(2.5)
-    slow = Config(timeout_policy="static", uplink_bytes_per_s=12.5e6).make_timeouts()
-    assert slow.deadline_s(KEY, more) == pytest.approx(8.5)
-    adaptive = Config(timeout_policy="adaptive", uplink_bytes_per_s=12.5e6).make_timeouts()
-    assert adaptive.deadline_s(KEY, more) == pytest.approx(8.5)
-    assert slow.deadline_s(KEY, 4 * 2**20) == pytest.approx(0.5)  # one chunk: no allowance
+def test_a_check_round_trip_is_learnt_with_a_floor() -> None:
+    policy = AdaptiveTimeouts(initial_s=0.5)
+    assert policy.check_s() == pytest.approx(1.0)  # before any answer: twice the first guess
+    for _ in range(40):
+        policy.observe_check(0.001)
+    assert policy.check_s() == pytest.approx(CHECK_FLOOR_S)  # answers wait behind a little bulk data
+    for _ in range(40):
+        policy.observe_check(0.8)
+    assert policy.check_s() == pytest.approx(0.8, rel=0.05)
 
 
 # ---- adaptive recovery in the simulator --------------------------------------------------

@@ -33,7 +33,7 @@ MIN_SLOW_SPLIT_CHUNK_BYTES = 1 << 18
 # takes 5 MB, more than a chunk). Its chunks carry at least SLOW_CHUNK_S of uplink time and
 # MIN_SLOW_CHUNK_BYTES, so per-chunk costs stay small against the transfer.
 SLOW_CHUNK_S = 0.005
-MIN_SLOW_CHUNK_BYTES = 64 * 1024
+MIN_SLOW_CHUNK_BYTES = 32 * 1024
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
@@ -74,9 +74,9 @@ class Config:
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
     compression: str | None = None
-    # the pace at which a worker's queued data is taken to leave, in bytes per second: a backup
-    # watch allows queued bytes / this. The default suits a LAN; behind a slow uplink, give its
-    # speed (100 Mbit/s: 12.5e6), or watches fire on healthy links and relays clog them
+    # a hint, never needed: the uplink speed a worker assumes, in bytes per second, until it has
+    # measured its own (backup watches) and the group has agreed on a pace (how steps are cut
+    # into chunks, membership.py); the same on every worker
     uplink_bytes_per_s: float = 50e6
 
     # bookkeeping bounds (nothing grows with the number of steps run)
@@ -136,7 +136,7 @@ class Config:
         buffers, and keeping 100 MB steps for 8 s measurably slowed big allreduces."""
         return (self.watch_retries + 2) * self.timeout_s
 
-    def chunk_bytes_for(self, nbytes: int) -> int:
+    def chunk_bytes_for(self, nbytes: int, pace: float = 0.0) -> int:
         """The chunk size of a step of `nbytes`. Up to `chunk_bytes` it is one chunk. A larger
         step is cut into at least SPLIT_CHUNKS chunks (no smaller than MIN_SPLIT_CHUNK_BYTES,
         nor larger than `chunk_bytes`): each hop carries a whole chunk before the next hop can
@@ -148,14 +148,16 @@ class Config:
         one chunk that would take over PIPELINE_HOP_S a hop is cut too (see SLOW_CHUNK_S): as
         one chunk the thesis MLP's 1.63 MB took 3.3x gloo's time behind 100 Mbit/s uplinks, in
         7 chunks 1.5x on the rotated trees, in 25 chunks 1.15x. Every rank must compute the
-        same size, so `chunk_bytes` and `uplink_bytes_per_s` must be the same on every worker
-        (a difference fails the step as a chunk mismatch)."""
-        slow = self.chunk_bytes > self.uplink_bytes_per_s * PIPELINE_HOP_S
+        same size: `pace` is the view's (the group agrees on it, membership.py), or, while none
+        was agreed, `uplink_bytes_per_s`, so that and `chunk_bytes` must be the same on every
+        worker (a difference fails the step as a chunk mismatch)."""
+        rate = pace or self.uplink_bytes_per_s
+        slow = self.chunk_bytes > rate * PIPELINE_HOP_S
         per_chunk = -(-nbytes // (SLOW_SPLIT_CHUNKS if slow else SPLIT_CHUNKS))
         if nbytes <= self.chunk_bytes:
-            if nbytes <= self.uplink_bytes_per_s * PIPELINE_HOP_S:
+            if nbytes <= rate * PIPELINE_HOP_S:
                 return self.chunk_bytes
-            floor = max(MIN_SLOW_CHUNK_BYTES, int(self.uplink_bytes_per_s * SLOW_CHUNK_S))
+            floor = max(MIN_SLOW_CHUNK_BYTES, int(rate * SLOW_CHUNK_S))
             return min(self.chunk_bytes, max(floor, per_chunk))
         floor = min(MIN_SLOW_SPLIT_CHUNK_BYTES if slow else MIN_SPLIT_CHUNK_BYTES, self.chunk_bytes)
         return min(self.chunk_bytes, max(floor, per_chunk))
@@ -163,5 +165,5 @@ class Config:
     def make_timeouts(self) -> TimeoutPolicy:
         if self.timeout_policy == "adaptive":
             return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
-                                    ceiling_s=self.adaptive_ceiling_s, bytes_per_s=self.uplink_bytes_per_s)
-        return StaticTimeouts(self.timeout_s, bytes_per_s=self.uplink_bytes_per_s)
+                                    ceiling_s=self.adaptive_ceiling_s)
+        return StaticTimeouts(self.timeout_s)

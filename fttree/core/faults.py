@@ -227,6 +227,10 @@ class FaultSchedule:
                 delay += rule.delay_s
         return Verdict(delay_s=delay) if delay else PASS
 
+    def longest_delay_s(self) -> float:
+        """The most a frame is held back (every delay rule on one link at once)."""
+        return sum(r.delay_s for r in self._link_rules if r.kind is FaultKind.DELAY)
+
     def blocks(self, src: int, dst: int, step: int) -> bool:
         """Does a rule drop *every* frame from `src` to `dst` in `step` (cut, isolate, partition)?"""
         return any(r.kind in CERTAIN_DROPS and r.touches(src, dst) and r.active(step) for r in self._link_rules)

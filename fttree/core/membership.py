@@ -6,13 +6,26 @@ and carries out what comes back. It never touches an op: TreeMachine learns the 
 view change (`Installed`), and is told to stop taking results while one is being agreed
 (`Fence`).
 
-Detection. A tree or backup neighbour that has been silent for the node deadline while this rank
-has a step in flight is suspected; from half of that deadline on it is pinged, and any frame from
-it counts as life. A connection to a member that is refused (its process is gone: the transport
-tried to reconnect and nobody listens) suspects it at once. The node deadline is derived from the
-adaptive timeouts: four times the longest backup-watch deadline this rank has learnt (before
-samples, the first guess `timeout_s`), at least `node_deadline_s` (1 s) and at most twice the
-adaptive ceiling (4 s).
+Detection. Silence is about a node, not a busy link: any bytes from a neighbour count as life,
+a frame or part of one (a large payload takes seconds on a slow link), and pings travel on the
+control connection, which never waits behind tensor data (net/tcp.py). A tree or backup
+neighbour silent for half the node deadline while this rank has a step in flight is pinged; it
+is suspected only once that ping has gone unanswered for the whole node deadline. A connection
+to a member that is refused (its process is gone: the transport tried to reconnect and nobody
+listens) suspects it at once. The node deadline is `node_deadline_s` (1 s), or more where pings
+take long: twice the round trip they were answered in (RFC 6298's SRTT + 4 RTTVAR).
+
+Pace. How a step is cut into chunks must be the same on every member, and the best cut follows
+the uplinks (pipelined in small chunks behind 10 Mbit/s, in few large ones on a LAN). So the view
+carries a pace (view.py), changed like a join: a member whose measured uplink is far from the
+view's pace (beyond a factor 2, never above Config.uplink_bytes_per_s) tells the coordinator
+(PACE), which runs a round that fences nothing; every member promises with its own measured
+uplink, and the value is the same members at the slowest promised pace, from the training step
+after every promiser's current one (they hold new steps until it is decided).
+
+A member that finished its job says so (DONE, with its last step) and closes only once every
+member has: its silence after that is no failure. A member still running steps past another's
+last step drops it from the view as it would a leaver (without a suspicion).
 
 Confirmation. A suspicion goes to every member (SUSPECT). A neighbour of the suspect that gets it
 pings the suspect and, if it answers, tells everyone (ALIVE), which starts the suspect's
@@ -60,6 +73,9 @@ from .messages import Kind, Message
 from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .view import View
 
+MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this
+PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
+PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
 SLOTS = 1 << 16  # ballot = round * SLOTS + (SLOTS - 1 - the coordinator's slot): later rounds, then earlier slots win
 
 
@@ -83,9 +99,11 @@ class PeerDown:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Busy:
-    """This rank has had a step in flight since `since` (None: idle)."""
+    """This rank has had a step in flight since `since` (None: idle); `step` is the newest
+    step it submitted (members done before it leave the view)."""
 
     since: float | None
+    step: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +117,13 @@ class MemberTimer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Uplink:
+    """This rank's uplink, as its transport measured it (bytes per second)."""
+
+    rate: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Fenced:
     """The node fenced its results as asked (Fence); `held` are the steps it holds complete
     results of, final from now on."""
@@ -106,7 +131,7 @@ class Fenced:
     held: tuple[int, ...]
 
 
-MemberEvent = PeerDown | Busy | ControlReceived | MemberTimer | Fenced
+MemberEvent = PeerDown | Busy | ControlReceived | MemberTimer | Fenced | Uplink
 
 
 # ---- actions ---------------------------------------------------------------------------------
@@ -169,18 +194,19 @@ class ViewValue:
     members: tuple[int, ...]
     committed: tuple[int, ...]
     plan: tuple[int, ...]
-    user_step: int = -1  # a join: the training step it takes effect at (-1: at once)
+    user_step: int = -1  # a join or a pace change: the training step it takes effect at (-1: at once)
+    pace: int = 0  # the view's pace (view.py)
 
     @classmethod
     def of(cls, msg: Message) -> ViewValue | None:
         if not msg.proposed:
             return None
         return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan,
-                   user_step=msg.user_step)
+                   user_step=msg.user_step, pace=msg.pace)
 
     def fields(self) -> dict[str, object]:
         return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan,
-                "user_step": self.user_step}
+                "user_step": self.user_step, "pace": self.pace}
 
 
 def flatten_plan(plan: Iterable[CatchUp]) -> tuple[int, ...]:
@@ -226,6 +252,8 @@ class _Round:
     ballot: int
     dead: frozenset[int]
     joining: tuple[int, ...] = ()  # a join round: these ranks are added, nobody fences
+    pace: bool = False  # a pace round: the same members at the slowest promised uplink, nobody fences
+    rates: dict[int, int] = field(default_factory=dict)  # promiser -> its measured uplink (0: not measured)
     user_steps: dict[int, int] = field(default_factory=dict)  # promiser -> its current training step
     accepting: bool = False
     promises: dict[int, tuple[tuple[int, ...], int, ViewValue | None]] = field(default_factory=dict)
@@ -295,6 +323,12 @@ class Membership:
         self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
         self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
         self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
+        self._ping_since: dict[int, float] = {}  # silent neighbour -> when the first unanswered ping went
+        self._ping_rtt: tuple[float, float] | None = None  # (SRTT, RTTVAR) of answered pings
+        self.done: dict[int, int] = {}  # members that finished their job -> their last step
+        self.rate = 0.0  # this rank's measured uplink (Uplink events)
+        self._pace_asked = -1  # the view in which this rank last asked for a pace round
+        self._pace_wanted: dict[int, int] = {}  # coordinator: member -> the uplink it asked a pace round for
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -302,6 +336,7 @@ class Membership:
         """Any frame from `peer`. The Node calls this for every frame: keep it cheap."""
         self._last_heard[peer] = now
         self._unheard.discard(peer)
+        self._ping_since.pop(peer, None)
         if peer not in self._refute and peer not in self._suspects:
             return []
         out: list[MemberAction] = []
@@ -318,17 +353,24 @@ class Membership:
         if self.state in (MemberState.MINORITY, MemberState.EVICTED):
             return out
         match event:
-            case Busy(since=since):
+            case Busy(since=since, step=step):
                 self.busy_since = since
                 if since is not None and not self._check_armed:
                     self._arm_check(now, out)
+                finished = {p for p, last in self.done.items() if step > last and p in self.view and p != self.rank}
+                if finished - self._leaving:  # they finished before this step: go on without them
+                    self._leaving |= finished
+                    self._evaluate(now, out)
             case PeerDown(peer=peer, reason=reason):
-                if peer in self.view and peer != self.rank:
+                if peer in self.view and peer != self.rank and peer not in self.done:
                     self._suspect(peer, f"connection refused ({reason})", now, out)
             case MemberTimer(key=key):
                 self._on_timer(key, now, out)
             case ControlReceived(msg=msg):
                 self._on_message(msg, now, out)
+            case Uplink(rate=rate):
+                self.rate = rate
+                self._maybe_ask_pace(now, out)
             case Fenced(held=held):
                 self._held = held
                 waiting, self._waiting = self._waiting, []
@@ -336,15 +378,91 @@ class Membership:
                     self._send_promise(ballot, coordinator, now, out)
         return out
 
-    def set_deadline(self, longest_watch_s: float) -> None:
-        """Derive the node deadline from the longest backup-watch deadline learnt."""
-        self.node_deadline_s = min(max(4 * longest_watch_s, self.cfg.node_deadline_s), 2 * self.cfg.adaptive_ceiling_s)
+    def _target_pace(self) -> int:
+        """The pace this rank's uplink calls for: its rate, never above the configured one (above
+        it, steps are cut as on a LAN anyway)."""
+        return int(min(self.rate, self.cfg.uplink_bytes_per_s))
+
+    def _maybe_ask_pace(self, now: float, out: list[MemberAction]) -> None:
+        """Ask the coordinator for a pace round, once a view, if this rank's uplink is far from
+        the view's pace."""
+        target = self._target_pace()
+        pace = self.view.pace or self.cfg.uplink_bytes_per_s
+        if (not target or self._pace_asked == self.view.epoch or self.state is not MemberState.ACTIVE
+                or pace / PACE_FACTOR <= target <= pace * PACE_FACTOR):
+            return
+        self._pace_asked = self.view.epoch
+        coordinator = self.view.members[0]
+        if coordinator == self.rank:
+            self._pace_wanted[self.rank] = target
+            self._maybe_pace_round(now, out)
+        else:
+            out.append(Send(dst=coordinator, msg=self._msg(Kind.PACE, rate=target)))
+
+    def _maybe_pace_round(self, now: float, out: list[MemberAction]) -> None:
+        """As coordinator: run a pace round that members asked for, when nothing else is being
+        agreed or waits to take effect."""
+        if (not self._pace_wanted or self.state is not MemberState.ACTIVE or self.holding or self._round is not None
+                or self.user_step < self._activating_at or self.view.members[0] != self.rank):
+            return
+        self._pace_wanted.clear()
+        self._start_round(frozenset(), now, out, pace=True)
+
+    def finish(self, step: int) -> list[MemberAction]:
+        """This rank's job is over after `step`: tell every member, with what it knows of the
+        others (a cut link does not keep two finished ranks from learning of each other)."""
+        self.done[self.rank] = step
+        out: list[MemberAction] = []
+        self._tell_done(out)
+        return out
+
+    def _tell_done(self, out: list[MemberAction]) -> None:
+        ranks = tuple(sorted(self.done))
+        self._to_all(self._msg(Kind.DONE, step=self.done[self.rank], members=ranks,
+                               steps=tuple(self.done[r] for r in ranks)), out)
+
+    def _on_done(self, msg: Message, out: list[MemberAction]) -> None:
+        """Ranks that finished their job (the sender, and those it knows of): a finished rank
+        passes on what it learns, so the news goes around a cut link."""
+        told = dict(zip(msg.members, msg.steps, strict=False)) if len(msg.members) == len(msg.steps) else {}
+        told.setdefault(msg.src, msg.step)
+        new = False
+        for r, last in told.items():
+            if r in self.view and r != self.rank and self.done.get(r, -1) < last:
+                self.done[r] = last
+                new = True
+        if new and self.rank in self.done:
+            self._tell_done(out)
+
+    def _pong(self, peer: int, now: float) -> None:
+        """A ping answered: learn how long answers take, and derive the node deadline from it."""
+        sent = self._pinged.get(peer)
+        if sent is None:
+            return
+        r = now - sent
+        if self._ping_rtt is None:
+            srtt, rttvar = r, r / 2
+        else:
+            srtt, rttvar = self._ping_rtt
+            rttvar = 0.75 * rttvar + 0.25 * abs(srtt - r)
+            srtt = 0.875 * srtt + 0.125 * r
+        self._ping_rtt = (srtt, rttvar)
+        self.node_deadline_s = min(max(self.cfg.node_deadline_s, 2 * (srtt + 4 * rttvar)), MAX_NODE_DEADLINE_S)
 
     def stale_sender(self, msg: Message) -> list[MemberAction]:
-        """A frame of an older view from a rank not in ours: it missed the change that left it
-        out (it was cut off, or stopped and resumed). Tell it, once per rank and view."""
+        """A frame of an older view: a rank not in ours missed the change that left it out (it
+        was cut off, or stopped and resumed); a member may have missed the commit of a change
+        that kept it (a cut link between it and the coordinator). Tell it, once per rank and
+        view: it installs the decision as if the commit had come."""
         out: list[MemberAction] = []
-        if msg.src in self.view or msg.src == self.rank or self._told.get(msg.src) == self.view.epoch:
+        if msg.src == self.rank or self._told.get(msg.src) == self.view.epoch:
+            return out
+        if msg.src in self.view:
+            if self._decided is None or self._decided[0] != msg.epoch:
+                return out
+            self._told[msg.src] = self.view.epoch
+            out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                     **self._decided[1].fields())))  # type: ignore[arg-type]
             return out
         self._told[msg.src] = self.view.epoch
         out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
@@ -377,13 +495,20 @@ class Membership:
             return
         deadline = self.node_deadline_s
         for peer in self._neighbours():
-            if peer in self._unheard:  # a joiner starts at a later training step: its silence says nothing yet
+            if peer in self._unheard or peer in self.done:  # a joiner starts later; a finished member is quiet
                 continue
             silent = now - max(self._last_heard.get(peer, self._installed_at), self.busy_since)
-            if silent >= deadline:
-                self._suspect(peer, f"silent for {silent:.2f} s with a step in flight (node deadline "
-                                    f"{deadline:.2f} s)", now, out)
-            elif silent >= deadline / 2 and now - self._pinged.get(peer, -1e9) >= deadline / 4:
+            if silent < deadline / 2:
+                continue
+            asked = self._ping_since.get(peer)
+            if asked is not None and asked < self.busy_since:  # a ping of an earlier step's silence
+                del self._ping_since[peer]
+                asked = None
+            if asked is not None and now - asked >= deadline:
+                self._suspect(peer, f"silent for {silent:.2f} s with a step in flight, and a ping unanswered for "
+                                    f"{now - asked:.2f} s (node deadline {deadline:.2f} s)", now, out)
+            elif now - self._pinged.get(peer, -1e9) >= deadline / 4:
+                self._ping_since.setdefault(peer, now)
                 self._ping(peer, now, out)
         self._evaluate(now, out)
         self._arm_check(now, out)
@@ -466,7 +591,7 @@ class Membership:
     # ---- the coordinator ----------------------------------------------------------------------
 
     def _start_round(self, dead: frozenset[int], now: float, out: list[MemberAction],
-                     joining: tuple[int, ...] = ()) -> None:
+                     joining: tuple[int, ...] = (), *, pace: bool = False) -> None:
         alive = [m for m in self.view.members if m not in dead]
         if not self._majority(alive):  # this side of the network cannot form the next view
             minority = self._msg(Kind.MINORITY, ballot=0, members=tuple(alive), world=self.view.size)
@@ -477,8 +602,9 @@ class Membership:
             return
         self._max_round += 1
         ballot = self._max_round * SLOTS + (SLOTS - 1 - self.view.slot_of(self.rank))
-        self._round = _Round(ballot=ballot, dead=dead, joining=joining)
-        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)), members=joining)
+        self._round = _Round(ballot=ballot, dead=dead, joining=joining, pace=pace)
+        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)), members=joining,
+                            code=PACE_ROUND if pace else 0)
         self._to_all(prepare, out, but=tuple(dead))
         self._on_prepare(prepare, now, out)  # this rank is a member too
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
@@ -495,6 +621,7 @@ class Membership:
             return
         r.promises[msg.src] = (msg.steps, msg.accepted, ViewValue.of(msg))
         r.user_steps[msg.src] = msg.training_step
+        r.rates[msg.src] = msg.rate
         if self._expected(r) <= set(r.promises):
             self._propose(now, out)
 
@@ -504,12 +631,16 @@ class Membership:
         earlier = [(acc, v) for _held, acc, v in r.promises.values() if v is not None]
         if earlier:  # Paxos: a value accepted before may have been decided; keep it
             r.value = max(earlier, key=lambda av: av[0])[1]
-        elif r.joining:
-            # Added in the last slots (leaves of the heap: no member's links change), from the
-            # training step after every promiser's current one: none has started it (they hold).
+        elif r.joining or r.pace:
+            # Joiners are added in the last slots (leaves of the heap: no member's links change);
+            # a pace round keeps the members and takes the slowest uplink promised. Either takes
+            # effect from the training step after every promiser's current one: none has
+            # started it (they hold).
             members = self.view.members + tuple(j for j in r.joining if j not in self.view)
+            rates = [rate for rate in r.rates.values() if rate > 0]
+            pace = min(rates) if r.pace and rates else self.view.pace
             r.value = ViewValue(epoch=self.view.epoch + (r.ballot // SLOTS), members=members, committed=(), plan=(),
-                                user_step=max(r.user_steps.values(), default=-1) + 1)
+                                user_step=max(r.user_steps.values(), default=-1) + 1, pace=pace)
         else:
             promised = set(r.promises)
             new = self.view.without([m for m in self.view.members if m not in promised],
@@ -523,7 +654,7 @@ class Membership:
                     plan.append(CatchUp(step=step, holder=self.rank if self.rank in holders else holders[0],
                                         lacking=lacking))
             r.value = ViewValue(epoch=new.epoch, members=new.members, committed=tuple(committed),
-                                plan=flatten_plan(plan))
+                                plan=flatten_plan(plan), pace=new.pace)
         r.accepting = True
         accept = self._msg(Kind.VIEW_ACCEPT, ballot=r.ballot, **r.value.fields())
         self._to_all(accept, out, but=tuple(r.dead))
@@ -537,7 +668,7 @@ class Membership:
         r.accepts.add(msg.src)
         assert r.value is not None
         # every member of the new view that is in this one (a joiner accepts nothing: it is not in yet)
-        if self._majority(r.accepts) and set(r.value.members) & set(self.view.members) <= r.accepts:
+        if (self._majority(r.accepts) or r.pace) and set(r.value.members) & set(self.view.members) <= r.accepts:
             self._decide(now, out)
 
     def _decide(self, now: float, out: list[MemberAction]) -> None:
@@ -552,6 +683,12 @@ class Membership:
         r = self._round
         if r is None:
             self._stalled(now, out)
+            return
+        if r.pace and not set(self.view.members) <= (r.accepts if r.accepting else set(r.promises)):
+            # A pace change needs every member: one that missed it would cut its steps another
+            # way. Some did not answer in time (a cut link, a slow one): give up; it is asked
+            # for again later, and the promisers go on at their stall deadline.
+            self._round = None
             return
         if r.accepting:
             if self._majority(r.accepts):
@@ -595,7 +732,7 @@ class Membership:
         if self._round is not None and msg.src != self.rank and msg.ballot > self._round.ballot:
             self._round = None  # a better coordinator: follow it
         self._promised = msg.ballot
-        if msg.members and not msg.missing and self.state is MemberState.ACTIVE:
+        if (msg.members or msg.code == PACE_ROUND) and not msg.missing and self.state is MemberState.ACTIVE:
             # a join: nothing is fenced (the steps in flight finish in this view); only the
             # next training step waits for the decision, which says where the new view starts
             if not self.holding:
@@ -619,7 +756,8 @@ class Membership:
         assert self._held is not None
         accepted_ballot, value = self._accepted if self._accepted is not None else (0, None)
         promise = self._msg(Kind.VIEW_PROMISE, ballot=ballot, steps=self._held, accepted=accepted_ballot,
-                            training_step=self.user_step, **(value.fields() if value is not None else {}))
+                            training_step=self.user_step, rate=self._target_pace(),
+                            **(value.fields() if value is not None else {}))
         if coordinator == self.rank:
             self._on_promise(promise, now, out)
         else:
@@ -669,10 +807,15 @@ class Membership:
             return
         try:
             plan = unflatten_plan(value.plan)
-            view = View(value.epoch, value.members)
+            view = View(value.epoch, value.members, value.pace)
         except ValueError:
             return  # a broken value: the change will time out and run again
-        if value.user_step >= 0 and self.user_step >= value.user_step:
+        user_step = value.user_step
+        if user_step >= 0 and self.user_step >= user_step and value.members == previous.members:
+            # a pace change this rank learns late (it missed the commit): the steps since cut
+            # another way failed everywhere; from its next step on it cuts them as the others
+            user_step = self.user_step + 1
+        elif user_step >= 0 and self.user_step >= user_step:
             # a join taking effect at a training step this rank has already begun (it did not
             # promise in time): its steps would not line up with the others'. It leaves, and
             # can come back as a joiner itself.
@@ -703,6 +846,8 @@ class Membership:
         self._standing.clear()
         self._first_suspected.clear()
         self._refute.clear()
+        self._ping_since.clear()
+        self.done = {r: last for r, last in self.done.items() if r in view}
         self._installed_at = now
         self._leaving &= set(view.members)
         self._gone = {r: why for r, why in self._gone.items() if r in view}
@@ -710,14 +855,18 @@ class Membership:
         for kind in (TimerKind.MEMBER_ROUND, TimerKind.MEMBER_STALL):
             out.append(CancelTimer(key=TimerKey(kind, -1, 0)))
         if joined:
-            reason = f"ranks {list(joined)} joined from training step {value.user_step}"
-        if value.user_step >= 0:
-            self._activating_at = value.user_step
+            reason = f"ranks {list(joined)} joined from training step {user_step}"
+        elif user_step >= 0 and view.pace != previous.pace:
+            reason = f"pace {view.pace / 1e6:.3g} MB/s from training step {user_step}"
+        if user_step >= 0:
+            self._activating_at = user_step
         out.append(Installed(view=view, previous=previous, committed=frozenset(value.committed), catch_up=plan,
-                             evicted=evicted, reason=reason, joined=joined, activate_at=value.user_step))
+                             evicted=evicted, reason=reason, joined=joined, activate_at=user_step))
         if self.holding:
             self.holding = False
             out.append(Hold(on=False))
+        self._maybe_ask_pace(now, out)
+        self._maybe_pace_round(now, out)
 
     def _stalled(self, now: float, out: list[MemberAction]) -> None:
         """Fenced and no decision in time: if this rank is the coordinator now (the old one may
@@ -749,7 +898,12 @@ class Membership:
             case Kind.PING:
                 out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
             case Kind.PONG:
-                pass  # `heard` counted it
+                self._pong(msg.src, now)  # `heard` counted it as life
+            case Kind.DONE if msg.src in self.view:
+                self._on_done(msg, out)
+            case Kind.PACE if msg.src in self.view and msg.rate > 0:
+                self._pace_wanted[msg.src] = msg.rate
+                self._maybe_pace_round(now, out)
             case Kind.VIEW_PREPARE:
                 self._on_prepare(msg, now, out)
             case Kind.VIEW_PROMISE:

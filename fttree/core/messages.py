@@ -24,7 +24,8 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 4  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins
+VERSION = 5  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+#               5: a control and a bulk connection per peer, link progress queries, DONE
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -75,6 +76,13 @@ class Kind(IntEnum):
     LEAVE = 27  # `src` finished its last step and leaves: drop it from the next view without waiting
     STATE_REQUEST = 28  # send me the training state as of training step `user_step` or later
     STATE = 29  # piece `chunk` of `world` of the training state at training step `user_step`; `signature`: digest
+    # slow is not broken (protocol.py, "Watches"): a backup node whose watch ran out asks the
+    # sender whether its frame is still getting through before it acts
+    META_BCAST_REQUEST = 30  # to the parent of `target`: is your result to `target` getting through?
+    META_STALLED = 31  # from that parent: my result to `target` is not getting through, send yours
+    DONE = 32  # `src` finished its last step `step` and closes once its peers have finished too
+    DONE_ACK = 33  # `src` has an outcome of step `step`: it needs nothing more of you for it
+    PACE = 34  # to the coordinator: my uplink sends `rate` bytes per second, far from the view's pace
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
@@ -82,10 +90,14 @@ DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BC
 #: only the op fields (no abort, view or join fields, which `encode` leaves out for them)
 TREE_OP_KINDS = frozenset({Kind.DATA_REDUCE, Kind.META_REDUCE_SENT, Kind.META_REDUCE_RECEIVED,
                             Kind.META_REDUCE_REQUEST, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST,
-                            Kind.META_BCAST_RECEIVED, Kind.META_BCAST_SENT, Kind.PROBE, Kind.PROBE_ACK})
+                            Kind.META_BCAST_RECEIVED, Kind.META_BCAST_SENT, Kind.PROBE, Kind.PROBE_ACK,
+                            Kind.META_BCAST_REQUEST, Kind.META_STALLED})
 VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
                         Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
-                        Kind.JOIN, Kind.LEAVE})
+                        Kind.JOIN, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
+#: the kinds a backup node sends to ask whether a frame is getting through: the node hands the
+#: machine what its transport knows of the link to the message's `target` with them
+LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST})
 ELASTIC_KINDS = frozenset({Kind.JOIN_REPLY, Kind.STATE_REQUEST, Kind.STATE})  # the node's, not the tree's
 STATE_DTYPE = "|u1"  # STATE carries raw bytes
 
@@ -97,7 +109,7 @@ class Message:
     it concerns or must be relayed to; `contributors` the ranks summed into `payload`.
 
     Treat it as immutable: one message may sit in several links' queues. It is not declared
-    frozen because a frozen dataclass sets each of its 29 fields through `object.__setattr__`:
+    frozen because a frozen dataclass sets each of its fields through `object.__setattr__`:
     6.5 us to build one against 1.7 us, and every frame builds one on each side. To change a
     field, take a copy with `but`."""
 
@@ -117,7 +129,9 @@ class Message:
     reason: str = ""  # ABORT: why, for the user
     missing: tuple[int, ...] = ()  # ABORT: ranks whose contributions never arrived
     code: int = 0  # ABORT: an AbortCode
-    queued_bytes: int = 0  # META_*_SENT: bytes the sender had queued ahead on that link (timeouts.py)
+    queued_bytes: int = 0  # META_*_SENT: bytes the sender had queued ahead, not yet acknowledged (timeouts.py)
+    rate: int = 0  # META_*_SENT: the sender's measured uplink in bytes per second (0: not measured yet)
+    answer: bool = False  # META_*_SENT: answers a check; queued_bytes is what the link to `target` still holds
     planned: bool = False  # DATA_REDUCE(_REQUEST): sent around a link marked failed, not after a loss
     ballot: int = 0  # VIEW_*: the Paxos ballot (round and coordinator)
     accepted: int = 0  # VIEW_PROMISE: the ballot of the value accepted before (0: none)
@@ -127,6 +141,7 @@ class Message:
     plan: tuple[int, ...] = ()  # VIEW_*: the catch-up plan, flattened (see membership.py)
     steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
     user_step: int = -1  # VIEW_*: the training step a join takes effect at; JOIN_REPLY, STATE*: a training step
+    pace: int = 0  # VIEW_*, JOIN_REPLY: the proposed view's pace, bytes per second (view.py; 0: the configured one)
     incarnation: int = 0  # JOIN: which start of the sender's process this is
     training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
     world: int = 0  # HELLO: the job's size; MINORITY: the size of the view that lost its majority
@@ -174,6 +189,10 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header.update(d=msg.dtype, e=msg.numel, g=msg.signature)
     if msg.queued_bytes:
         header["qb"] = msg.queued_bytes
+    if msg.rate:
+        header["rt"] = msg.rate
+    if msg.answer:
+        header["an"] = True
     if msg.planned:
         header["pl"] = True
     if msg.kind not in TREE_OP_KINDS:  # the fields of aborts, views and joins: not on the hot path
@@ -196,7 +215,8 @@ def _encode_rare_fields(msg: Message, header: dict[str, Any]) -> None:
     for key, ints in (("mb", msg.members), ("cm", msg.committed), ("pn", msg.plan), ("st", msg.steps)):
         if ints:
             header[key] = list(ints)
-    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed), ("in", msg.incarnation)):
+    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed), ("in", msg.incarnation),
+                       ("pc", msg.pace)):
         if value:
             header[key] = value
     if msg.user_step >= 0:
@@ -258,11 +278,13 @@ _FIELDS: dict[str, tuple[str, str, int]] = {
     "n": ("contributors", "contributors", _INTS), "d": ("dtype", "dtype", _STR), "e": ("numel", "numel", _INT),
     "g": ("signature", "signature", _STR), "r": ("reason", "reason", _STR), "m": ("missing", "missing", _INTS),
     "ab": ("code", "abort code", _INT), "qb": ("queued_bytes", "queued bytes", _INT),
+    "rt": ("rate", "rate", _INT), "an": ("answer", "answer", _BOOL),
     "pl": ("planned", "planned", _BOOL), "w": ("world", "world", _INT), "bl": ("ballot", "ballot", _INT),
     "ac": ("accepted", "accepted ballot", _INT), "pp": ("proposed", "proposed epoch", _INT),
     "mb": ("members", "members", _INTS), "cm": ("committed", "committed", _INTS), "pn": ("plan", "plan", _INTS),
     "st": ("steps", "steps", _INTS), "us": ("user_step", "user step", _INT),
     "in": ("incarnation", "incarnation", _INT), "ts": ("training_step", "training step", _INT),
+    "pc": ("pace", "pace", _INT),
 }
 
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -76,6 +76,9 @@ SUM_BUFFERS = 32
 SCRATCH_BUFFERS = 4
 
 OpId = tuple[int, int]  # (step, chunk)
+# A backup node acts on a watch only after this many checks went unanswered: one answer that
+# waited behind a slow uplink's data is not a dead sender.
+UNANSWERED_CHECKS = 2
 
 
 class TimerKind(Enum):
@@ -109,7 +112,8 @@ class AbortCode(IntEnum):
 class NoteKind(Enum):
     """What a note is counted as (metrics, /status)."""
 
-    TIMEOUT = "timeout"  # a backup watch expired: a primary link looks broken
+    CHECK = "check"  # a backup watch ran out and asked the sender whether its frame gets through
+    TIMEOUT = "timeout"  # a backup watch expired and the check confirmed it: a primary link looks broken
     RECOVERY = "recovery"  # data went around a link that lost it
     DETOUR = "detour"  # data took the way around a link that link memory marked failed
     DUPLICATE = "duplicate"  # a copy was dropped (exactly-once at work)
@@ -121,7 +125,8 @@ class NoteKind(Enum):
 class Cause(Enum):
     """Exactly what happened; `Note.link` names the primary link (child, parent) it is about."""
 
-    WATCH_EXPIRED = "watch_expired"  # an observer heard no confirmation in time
+    LINK_CHECKED = "link_checked"  # an observer heard no confirmation in time and asked the sender
+    WATCH_EXPIRED = "watch_expired"  # ... and the sender said its frame did not get through, or never answered
     DATA_CAME_AROUND = "data_came_around"  # (parent) a child's lost sum arrived through a relay
     DATA_RELAYED = "data_relayed"  # (observer) carried a child's sum to its parent
     RESULT_CAME_AROUND = "result_came_around"  # the result reached this rank through a backup
@@ -139,6 +144,7 @@ class Cause(Enum):
 
 
 _KIND_OF = {
+    Cause.LINK_CHECKED: NoteKind.CHECK,
     Cause.WATCH_EXPIRED: NoteKind.TIMEOUT,
     Cause.DATA_CAME_AROUND: NoteKind.RECOVERY, Cause.DATA_RELAYED: NoteKind.RECOVERY,
     Cause.RESULT_CAME_AROUND: NoteKind.RECOVERY, Cause.RESULT_PUSHED: NoteKind.RECOVERY,
@@ -164,9 +170,20 @@ class Submit:
     contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
 
 
+class LinkState(NamedTuple):
+    """What the sending end's transport knows about its frames to one peer: handed to the
+    machine with a backup node's question whether they are getting through (a slow link is
+    not a broken one)."""
+
+    pending_bytes: int = 0  # queued, or sent and not yet acknowledged by the peer
+    stalled: bool = False  # bytes are outstanding and the peer has acknowledged nothing for a while
+    lost_at: float = -float("inf")  # when a frame to the peer was last lost (a dropped connection, an injected fault)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Received:
     msg: Message
+    link: LinkState | None = None  # LINK_QUERY_KINDS: the link from this rank to msg.target
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -385,8 +402,13 @@ class _Op:
     bcast_confirmed: set[int] = field(default_factory=set)
     bcast_tries: dict[int, int] = field(default_factory=dict)
     bcast_pending: set[int] = field(default_factory=set)
-    watch_started: dict[tuple[Phase, int], tuple[float, int]] = field(default_factory=dict)  # (at, bytes)
+    watch_started: dict[tuple[Phase, int], tuple[float, int, float]] = field(default_factory=dict)  # (at, bytes, rate)
     watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
+    checked_at: dict[tuple[Phase, int], float] = field(default_factory=dict)  # a check asked, not answered yet
+    delivered_told: dict[int, int] = field(default_factory=dict)  # observer -> times told our data was delivered
+    delivered_heard: dict[tuple[Phase, int], int] = field(default_factory=dict)  # watch -> "delivered" answers
+    sent_at: float = 0.0  # when our subtree sum went to the parent
+    finished_at: float = 0.0  # when we took the result (and sent it to our children)
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
     rerouted_planned: bool = False  # ... because link memory had marked our uplink failed (a detour)
     sent_direct: bool = False  # ... and then also straight to the parent, as the way around did not get through
@@ -414,6 +436,8 @@ class TreeMachine:
         self.timeouts: TimeoutPolicy = self.cfg.make_timeouts()
         self.fenced = False  # a view change is being agreed: take and produce no results
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
+        self._expected: View | None = None  # a decided view of the same members, in effect from a later step
+        self._same_trees: set[int] = set()  # earlier epochs of these very members (pace changes): their ops go on
         self._wire = COMPRESSIONS[self.cfg.compression] if self.cfg.compression else None
         self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
         self.scratch = BufferPool(keep=SCRATCH_BUFFERS)  # compression's working arrays
@@ -431,6 +455,7 @@ class TreeMachine:
         the new view or handed back, by policy. Link memory starts over: the tree changed."""
         out: list[Action] = []
         self._enter(view)
+        self._expected = None
         self.fenced = False
         for op_id, op in list(self._ops.items()):
             if op.linger_over:  # kept through the change to serve catch-ups: linger once more
@@ -452,16 +477,41 @@ class TreeMachine:
         return out
 
     def activate(self, view: View, now: float) -> list[Action]:
-        """Move to `view`, which only adds members (a join), at a training-step boundary: ops
-        in flight keep running in the view they began in, new ops run in this one, and frames
-        of this view that came early are handled now."""
+        """Move to `view`, which only adds members (a join) or changes the pace, at a
+        training-step boundary: ops in flight keep running in the view they began in, new ops
+        run in this one, and frames of this view that came early are handled now."""
         out: list[Action] = []
         self._enter(view)
+        self._expected = None
         self._replay_later(view, now, out)
         return out
 
+    def expect(self, view: View, now: float) -> list[Action]:
+        """`view` was decided and takes effect at a later training step. If its members are
+        ours (a pace change: the trees are the same), its ops' frames are handled as they
+        come, before this rank reaches that step: a faster peer's data is confirmed at once,
+        not held back while its backup nodes take the silence for a lost frame."""
+        out: list[Action] = []
+        if view.members != self.view.members or view.epoch <= self.view.epoch:
+            return out
+        self._expected = view
+        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
+        for msg in later:
+            if msg.epoch == view.epoch:
+                self._on_message(msg, now, out)
+            else:
+                self._later.append(msg)
+        return out
+
     def _enter(self, view: View) -> None:
-        """This rank's place in `view`; link memory starts over, as the tree changed."""
+        """This rank's place in `view`; link memory starts over, as the tree changed. A view of
+        the same members (a pace change) keeps the trees and their link memory, and the ops
+        of the view before run on in it."""
+        if view.members == self.view.members and view.epoch > self.view.epoch:
+            self._same_trees.add(self.view.epoch)
+            self.view = view
+            return
+        self._same_trees.clear()
         self.view = view
         self.trees = self._build_trees(view)
 
@@ -484,18 +534,13 @@ class TreeMachine:
         return [(op.chunk, op.result, op.result_contributors, op.signature) for (s, _c), op in sorted(self._ops.items())
                 if s == step and op.done and op.result is not None]
 
-    def watch_deadline_s(self) -> float:
-        """The longest backup-watch deadline this rank has learnt (the node deadline derives
-        from it, membership.py)."""
-        return self.timeouts.longest_s()
-
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
         match event:
             case Submit():
                 self._on_submit(event, now, out)
-            case Received(msg=msg):
-                self._on_message(msg, now, out)
+            case Received(msg=msg, link=link):
+                self._on_message(msg, now, out, link)
             case TimerFired(key=key):
                 self._on_timer(key, now, out)
             case LinkDown(peer=peer, reason=reason):
@@ -621,7 +666,8 @@ class TreeMachine:
         """Has this op finished here long enough ago that its messages are dropped?"""
         return op_id[0] < self._retired_floor or op_id in self._retired
 
-    def _get_op(self, step: int, chunk: int, chunks: int, out: list[Action], src: int) -> _Op | None:
+    def _get_op(self, step: int, chunk: int, chunks: int, out: list[Action], src: int,
+                epoch: int | None = None) -> _Op | None:
         op_id = (step, chunk)
         op = self._ops.get(op_id)
         if op is not None:
@@ -634,8 +680,8 @@ class TreeMachine:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
-        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch, chunks=chunks,
-                                    tree=self.tree_of(chunk, chunks))
+        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
+                                    chunks=chunks, tree=self.tree_of(chunk, chunks))
         return op
 
     def _retire(self, op: _Op) -> None:
@@ -730,6 +776,7 @@ class TreeMachine:
             return
         assert op.acc is not None
         op.reduce_sent = True
+        op.sent_at = now
         contributors = tuple(sorted(op.contributors))
         parent = t.me.parent
         if parent is None:  # the root: its subtree sum is the result
@@ -771,14 +818,25 @@ class TreeMachine:
 
     # ---- messages ----------------------------------------------------------------------
 
-    def _on_message(self, msg: Message, now: float, out: list[Action]) -> None:
-        if msg.epoch != self.view.epoch:
+    def _on_message(self, msg: Message, now: float, out: list[Action], link: LinkState | None = None) -> None:
+        expected = self._expected
+        if msg.epoch != self.view.epoch and (expected is None or msg.epoch != expected.epoch):
             if msg.epoch > self.view.epoch:
                 self._later.append(msg)  # a view we are about to install (its commit is on its way)
-            else:
-                out.append(Note(step=msg.step, cause=Cause.STALE_DROPPED, peer=msg.src,
-                                text=f"dropped {msg.kind.name} of view {msg.epoch} from rank {msg.src}"))
+                return
+            if msg.epoch in self._same_trees:  # an op of an earlier pace: its trees are ours
+                held = self._ops.get(msg.op)
+                if msg.kind is Kind.META_BCAST_REQUEST and (held is None or held.epoch != msg.epoch):
+                    self._answer_retired(msg, link, out)
+                    return
+                if held is not None and held.epoch == msg.epoch:
+                    return self._on_op_message(msg, now, out, link)
+            out.append(Note(step=msg.step, cause=Cause.STALE_DROPPED, peer=msg.src,
+                            text=f"dropped {msg.kind.name} of view {msg.epoch} from rank {msg.src}"))
             return
+        self._on_op_message(msg, now, out, link)
+
+    def _on_op_message(self, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
         if msg.kind is Kind.CATCHUP:
             self._on_catchup(msg, now, out)
             return
@@ -801,7 +859,10 @@ class TreeMachine:
             if msg.src == t.me.parent:
                 self._on_probe_ack(t, now, out)
             return
-        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src)
+        if msg.kind is Kind.META_BCAST_REQUEST and self.is_retired(msg.op):
+            self._answer_retired(msg, link, out)
+            return
+        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src, msg.epoch)
         if op is None:
             return
         if op.epoch != msg.epoch:  # a committed op of an older view, waiting for its catch-up
@@ -818,13 +879,17 @@ class TreeMachine:
                 out.append(CancelTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, msg.origin)))
                 self._sample(op, Phase.REDUCE, msg.origin, now)
             case Kind.META_REDUCE_REQUEST:
-                self._on_meta_reduce_request(op, msg, now, out)
+                self._on_meta_reduce_request(op, msg, now, out, link)
             case Kind.DATA_REDUCE_REQUEST:
                 self._on_data_reduce_request(op, msg, out)
             case Kind.DATA_BCAST:
                 self._on_data_bcast(op, msg, now, out)
             case Kind.META_BCAST_SENT:
                 self._on_meta_bcast_sent(op, msg, now, out)
+            case Kind.META_BCAST_REQUEST:
+                self._on_meta_bcast_request(op, msg, out, link)
+            case Kind.META_STALLED:
+                self._on_meta_stalled(op, msg, out)
             case Kind.META_BCAST_RECEIVED:
                 op.bcast_confirmed.add(msg.src)
                 op.bcast_pending.discard(msg.src)
@@ -856,7 +921,7 @@ class TreeMachine:
             self._protocol(out, msg, f"a probe of tree {msg.tree}, but rank {self.rank} has trees 0.."
                                      f"{len(self.trees) - 1} (trees={self.cfg.trees!r})")
             return
-        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src)
+        op = self._get_op(msg.step, msg.chunk, msg.chunks, out, msg.src, msg.epoch)
         if op is None or op.epoch != msg.epoch:
             return
         reason = (f"tree mismatch: rank {msg.src} runs step {msg.step} chunk {msg.chunk} on tree {msg.tree}, "
@@ -915,6 +980,8 @@ class TreeMachine:
         return None
 
     def _on_meta_reduce_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        """The origin sent its subtree sum to `target`: watch for the parent's confirmation. The
+        same frame answers a check (the sum is still on its way): the watch starts over."""
         t = self._t(op)
         origin = msg.src
         watched = t.view.neighbours(origin)
@@ -922,18 +989,65 @@ class TreeMachine:
             return self._protocol(out, msg, "not an observer of that link")
         if origin in op.reduce_confirmed or not self._ft:
             return None
-        op.reduce_tries.setdefault(origin, 0)
-        op.watch_started[(Phase.REDUCE, origin)] = (now, msg.queued_bytes)
-        wait = self.timeouts.deadline_s((origin, msg.target, Phase.REDUCE), msg.queued_bytes)
-        out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
+        self._arm_watch(op, Phase.REDUCE, origin, (origin, msg.target, Phase.REDUCE), msg, now, out)
         return None
 
-    def _on_meta_reduce_request(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _arm_watch(self, op: _Op, phase: Phase, peer: int, key: tuple[int, int, Phase], msg: Message, now: float,
+                   out: list[Action]) -> None:
+        """(Re)start the watch of `peer`'s link in `phase` with the figures `msg` carries: what
+        its sender had queued, unacknowledged, and the rate its uplink sends at."""
+        checked = op.checked_at.pop((phase, peer), None) if msg.answer else None
+        if checked is not None:  # the answer to our check: the frame is on its way, the watch starts over
+            self.timeouts.observe_check(now - checked)
+            op.watch_fired.add((phase, peer))  # Karn: this watch gives no sample
+            (op.bcast_tries if phase is Phase.BCAST else op.reduce_tries)[peer] = 0
+            if not msg.queued_bytes:  # delivered to the far end, which has not confirmed: not forever
+                heard = op.delivered_heard[(phase, peer)] = op.delivered_heard.get((phase, peer), 0) + 1
+                if heard > self.cfg.watch_retries + 1:
+                    if phase is Phase.BCAST and op.result is not None:
+                        self._push_result(op, peer, out, f"rank {msg.src} delivered it {heard} times "
+                                                         f"over without a confirmation")
+                    op.watch_started.pop((phase, peer), None)
+                    return
+        elif msg.answer or (phase, peer) in op.watch_started:
+            return  # a second announcement of the same watch (an answer that came late)
+        else:
+            (op.bcast_tries if phase is Phase.BCAST else op.reduce_tries).setdefault(peer, 0)
+        rate = float(msg.rate) or self.cfg.uplink_bytes_per_s
+        op.watch_started[(phase, peer)] = (now, msg.queued_bytes, rate)
+        kind = TimerKind.BCAST_WATCH if phase is Phase.BCAST else TimerKind.REDUCE_WATCH
+        wait = self.timeouts.deadline_s(key, msg.queued_bytes, rate)
+        if checked is not None and not msg.queued_bytes:
+            # the far end has it all: its confirmation leaves through its own uplink, behind
+            # its own data, and it may be busy adding; give it a node deadline
+            wait = max(wait, self.cfg.node_deadline_s)
+        out.append(SetTimer(key=self._timer(kind, op, peer), at=now + wait))
+
+    def _on_meta_reduce_request(self, op: _Op, msg: Message, now: float, out: list[Action],
+                                link: LinkState | None = None) -> None:
+        """An observer saw no confirmation of our subtree sum in time. If our link to the parent
+        is moving, it is only slow: say so (META_REDUCE_SENT with fresh figures) and the
+        observer waits on. If it stalled, or lost frames since we sent, hand the observer our
+        sum to relay."""
         t = self._t(op)
         if op.result is not None:
             return None  # holding the result proves our sum reached the root already
         if not op.reduce_sent or op.acc is None or t.me.parent is None:
             return self._protocol(out, msg, "nothing sent yet to relay")
+        if msg.src not in (t.me.brother, t.me.uncle):
+            return self._protocol(out, msg, "only our brother and uncle relay for us")
+        told = op.delivered_told.get(msg.src, 0)
+        if link is not None and not link.stalled and link.lost_at < op.sent_at and not op.rerouted \
+                and (link.pending_bytes or told < self.cfg.watch_retries):
+            # Moving; or delivered to the parent's end, which has not confirmed yet (it may be
+            # busy, or its confirmation slow). Said watch_retries times, the sum goes to the
+            # observer instead: a frame dropped at the parent's end (an injected fault) comes
+            # again no other way.
+            if not link.pending_bytes:
+                op.delivered_told[msg.src] = told + 1
+            out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_REDUCE_SENT, origin=self.rank, target=t.me.parent,
+                                                        queued_bytes=link.pending_bytes, answer=True)))
+            return None
         if msg.src not in op.requested_by:
             op.requested_by.append(msg.src)
         contributors = tuple(sorted(op.contributors))
@@ -957,6 +1071,10 @@ class TreeMachine:
         op.relayed_for.add(origin)
         if msg.planned:
             op.detoured_for.add(origin)
+        if op.checked_at.pop((Phase.REDUCE, origin), None) is not None:
+            out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, msg.target),
+                            text=f"step {op.step}: no sign that rank {msg.target} got rank {origin}'s data in time, "
+                                 f"and rank {origin} says it did not get through: relaying it"))
         out.append(Send(dst=msg.target, msg=Message(
             kind=Kind.DATA_REDUCE, src=self.rank, epoch=msg.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
             chunks=op.chunks, origin=origin,
@@ -1010,17 +1128,70 @@ class TreeMachine:
         return None
 
     def _on_meta_bcast_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
-        t = self._t(op)
+        """`target`'s parent sent it the result: watch for its confirmation (or, as the answer
+        to a check, the result is still on its way: the watch starts over)."""
         target = msg.target
+        t = self._t(op)
         watched = t.view.neighbours(target) if target in self.view else None
         if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
             return self._protocol(out, msg, "not an observer of that link")
         if target in op.bcast_confirmed or not self._ft:
             return None
-        op.bcast_tries.setdefault(target, 0)
-        op.watch_started[(Phase.BCAST, target)] = (now, msg.queued_bytes)
-        wait = self.timeouts.deadline_s((msg.src, target, Phase.BCAST), msg.queued_bytes)
-        out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
+        self._arm_watch(op, Phase.BCAST, target, (msg.src, target, Phase.BCAST), msg, now, out)
+        return None
+
+    def _on_meta_bcast_request(self, op: _Op, msg: Message, out: list[Action], link: LinkState | None) -> None:
+        """A backup node of our child `target` saw no confirmation of the result we sent it: say
+        whether it is still on its way (META_BCAST_SENT with fresh figures) or stuck
+        (META_STALLED: the backup node sends its own copy)."""
+        t = self._t(op)
+        target = msg.target
+        if target not in t.me.children or msg.src not in (t.view.neighbours(target).brother,
+                                                           t.view.neighbours(target).uncle):
+            return self._protocol(out, msg, "not an observer of our link to that child")
+        if op.result is None:
+            return None  # not sent yet: its announcement starts the watch over when it is
+        pending = 0 if link is None else link.pending_bytes
+        told = op.delivered_told.get(msg.src, 0)
+        if target in op.relayed_children or (link is not None and (link.stalled or link.lost_at >= op.finished_at)) \
+                or (not pending and told >= self.cfg.watch_retries):
+            out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_STALLED, target=target)))
+        else:
+            if not pending:
+                op.delivered_told[msg.src] = told + 1
+            out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_BCAST_SENT, target=target, queued_bytes=pending,
+                                                        answer=True)))
+        return None
+
+    def _answer_retired(self, msg: Message, link: LinkState | None, out: list[Action]) -> None:
+        """A broadcast check about an op finished and forgotten here (its result went out, and
+        took longer than the op lingers, over a slow link): the link alone says whether it
+        still moves."""
+        if link is None:
+            return
+        moving = not link.stalled and link.lost_at == -float("inf")
+        kind = Kind.META_BCAST_SENT if moving else Kind.META_STALLED
+        out.append(Send(dst=msg.src, msg=Message(kind=kind, src=self.rank, epoch=msg.epoch, step=msg.step,
+                                                 chunk=msg.chunk, tree=msg.tree, chunks=msg.chunks, target=msg.target,
+                                                 queued_bytes=link.pending_bytes if moving else 0, answer=moving)))
+
+    def _on_meta_stalled(self, op: _Op, msg: Message, out: list[Action]) -> None:
+        """The parent of `target` cannot get the result through: send ours (or once we hold it)."""
+        target = msg.target
+        t = self._t(op)
+        watched = t.view.neighbours(target) if target in self.view else None
+        if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
+            return self._protocol(out, msg, "not an observer of that link")
+        if op.checked_at.pop((Phase.BCAST, target), None) is not None:
+            out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, msg.src),
+                            text=f"step {op.step}: no sign that rank {target} got the result in time, and rank "
+                                 f"{msg.src} says it does not get through"))
+        if target in op.bcast_confirmed:
+            return None
+        if op.result is not None:
+            self._push_result(op, target, out, f"link {msg.src}->{target} is not getting it through")
+        else:
+            op.bcast_pending.add(target)
         return None
 
     def _on_catchup(self, msg: Message, now: float, out: list[Action]) -> None:
@@ -1067,6 +1238,7 @@ class TreeMachine:
         t = self._t(op)
         assert op.result is not None
         op.done = True
+        op.finished_at = now
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in t.me.children:
             if self._ft and self.cfg.link_memory and t.me.brother is not None \
@@ -1154,47 +1326,78 @@ class TreeMachine:
             case TimerKind.LINGER:
                 if self.fenced:  # a holder may have to serve this result after the view change
                     op.linger_over = True
+                elif any(phase is Phase.BCAST for phase, _peer in op.watch_started):
+                    # still watching a neighbour's result on its way over a slow link: this
+                    # backup node must be able to send its own copy if that one gets stuck
+                    out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
                 else:
                     self._retire(op)
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
+        """No confirmation that `origin`'s sum reached its parent in time. First a check: ask the
+        origin (META_REDUCE_REQUEST), which says the sum is still on its way or hands it over
+        to relay. Only a check left unanswered is a watch that expired."""
         t = self._t(op)
         if origin in op.reduce_confirmed or op.result is not None or op.done:
+            op.watch_started.pop((Phase.REDUCE, origin), None)
             return  # holding the result proves every subtree sum reached the root
         tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
         parent = t.view.neighbours(origin).parent
         assert parent is not None
         op.watch_fired.add((Phase.REDUCE, origin))
-        self.timeouts.timed_out((origin, parent, Phase.REDUCE))
-        wait = self.timeouts.deadline_s((origin, parent, Phase.REDUCE), op.watch_started.get((Phase.REDUCE, origin),
-                                                                                             (0.0, 0))[1])
-        out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, parent),
-                        text=f"step {op.step}: no sign that rank {parent} got rank {origin}'s data "
-                             f"in time; asking rank {origin} for it (try {tries})"))
+        if tries > UNANSWERED_CHECKS:
+            self.timeouts.timed_out((origin, parent, Phase.REDUCE))
+            out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, parent),
+                            text=f"step {op.step}: no sign that rank {parent} got rank {origin}'s data after a "
+                                 f"check; asking rank {origin} for it (try {tries})"))
+        else:
+            out.append(Note(step=op.step, cause=Cause.LINK_CHECKED, peer=origin, link=(origin, parent),
+                            text=f"step {op.step}: no confirmation yet that rank {parent} got rank {origin}'s data; "
+                                 f"asking rank {origin} whether it is getting through"))
+        op.checked_at.setdefault((Phase.REDUCE, origin), now)
         out.append(Send(dst=origin, msg=self._msg(op, Kind.META_REDUCE_REQUEST, target=parent)))
-        if tries <= self.cfg.watch_retries:
-            out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + wait))
+        if tries <= self.cfg.watch_retries + UNANSWERED_CHECKS:
+            out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.timeouts.check_s()))
+        else:
+            op.watch_started.pop((Phase.REDUCE, origin), None)
 
     def _bcast_watch_fired(self, op: _Op, target: int, now: float, out: list[Action]) -> None:
+        """No confirmation that `target` got the result from its parent in time. First a check:
+        ask the parent (META_BCAST_REQUEST), which says the result is still on its way or that
+        it is stuck (META_STALLED). Only a check left unanswered is a watch that expired: then
+        this backup node sends the result itself."""
         t = self._t(op)
         if target in op.bcast_confirmed:
+            op.watch_started.pop((Phase.BCAST, target), None)
             return
         tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
         parent = t.view.neighbours(target).parent
         assert parent is not None
         op.watch_fired.add((Phase.BCAST, target))
-        self.timeouts.timed_out((parent, target, Phase.BCAST))
-        wait = self.timeouts.deadline_s((parent, target, Phase.BCAST), op.watch_started.get((Phase.BCAST, target),
-                                                                                            (0.0, 0))[1])
-        out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, parent),
-                        text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
-                             f"in time (try {tries})"))
-        if op.result is not None:
-            self._push_result(op, target, out, f"link {parent}->{target} looks broken")
+        wait = self.timeouts.check_s()
+        if tries <= UNANSWERED_CHECKS:
+            op.checked_at.setdefault((Phase.BCAST, target), now)
+            out.append(Send(dst=parent, msg=self._msg(op, Kind.META_BCAST_REQUEST, target=target)))
+            out.append(Note(step=op.step, cause=Cause.LINK_CHECKED, peer=target, link=(target, parent),
+                            text=f"step {op.step}: no confirmation yet that rank {target} got the result from rank "
+                                 f"{parent}; asking rank {parent} whether it is getting through"))
         else:
-            op.bcast_pending.add(target)
-        if tries <= self.cfg.watch_retries:
+            op.checked_at.pop((Phase.BCAST, target), None)
+            self.timeouts.timed_out((parent, target, Phase.BCAST))
+            out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, parent),
+                            text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
+                                 f"after a check (try {tries})"))
+            if op.result is not None:
+                self._push_result(op, target, out, f"link {parent}->{target} looks broken")
+                started = op.watch_started.get((Phase.BCAST, target))
+                if started is not None:  # our copy takes as long to arrive as the parent's
+                    wait = max(wait, self.timeouts.deadline_s((parent, target, Phase.BCAST), started[1], started[2]))
+            else:
+                op.bcast_pending.add(target)
+        if tries <= self.cfg.watch_retries + UNANSWERED_CHECKS:
             out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
+        else:
+            op.watch_started.pop((Phase.BCAST, target), None)
 
     def _deadline(self, op: _Op, now: float, out: list[Action]) -> None:
         t = self._t(op)
@@ -1219,11 +1422,12 @@ class TreeMachine:
         if the watch already fired)."""
         t = self._t(op)
         started = op.watch_started.pop((phase, peer), None)
+        op.checked_at.pop((phase, peer), None)
         if started is None or (phase, peer) in op.watch_fired:
             return
         parent = t.view.neighbours(peer).parent
         if parent is not None:
-            self.timeouts.observe((peer, parent, phase), now - started[0], started[1])
+            self.timeouts.observe((peer, parent, phase), now - started[0], started[1], started[2])
 
     def _heal_hold_s(self, t: _Tree) -> float:
         return float(min(self.cfg.heal_after_s * 2.0 ** max(0, t.up.failures - 1), self.cfg.max_heal_after_s))

@@ -1,17 +1,21 @@
-"""How long a backup node waits for a confirmation before it acts (pure: no clock inside).
+"""How long a backup node waits for a confirmation before it checks on the link (pure: no clock).
 
-`StaticTimeouts` is the thesis's single timeout. `AdaptiveTimeouts` learns, per watched link
-and phase, how long a confirmation normally takes, in the spirit of RFC 6298:
+A watch's deadline is what the link's own figures say the confirmation needs: the time to send
+what the sender had queued ahead of (and including) the watched frame at the rate the sender
+measured its uplink at (both stamped on META_*_SENT), with SLACK to spare, plus the latency
+that this explains nothing of, learnt per watched link and phase in the spirit of RFC 6298:
 
-    SRTT <- (1 - a) SRTT + a R,   RTTVAR <- (1 - b) RTTVAR + b |SRTT - R|,   a = 1/8, b = 1/4
-    deadline = min(max(SRTT + K RTTVAR, floor) * backoff, ceiling) + max(0, bytes - 4 MiB) / uplink
+    excess = elapsed - queued / rate
+    SRTT <- (1 - a) SRTT + a excess,   RTTVAR <- (1 - b) RTTVAR + b |SRTT - excess|,   a = 1/8, b = 1/4
+    deadline = min(max(SRTT + K RTTVAR, floor) * backoff, ceiling) + SLACK * queued / rate
 
-`bytes` is what the sender had queued (on all its links: they share its uplink) when it
-announced the data, and `uplink` Config.uplink_bytes_per_s (50 MB/s, a LAN); beyond one
-chunk, the allowance turns it into time to send it (both policies get it), so a large tensor, or many chunks queued
-behind each other, stretch the deadline instead of looking like a failure. Karn's rule: a
-watch that already fired gives no sample. A timeout doubles the backoff for that link and
-phase until a clean sample arrives.
+A sender that has not measured its uplink yet stamps rate 0: `Config.uplink_bytes_per_s` (a
+LAN's 50 MB/s unless the user gives their link's) stands in. A deadline that passes is not a
+failure: the watcher asks the sender whether its frame is still moving (protocol.py), and the
+answer, carrying fresh figures, re-arms the watch. So a low guess costs a small round trip,
+never a relay. That round trip has its own deadline (`check_s`), learnt from the answers.
+Karn's rule: a watch that needed a check gives no sample. A check that went unanswered doubles
+the backoff for that link and phase until a clean sample arrives.
 """
 
 from __future__ import annotations
@@ -28,102 +32,116 @@ class Phase(Enum):
 
 WatchKey = tuple[int, int, Phase]  # (sender, receiver, phase)
 
+SLACK = 1.5  # the queued bytes' time is stretched this much: rates wobble, links are shared
+CHECK_FLOOR_S = 0.5  # a check's answer is given at least this long: it and the check wait behind a little bulk data
 
-ALLOWANCE_FREE_BYTES = 4 * 1024 * 1024  # one default chunk: what learnt deadlines already cover
-ALLOWANCE_BYTES_PER_S = 50e6  # conservative: 7 workers on 2 cores move ~100 MB/s each way
 
-
-def queued_allowance_s(nbytes: int, bytes_per_s: float = ALLOWANCE_BYTES_PER_S) -> float:
-    """Extra patience for data queued ahead of the watched message, beyond one chunk, at the
-    sender's uplink pace (Config.uplink_bytes_per_s)."""
-    return max(0, nbytes - ALLOWANCE_FREE_BYTES) / bytes_per_s
+def transfer_s(nbytes: int, rate: float) -> float:
+    """Seconds to send `nbytes` at `rate` bytes per second."""
+    return max(0, nbytes) / rate
 
 
 class TimeoutPolicy(Protocol):
-    def deadline_s(self, key: WatchKey, nbytes: int) -> float: ...
+    def deadline_s(self, key: WatchKey, nbytes: int, rate: float) -> float: ...
 
-    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None: ...
+    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int, rate: float) -> None: ...
 
     def timed_out(self, key: WatchKey) -> None: ...
 
-    def longest_s(self) -> float:
-        """The longest deadline a watch would get now (before any queued-bytes allowance)."""
+    def check_s(self) -> float:
+        """How long a check's answer may take before the watcher acts."""
+
+    def observe_check(self, elapsed_s: float) -> None: ...
+
+
+@dataclass
+class _Rtt:
+    """RFC 6298's smoothed round trip and its variation."""
+
+    srtt: float
+    rttvar: float
+    backoff: float = 1.0
+    samples: int = 1
+
+    def add(self, r: float, alpha: float = 1 / 8, beta: float = 1 / 4) -> None:
+        self.rttvar = (1 - beta) * self.rttvar + beta * abs(self.srtt - r)
+        self.srtt = (1 - alpha) * self.srtt + alpha * r
+        self.backoff = 1.0
+        self.samples += 1
 
 
 @dataclass
 class StaticTimeouts:
-    """One fixed timeout for every watch (the thesis's scheme), plus time to send what the
-    sender had queued ahead beyond one chunk, so chunks of a large tensor queued behind each
-    other are not taken for lost."""
+    """One fixed timeout for every watch (the thesis's scheme), plus the time to send what the
+    sender had queued at its uplink's rate, so chunks queued behind each other are not taken
+    for lost."""
 
     timeout_s: float
-    bytes_per_s: float = ALLOWANCE_BYTES_PER_S
 
-    def deadline_s(self, key: WatchKey, nbytes: int) -> float:
-        return self.timeout_s + queued_allowance_s(nbytes, self.bytes_per_s)
+    def deadline_s(self, key: WatchKey, nbytes: int, rate: float) -> float:
+        return self.timeout_s + SLACK * transfer_s(nbytes, rate)
 
-    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
+    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int, rate: float) -> None:
         pass
 
     def timed_out(self, key: WatchKey) -> None:
         pass
 
-    def longest_s(self) -> float:
-        return self.timeout_s
+    def check_s(self) -> float:
+        return max(self.timeout_s, CHECK_FLOOR_S)
 
-
-@dataclass
-class _Estimate:
-    srtt: float
-    rttvar: float
-    backoff: float = 1.0
-    samples: int = 0
+    def observe_check(self, elapsed_s: float) -> None:
+        pass
 
 
 @dataclass
 class AdaptiveTimeouts:
-    """Per-(link, phase) deadlines learnt from how long confirmations take."""
+    """Per-(link, phase) deadlines: the queued bytes' time plus a learnt latency."""
 
-    initial_s: float = 0.5  # before any sample (RFC 6298 uses 1 s)
+    initial_s: float = 0.5  # the latency before any sample (RFC 6298 uses 1 s)
     floor_s: float = 0.08
-    ceiling_s: float = 2.0
+    ceiling_s: float = 2.0  # on the latency part: the queued bytes' time has no ceiling
     k: float = 4.0
-    alpha: float = 1 / 8
-    beta: float = 1 / 4
     max_backoff: float = 8.0
-    bytes_per_s: float = ALLOWANCE_BYTES_PER_S
-    _est: dict[WatchKey, _Estimate] = field(default_factory=dict)
+    _est: dict[WatchKey, _Rtt] = field(default_factory=dict)
+    _check: _Rtt | None = None
 
-    def deadline_s(self, key: WatchKey, nbytes: int) -> float:
-        est = self._est.get(key)
-        learnt = self.initial_s if est is None else est.srtt + self.k * est.rttvar
-        backoff = 1.0 if est is None else est.backoff
-        return float(min(max(learnt, self.floor_s) * backoff, self.ceiling_s)) + \
-            queued_allowance_s(nbytes, self.bytes_per_s)
-
-    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int) -> None:
-        r = max(0.0, elapsed_s)
+    def _latency_s(self, key: WatchKey) -> float:
         est = self._est.get(key)
         if est is None:
-            self._est[key] = _Estimate(srtt=r, rttvar=r / 2, samples=1)
-            return
-        est.rttvar = (1 - self.beta) * est.rttvar + self.beta * abs(est.srtt - r)
-        est.srtt = (1 - self.alpha) * est.srtt + self.alpha * r
-        est.backoff = 1.0
-        est.samples += 1
+            return min(self.initial_s, self.ceiling_s)
+        return float(min(max(est.srtt + self.k * est.rttvar, self.floor_s) * est.backoff, self.ceiling_s))
+
+    def deadline_s(self, key: WatchKey, nbytes: int, rate: float) -> float:
+        return self._latency_s(key) + SLACK * transfer_s(nbytes, rate)
+
+    def observe(self, key: WatchKey, elapsed_s: float, nbytes: int, rate: float) -> None:
+        excess = max(0.0, elapsed_s - transfer_s(nbytes, rate))
+        est = self._est.get(key)
+        if est is None:
+            self._est[key] = _Rtt(srtt=excess, rttvar=excess / 2)
+        else:
+            est.add(excess)
 
     def timed_out(self, key: WatchKey) -> None:
         est = self._est.get(key)
         if est is not None:
             est.backoff = min(est.backoff * 2, self.max_backoff)
 
-    def longest_s(self) -> float:
-        if not self._est:
-            return min(self.initial_s, self.ceiling_s)
-        return max(self.deadline_s(key, 0) for key in self._est)
+    def check_s(self) -> float:
+        est = self._check
+        if est is None:
+            return max(2 * self.initial_s, CHECK_FLOOR_S)
+        return float(min(max(est.srtt + self.k * est.rttvar, CHECK_FLOOR_S), 2 * self.ceiling_s))
+
+    def observe_check(self, elapsed_s: float) -> None:
+        if self._check is None:
+            self._check = _Rtt(srtt=elapsed_s, rttvar=elapsed_s / 2)
+        else:
+            self._check.add(elapsed_s)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Current estimates, for status pages and tests."""
         return {f"{a}->{b} {p.value}": {"srtt_s": e.srtt, "rttvar_s": e.rttvar, "samples": e.samples,
-                                          "backoff": e.backoff, "deadline_s": self.deadline_s((a, b, p), 0)}
+                                          "backoff": e.backoff, "latency_s": self._latency_s((a, b, p))}
                 for (a, b, p), e in self._est.items()}

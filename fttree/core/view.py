@@ -5,6 +5,11 @@ slot, so a rank is no longer its heap position and the group can shrink or grow 
 new view. Op ids and wire headers carry the epoch: a message of another view never mixes into
 this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in slot r.
 
+The view also carries the group's pace: the uplink speed (bytes per second) that decides how a
+step is cut into chunks (Config.chunk_bytes_for), so every member cuts the same step the same
+way. It starts at `Config.uplink_bytes_per_s` and follows the members' measured uplinks through
+agreed view changes (membership.py, "Pace").
+
 Large steps spread their chunks over several trees (trees.py): tree 0 is the heap over
 `members`, the others heaps over other orders of the same members (`View.tree(t, family)`), in
 the same epoch.
@@ -25,11 +30,14 @@ from .trees import tree_order
 class View:
     epoch: int
     members: tuple[int, ...]  # members[slot] = rank; slot 0 is the root
+    pace: int = 0  # bytes per second the group's steps are cut into chunks for (0: Config.uplink_bytes_per_s)
     _slot: dict[int, int] = field(init=False, repr=False, compare=False)
     _neighbours: dict[int, Neighbours] = field(init=False, repr=False, compare=False)
     _trees: dict[tuple[str, int], View] = field(init=False, repr=False, compare=False)  # View.tree, built once
 
     def __post_init__(self) -> None:
+        if self.pace < 0:
+            raise ConfigError(f"view {self.epoch} pace must not be negative, got {self.pace}")
         if not self.members:
             raise ConfigError(f"view {self.epoch} has no members")
         if len(set(self.members)) != len(self.members) or min(self.members) < 0:
@@ -83,7 +91,7 @@ class View:
             return self
         found = self._trees.get((family, tree))
         if found is None:
-            found = self._trees[(family, tree)] = View(self.epoch, tree_order(family, tree, self.members))
+            found = self._trees[(family, tree)] = View(self.epoch, tree_order(family, tree, self.members), self.pace)
         return found
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
@@ -99,7 +107,7 @@ class View:
                     members[slot] = last
                 continue  # the member moved here may be gone too
             slot += 1
-        return View(epoch, tuple(members))
+        return View(epoch, tuple(members), self.pace)
 
     def subtree(self, rank: int) -> frozenset[int]:
         """Every rank in the subtree rooted at `rank`, itself included."""

@@ -15,7 +15,9 @@ gradient buckets share its window.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -24,7 +26,7 @@ from ..core.faults import FaultSchedule
 from ..core.messages import VIEW_KINDS, Message
 from .address import Address
 from .scheduler import Scheduler
-from .transport import LinkHealth, Transport, TransportEvents, TransportStatus
+from .transport import LinkHealth, LinkState, Transport, TransportEvents, TransportStatus
 
 
 class StepMarks:
@@ -73,6 +75,11 @@ class FaultyTransport:
         self.marks = marks or StepMarks()
         self._events: TransportEvents | None = None
         self._drops: Counter[int] = Counter()
+        self._lost_at: dict[int, float] = {}  # dst -> when the schedule last dropped a frame to it
+        self._delayed: Counter[int] = Counter()  # dst -> bytes held back by a delay rule, not yet sent
+        self._held = 0  # frames held back by a delay rule
+        self._released = asyncio.Event()  # set whenever none is held
+        self._released.set()
 
     # ---- as the inner transport's events ---------------------------------------------------
 
@@ -102,6 +109,10 @@ class FaultyTransport:
         assert self._events is not None
         return self._events.is_stale(msg)
 
+    def on_progress(self, peer: int) -> None:
+        assert self._events is not None
+        self._events.on_progress(peer)
+
     # ---- as a transport ----------------------------------------------------------------------
 
     def bind(self, events: TransportEvents) -> None:
@@ -120,11 +131,30 @@ class FaultyTransport:
             verdict = self.schedule.verdict(self.rank, dst, step)
             if verdict.drop:
                 self._drops[dst] += 1
+                self._lost_at[dst] = self.scheduler.now()
                 return
             if verdict.delay_s:
-                self.scheduler.call_later(verdict.delay_s, lambda: self.inner.send(dst, msg))
+                self._hold(dst, msg, verdict.delay_s)
                 return
         self.inner.send(dst, msg)
+
+    def _hold(self, dst: int, msg: Message, delay_s: float) -> None:
+        """Send `msg` after `delay_s`, as a far link would deliver it: held frames count as
+        queued (link_state, backlog_bytes) and close() waits for them, as it does for a
+        socket's unsent bytes."""
+        size = 0 if msg.payload is None else len(msg.payload)
+        self._delayed[dst] += size
+        self._held += 1
+        self._released.clear()
+
+        def release() -> None:
+            self._delayed[dst] -= size
+            self._held -= 1
+            if not self._held:
+                self._released.set()
+            self.inner.send(dst, msg)
+
+        self.scheduler.call_later(delay_s, release)
 
     def add_peer(self, rank: int, address: Address) -> None:
         self.inner.add_peer(rank, address)
@@ -133,7 +163,16 @@ class FaultyTransport:
         return self.inner.address_of(rank)
 
     def backlog_bytes(self, dst: int | None = None) -> int:
-        return self.inner.backlog_bytes(dst)
+        held = sum(self._delayed.values()) if dst is None else self._delayed.get(dst, 0)
+        return self.inner.backlog_bytes(dst) + held
+
+    def uplink_rate(self) -> float:
+        return self.inner.uplink_rate()
+
+    def link_state(self, peer: int) -> LinkState:
+        inner = self.inner.link_state(peer)
+        return inner._replace(pending_bytes=inner.pending_bytes + self._delayed.get(peer, 0),
+                              lost_at=max(inner.lost_at, self._lost_at.get(peer, -float("inf"))))
 
     def link_health(self, peer: int) -> LinkHealth:
         inner = self.inner.link_health(peer)
@@ -148,4 +187,7 @@ class FaultyTransport:
         return replace(inner, links=links, faults=str(self.schedule))
 
     async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
+        if not abort and self._held:  # frames a delay rule holds are on their way, not lost
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), self.schedule.longest_delay_s() + flush_s)
         await self.inner.close(flush_s, abort=abort)

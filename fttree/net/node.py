@@ -45,8 +45,9 @@ from ..core.membership import (
     MemberTimer,
     PeerDown,
     Stopped,
+    Uplink,
 )
-from ..core.messages import ELASTIC_KINDS, VIEW_KINDS, Kind, Message
+from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, VIEW_KINDS, Kind, Message
 from ..core.protocol import (
     AbortCode,
     Action,
@@ -115,6 +116,7 @@ class _Step:
     submitted: np.ndarray  # the caller's contribution: read, never written, until the step completes
     signature: str
     offsets: dict[int, int]
+    per_chunk: int  # elements a chunk (the last may be shorter): the same when the step runs again
     started: float  # monotonic, for the duration
     began: float  # the scheduler's clock, for the membership's silence checks
     results: dict[int, np.ndarray] = field(default_factory=dict)
@@ -171,6 +173,9 @@ class Node:
         self._hold_queue: list[Callable[[], None]] = []
         self._marked = False  # the caller marks training steps (boundary); else each step is one
         self.leaving = False
+        self._last_submitted = -1  # the newest step submitted here (DONE names it)
+        self._owed_done_acks: dict[int, int] = {}  # a finished peer -> its last step, which we still run
+        self._done_acked: dict[int, int] = {}  # peer -> the newest step it says it has an outcome of
         self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
         transport.bind(self)
 
@@ -251,6 +256,44 @@ class Node:
         log.info("rank %d joined view %d from step %d (training step %d)", self.rank, self.view.epoch,
                  *self.joined_at)
 
+    async def finish(self, limit_s: float) -> None:
+        """The job is over here: tell every member (DONE, with the last step submitted), then stay
+        until each of them is done too or has an outcome of that step (DONE_ACK), has left the
+        view, or `limit_s` passed. A member that is done is not a dead one: its peers stop
+        watching it instead of evicting it, and nobody closes while a slower peer may still
+        need its relay or result."""
+        if self.stopped is not None or not self.started:
+            return
+        self._do_member(self.membership.finish(self._last_submitted))
+        end = self.scheduler.now() + limit_s
+        while self.stopped is None and self.scheduler.now() < end:
+            waiting = self._not_done()
+            if not waiting:
+                return
+            self._quiet.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._quiet.wait(), min(0.1, max(0.0, end - self.scheduler.now())))
+        if self.stopped is None:
+            log.warning("rank %d: closing after %.0f s without hearing that ranks %s are done with step %d",
+                        self.rank, limit_s, self._not_done(), self._last_submitted)
+
+    def _not_done(self) -> list[int]:
+        """Members that may still need this rank for its last step: not finished themselves, and
+        without an outcome of that step yet."""
+        last = self._last_submitted
+        return [r for r in self.membership.view.members
+                if r != self.rank and r not in self.membership.done and self._done_acked.get(r, -1) < last]
+
+    def _ack_done(self) -> None:
+        """Tell finished peers, whose last step we have an outcome of now, that we need
+        nothing more of them for it: they may close."""
+        for peer, step in list(self._owed_done_acks.items()):
+            if self.stopped is not None or (step <= self._last_submitted and step not in self._steps
+                                            and not any(h[0] == step for h in self._held_back)):
+                del self._owed_done_acks[peer]
+                self.transport.send(peer, Message(kind=Kind.DONE_ACK, src=self.rank, epoch=self.view.epoch,
+                                                  step=step))
+
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
         return bool(self._steps) or bool(self._watches)
@@ -321,15 +364,19 @@ class Node:
 
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
                 contribute: bool = True) -> None:
-        per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes) // max(1, data.itemsize))
+        # cut as every member cuts it: at the view's pace (view.py)
+        per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, self.view.pace) // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
-                   started=self.scheduler.monotonic(), began=self.scheduler.now(), contribute=contribute)
+                   per_chunk=per_chunk, started=self.scheduler.monotonic(), began=self.scheduler.now(),
+                   contribute=contribute)
         self._steps[step] = st
+        self._last_submitted = max(self._last_submitted, step)
         if idle:
-            self.membership.set_deadline(self.machine.watch_deadline_s())
-            self._member(Busy(since=st.began))
+            self._member(Busy(since=st.began, step=step))
+        elif self.membership.done:
+            self._member(Busy(since=self.membership.busy_since, step=step))
         self._run(st)
 
     def _run(self, st: _Step) -> None:
@@ -337,9 +384,8 @@ class Node:
         st.results.clear()
         st.contributors = None
         st.epoch = self.view.epoch
-        per_chunk = max(1, self.cfg.chunk_bytes_for(st.submitted.nbytes) // max(1, st.submitted.itemsize))
         for chunk, start in st.offsets.items():
-            piece = st.submitted[start:start + per_chunk]
+            piece = st.submitted[start:start + st.per_chunk]
             self._handle(Submit(step=st.step, chunk=chunk, chunks=len(st.offsets), data=piece, signature=st.signature,
                                 contribute=st.contribute), raise_errors=True)
 
@@ -380,21 +426,36 @@ class Node:
         now = self.scheduler.now()
         if self.stopped is None:
             self._do_member(self.membership.heard(msg.src, now))
+        if msg.kind is Kind.DONE_ACK:
+            self._done_acked[msg.src] = max(self._done_acked.get(msg.src, -1), msg.step)
+            self._quiet.set()
+            return
         if msg.kind in VIEW_KINDS:
             self._member(ControlReceived(msg=msg))
+            if msg.kind is Kind.DONE:
+                self._owed_done_acks[msg.src] = msg.step
+                self._ack_done()
             return
-        if msg.epoch < self.view.epoch and self.stopped is None:
+        if msg.epoch < self.membership.view.epoch and self.stopped is None:
             self._do_member(self.membership.stale_sender(msg))
-        self._handle(Received(msg=msg))
+        if msg.kind in LINK_QUERY_KINDS:  # a backup node asks whether our frames to `target` get through
+            self._handle(Received(msg=msg, link=self.transport.link_state(msg.target)))
+        else:
+            self._handle(Received(msg=msg))
+
+    def on_progress(self, peer: int) -> None:
+        """Bytes of a large frame from `peer` are arriving: it is alive, whatever the frame."""
+        if self.started and self.stopped is None:
+            self._do_member(self.membership.heard(peer, self.scheduler.now()))
 
     def is_stale(self, msg: Message) -> bool:
-        if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP) or msg.kind in VIEW_KINDS
-                or msg.kind in ELASTIC_KINDS or msg.kind is Kind.JOIN_REPLY):
-            return False  # about links, views or committed results, not ops of this view
+        if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED) or msg.answer
+                or msg.kind in VIEW_KINDS or msg.kind in ELASTIC_KINDS or msg.kind is Kind.JOIN_REPLY):
+            return False  # about links, views or committed results; or answers about an op we let go of
         return msg.epoch < self.view.epoch or self.machine.is_retired(msg.op)
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
-        if not self.started:  # refusals while peers start up are expected
+        if not self.started or peer in self.membership.done:  # starting up, or finished: expected
             return
         self._handle(LinkDown(peer=peer, reason=reason))
         if refused:
@@ -467,7 +528,7 @@ class Node:
         elif msg.code == 1 and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             self._learn_addresses(msg.reason)
-            view = View(msg.epoch, msg.members)
+            view = View(msg.epoch, msg.members, msg.pace)
             self.machine = TreeMachine(self.rank, view, self.cfg)
             self.machine.start_at(msg.step)
             self.membership = Membership(self.rank, view, self.cfg)
@@ -492,15 +553,17 @@ class Node:
         self.membership.user_step = max(self.membership.user_step, user_step)
         while self._pending and user_step >= self._pending[0].activate_at:
             self._activate(self._pending.popleft(), first_step)
+            if self._pending:
+                self._do_all(self.machine.expect(self._pending[0].view, self.scheduler.now()))
 
     def _activate(self, inst: Installed, first_step: int) -> None:
-        log.warning("rank %d: view %d takes effect at step %d: %s joined", self.rank, inst.view.epoch, first_step,
-                    list(inst.joined))
+        log.warning("rank %d: view %d takes effect at step %d: %s", self.rank, inst.view.epoch, first_step,
+                    inst.reason)
         self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
         for r in inst.joined:
             self.transport.send(r, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=1, epoch=inst.view.epoch,
                                            members=inst.view.members, step=first_step, user_step=inst.activate_at,
-                                           reason=self._addresses(inst.view.members)))
+                                           pace=inst.view.pace, reason=self._addresses(inst.view.members)))
         for listener in self.view_listeners:
             listener(inst)
 
@@ -529,10 +592,20 @@ class Node:
 
     # ---- the tree machine's actions --------------------------------------------------------
 
+    def _report_uplink(self) -> None:
+        """Tell the membership what the transport measured of the uplink: if it is far from the
+        view's pace, a pace round follows (after a step, and while one runs: a first step behind
+        a slow uplink takes long)."""
+        rate = self.transport.uplink_rate()
+        if rate and rate != self.membership.rate:
+            self._member(Uplink(rate=rate))
+
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
         self._watches.discard(key)
         if key.kind in _MEMBER_TIMERS:
+            if key.kind is TimerKind.MEMBER_CHECK:
+                self._report_uplink()
             self._member(MemberTimer(key=key))
         else:
             self._handle(TimerFired(key=key))
@@ -562,16 +635,20 @@ class Node:
             self._quiet.set()
 
     def _stamp_backlog(self, msg: Message) -> Message:
-        """`msg` saying how much this worker had queued ahead of it, so observers' deadlines scale
-        with it: on every link, as they all leave through this worker's one uplink (the double
-        tree keeps up to five links busy at once). Only sends with a payload change that number,
+        """`msg` saying how much this worker had queued ahead of it and not yet acknowledged, and
+        how fast its uplink sends, so observers' deadlines scale with both: every link counts,
+        as they all leave through this worker's one uplink (the rotated trees keep several
+        links busy at once). Only sends with a payload change the first number,
         so it is counted once per run of metadata frames, and a frame the protocol sends to
         several observers is copied once."""
         stamped = self._stamped
         if stamped is not None and stamped[0] is msg:
             return stamped[1]
-        queued = self.transport.backlog_bytes() if stamped is None else stamped[1].queued_bytes
-        out = msg.but(queued_bytes=queued)
+        if stamped is None:
+            queued, rate = self.transport.backlog_bytes(), int(self.transport.uplink_rate())
+        else:
+            queued, rate = stamped[1].queued_bytes, stamped[1].rate
+        out = msg.but(queued_bytes=msg.queued_bytes if msg.answer else queued, rate=rate)
         self._stamped = (msg, out)
         return out
 
@@ -636,6 +713,7 @@ class Node:
             st.submitted[start:start + result.size] = result
         del self._steps[done.step]
         self._completed.append(done.step)
+        self._report_uplink()
         duration = self.scheduler.monotonic() - st.started
         self.step_durations.append((done.step, duration))
         for listener in self.step_listeners:
@@ -657,6 +735,10 @@ class Node:
         st.future.set_exception(cls(fail.step, fail.reason, peers=fail.peers))
 
     def _maybe_idle(self) -> None:
+        """A step finished here: a finished peer waiting for it may go; idle, the membership
+        stops looking for silent neighbours."""
+        if self._owed_done_acks:
+            self._ack_done()
         if not self._steps:
             self._member(Busy(since=None))
 
@@ -683,6 +765,8 @@ class Node:
                 case Installed() if action.activate_at >= 0:
                     self._pending.append(action)  # a join: the tree switches at that training step
                     self._evicted = ()
+                    if len(self._pending) == 1:  # the next to take effect: its early frames are handled
+                        self._do_all(self.machine.expect(action.view, self.scheduler.now()))
                     for r in action.joined:  # this process is that rank now: its repeated asks are not a restart
                         if r in self._candidates:
                             self._incarnations[r] = self._candidates.pop(r)
@@ -725,7 +809,7 @@ class Node:
         for listener in self.view_listeners:
             listener(inst)
         if self._steps:
-            self._member(Busy(since=min(st.began for st in self._steps.values())))
+            self._member(Busy(since=min(st.began for st in self._steps.values()), step=max(self._steps)))
 
     def _voided(self, step: int) -> None:
         """A step in flight had no result anywhere when the view changed: by policy, run it
@@ -759,4 +843,5 @@ class Node:
         self.stopped = reason
         self.machine.fence()
         self._fail_all(lambda step: GroupLeft(step, reason))
+        self._ack_done()
         self._hold(False)  # what waited for a join runs into GroupLeft now

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import struct
+import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -29,7 +30,8 @@ from ..core.buffers import BufferPool
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
 from ..errors import FrameError, PeerError
 from .address import Address, is_ip
-from .transport import LinkHealth, LinkStatus, TransportEvents, TransportStatus
+from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
+from .uplink import UplinkMeter, tcp_counters, unacked_bytes
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -64,6 +66,21 @@ def tcp_rtt_s(writer: Any) -> float | None:
     return float(struct.unpack_from("<I", info, 68)[0]) / 1e6  # tcpi_rtt, microseconds
 
 
+# The two connections to a peer (_OutLink), as a HELLO's `code` names them
+CONTROL, BULK = 0, 1
+CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 KiB: 0.13 s at 1 Mbit/s)
+SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
+MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
+SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
+# A connection is stalled (a cut, not a slow link) when bytes are outstanding, none has been
+# acknowledged for STALL_MIN_S and STALL_RTTS round trips, and the kernel has retransmitted in
+# vain STALL_RETRANSMITS times in a row (a lossy link gets most losses through at the first)
+STALL_MIN_S = 1.0
+STALL_RTTS = 4
+STALL_RETRANSMITS = 2
+
+FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
+PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
 HELLO_TIMEOUT_S = 10.0
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
@@ -84,24 +101,42 @@ class _LinkStats:
     last_error: str = ""
 
 
-class _OutLink:
-    """The outgoing half of one link: a queue and a writer task that owns the connection."""
+class _Channel:
+    """One outgoing connection to a peer, with its queue and its writer task.
 
-    def __init__(self, transport: TcpTransport, peer: int) -> None:
-        self.t = transport
-        self.peer = peer
+    Every peer has two (`_OutLink`): the control channel carries metadata, membership frames
+    and small payloads, and is never queued behind tensor data; the bulk channel carries the
+    large payloads, and writes them in slices while the rank's unacknowledged bulk bytes stay
+    within the uplink budget (uplink.py), so that what the control channel sends waits behind
+    little in the network's queues either."""
+
+    def __init__(self, link: _OutLink, *, bulk: bool) -> None:
+        self.t = link.t
+        self.peer = link.peer
+        self.bulk = bulk
         self.queue: deque[Message] = deque()
         self.queued_bytes = 0  # payload bytes in `queue`, kept as frames come and go
+        self.slices: deque[memoryview] = deque()  # what is left of the frame being written (bulk)
+        self.slice_bytes = 0
         self.wake = asyncio.Event()
         self.connected = asyncio.Event()
         self.idle = asyncio.Event()  # nothing queued and the last drain finished
         self.idle.set()
         self.writer: asyncio.StreamWriter | None = None
+        self.sock: socket.socket | None = None
         self.ever_connected = False
+        self.unreachable = False  # the last dial failed: close() does not wait for what is queued here
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
         self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
         self.eof_watch: asyncio.Task[None] | None = None
-        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"fttree-link-{peer}")
+        # acknowledgement progress of the current connection (uplink.py; Linux's SIOCOUTQ)
+        self.written = 0  # bytes handed to the connection
+        self.acked = 0  # of those, acknowledged by the peer
+        self.progress_at = 0.0  # when `acked` last grew, or bytes went out with none outstanding
+        self.stalled = False  # outstanding bytes, and no acknowledgement for the stall time
+        self.lost_at = -float("inf")  # when frames were last lost with a broken connection
+        name = f"fttree-link-{self.peer}" + ("-bulk" if bulk else "")
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=name)
 
     def peer_is_up(self) -> None:
         """The peer connected to us, so it listens: a redial waiting out its backoff (up to 1 s)
@@ -111,21 +146,49 @@ class _OutLink:
         if self.writer is None:
             self.retry_now.set()
 
-    def backlog_bytes(self) -> int:
-        """Bytes waiting to go out on this link: queued frames plus the socket's send buffer."""
-        queued = self.queued_bytes
-        if self.writer is not None:
-            queued += self.writer.transport.get_write_buffer_size()
-        return queued
+    # ---- what is outstanding -------------------------------------------------------------------
+
+    def outstanding(self) -> int:
+        """Bytes handed to the connection and not acknowledged by the peer (the event loop's
+        buffer and the kernel's); updates the acknowledgement progress on the way."""
+        writer = self.writer
+        if writer is None:
+            return 0
+        buffered = writer.transport.get_write_buffer_size()
+        in_kernel = None if self.sock is None else unacked_bytes(self.sock)
+        if in_kernel is None:  # no SIOCOUTQ: what left the event loop counts as delivered
+            in_kernel = 0
+        acked = self.written - buffered - in_kernel
+        if acked > self.acked:
+            self.acked = acked
+            self.progress_at = self.t.clock()
+            self.stalled = False
+        return buffered + in_kernel
+
+    def pending(self) -> int:
+        """Bytes for the peer not yet acknowledged: queued, mid-frame, or on the connection."""
+        return self.queued_bytes + self.slice_bytes + self.outstanding()
+
+    def _hand_over(self, bufs: list[bytes | memoryview]) -> None:
+        """Write `bufs` to the connection, counting them."""
+        assert self.writer is not None
+        if self.written == self.acked:  # nothing outstanding: the wait for acknowledgements starts now
+            self.progress_at = self.t.clock()
+        self.written += sum(len(b) for b in bufs)
+        self.writer.writelines(bufs)
+        self.t.busy()
+
+    # ---- sending -------------------------------------------------------------------------------
 
     def push(self, msg: Message) -> None:
-        if self.idle.is_set() and self._write_now(msg):
+        if self.idle.is_set() and not self.bulk and self._write_now(msg):
             return
         self.queue.append(msg)
         if msg.payload is not None:
             self.queued_bytes += len(msg.payload)
         self.idle.clear()
         self.wake.set()
+        self.t.busy()
 
     def _write_now(self, msg: Message) -> bool:
         """Write a frame at once when the link is idle: connected, nothing queued, the socket
@@ -136,7 +199,7 @@ class _OutLink:
         if (writer is None or self.t.closed or writer.transport.is_closing()
                 or writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES):
             return False
-        writer.writelines(self._encode_fresh(msg))
+        self._hand_over(self._encode_fresh(msg))
         if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
             # backed up: the writer task waits for the socket (with the stall deadline), and
             # until it has, the link is not idle: frames queue behind, and close() waits
@@ -164,16 +227,24 @@ class _OutLink:
                 t.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             t.stats[self.peer].last_error = f"connect to {addr}: {exc or type(exc).__name__}"
+            self.unreachable = True
             if isinstance(exc, ConnectionRefusedError):
                 t.events.on_link_down(self.peer, f"connection to {addr} refused", True)
             return False
         sock = writer.get_extra_info("socket")
+        self.sock = None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _bound_retransmissions(sock, t.stall_timeout_s)
-        for buf in encode(Message(kind=Kind.HELLO, src=t.rank, world=t.world)):
+            # asyncio hands out a wrapper whose ioctl and getsockopt still reach the socket
+            self.sock = cast(socket.socket, sock)
+        hello = Message(kind=Kind.HELLO, src=t.rank, world=t.world, code=BULK if self.bulk else CONTROL)
+        for buf in encode(hello):
             writer.write(buf)
         self.writer = writer
+        self.unreachable = False
+        self.written = self.acked = 0
+        self.stalled = False
         self.ever_connected = True
         t.stats[self.peer].connects += 1
         self.connected.set()
@@ -198,8 +269,14 @@ class _OutLink:
         stats.last_error = why
         log.info("rank %d: link to rank %d dropped: %s", self.t.rank, self.peer, why)
         if self.writer is not None:
+            if self.slices or self.outstanding():
+                self.lost_at = self.t.clock()  # what the connection still held is gone with it
             self.writer.transport.abort()
+        self.slices.clear()  # a frame cut short cannot go on over a new connection
+        self.slice_bytes = 0
         self.writer = None
+        self.sock = None
+        self.stalled = False
         self.connected.clear()
 
     def _drop_stale(self) -> None:
@@ -227,7 +304,7 @@ class _OutLink:
                     continue
             backoff = REDIAL_FIRST_S
             try:
-                await self._drain_queue()
+                await (self._drain_bulk() if self.bulk else self._drain_queue())
             except (OSError, TimeoutError, RuntimeError) as exc:
                 why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 self._drop_connection(why)
@@ -235,7 +312,7 @@ class _OutLink:
                     self.t.events.on_link_down(self.peer, why)
                 continue
             self.wake.clear()
-            if not self.queue:
+            if not self.queue and not self.t.closed:  # (closed: asyncio 3.11's wait_for may swallow a cancel)
                 self.idle.set()
                 await self.wake.wait()
 
@@ -261,7 +338,112 @@ class _OutLink:
                 for buf in self._encode_fresh(msg):
                     bufs.append(buf)
                     batch_bytes += len(buf)
-            writer.writelines(bufs)
+            self._hand_over(bufs)
+
+    async def _drain_bulk(self) -> None:
+        """Write queued frames in slices, each when the rank's in-flight budget has room for it:
+        bytes beyond the budget wait here, where they hold nothing up, instead of in the
+        kernel's or the network's queues, where a control frame would wait behind them."""
+        writer = self.writer
+        assert writer is not None
+        while True:
+            if writer.transport.is_closing():
+                raise ConnectionResetError(f"connection to rank {self.peer} was closed")
+            if not self.slices:
+                if not self.queue:
+                    if writer.transport.get_write_buffer_size():
+                        await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
+                    return
+                msg = self.queue.popleft()
+                if msg.payload is not None:
+                    self.queued_bytes -= len(msg.payload)
+                for buf in self._encode_fresh(msg):
+                    view = memoryview(buf).cast("B")
+                    self.slices.append(view)
+                    self.slice_bytes += len(view)
+                continue
+            room = min(self.t.channel_budget - self.outstanding(), SLICE_BYTES)
+            if room <= 0:
+                if self.t.clock() - self.progress_at > self.t.stall_timeout_s:
+                    raise TimeoutError(f"rank {self.peer} acknowledged nothing for {self.t.stall_timeout_s:g} s")
+                await asyncio.sleep(self.t.poll_s())
+                continue
+            bufs: list[bytes | memoryview] = []
+            while self.slices and room > 0:
+                head = self.slices[0]
+                if len(head) <= room:
+                    bufs.append(self.slices.popleft())
+                else:
+                    bufs.append(head[:room])
+                    self.slices[0] = head[room:]
+                taken = len(bufs[-1])
+                room -= taken
+                self.slice_bytes -= taken
+            self._hand_over(bufs)
+
+    def check_stall(self, now: float) -> bool:
+        """True when this channel has just been found stalled: bytes outstanding, no
+        acknowledgement for the stall time, and the kernel retransmitting in vain (a cut, not
+        a slow or lossy link: those acknowledge something every round trip or two)."""
+        if self.stalled or self.writer is None or self.written == self.acked or self.sock is None:
+            return False
+        counters = tcp_counters(self.sock)
+        rtt = 0.0 if counters is None else counters.rtt_s
+        if now - self.progress_at < max(STALL_MIN_S, STALL_RTTS * rtt):
+            return False
+        if counters is not None and counters.retransmits < STALL_RETRANSMITS:
+            return False
+        self.stalled = True
+        return True
+
+
+class _OutLink:
+    """Both outgoing channels to one peer; a frame takes the bulk one when its payload is large."""
+
+    def __init__(self, transport: TcpTransport, peer: int) -> None:
+        self.t = transport
+        self.peer = peer
+        self.control = _Channel(self, bulk=False)
+        self._bulk: _Channel | None = None  # opened for the first large payload
+
+    @property
+    def bulk(self) -> _Channel:
+        if self._bulk is None:
+            self._bulk = _Channel(self, bulk=True)
+        return self._bulk
+
+    @property
+    def channels(self) -> tuple[_Channel, ...]:
+        return (self.control,) if self._bulk is None else (self.control, self._bulk)
+
+    def push(self, msg: Message) -> None:
+        payload = msg.payload
+        if payload is not None and len(payload) > CONTROL_MAX_PAYLOAD:
+            self.bulk.push(msg)
+        else:
+            self.control.push(msg)
+
+    def peer_is_up(self) -> None:
+        for ch in self.channels:
+            ch.peer_is_up()
+
+    def backlog_bytes(self) -> int:
+        """Bytes for this peer not yet acknowledged by it: queued, or on a connection."""
+        return sum(ch.pending() for ch in self.channels)
+
+    def state(self) -> LinkState:
+        pending = self.backlog_bytes()  # brings each channel's acknowledgements up to date
+        now = self.t.clock()
+        stalled = [ch.check_stall(now) or ch.stalled for ch in self.channels]
+        return LinkState(pending_bytes=pending, stalled=any(stalled), lost_at=max(ch.lost_at for ch in self.channels))
+
+    @property
+    def connected(self) -> asyncio.Event:
+        return self.control.connected
+
+    @property
+    def writer(self) -> asyncio.StreamWriter | None:
+        return self.control.writer
 
 
 _LIVE: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # transports whose sockets a fork must not keep
@@ -316,6 +498,74 @@ class TcpTransport:
         self._server: asyncio.Server | None = None
         self._inbound: set[asyncio.Transport] = set()
         self.pool = BufferPool(keep=RECEIVE_BUFFERS)
+        self.meter = UplinkMeter()
+        self.channel_budget = self.meter.budget()  # in-flight bytes each busy bulk channel may have
+        self._sampler: asyncio.Task[None] | None = None
+        self._work = asyncio.Event()  # set while anything is queued or unacknowledged
+
+    def clock(self) -> float:
+        """The event loop's clock: what LinkState.lost_at and the stall times are measured on."""
+        return asyncio.get_running_loop().time()
+
+    # ---- the uplink: acknowledgements, stalls, the in-flight budget (uplink.py) -------------------
+
+    def busy(self) -> None:
+        """Bytes went out or were queued: sample the connections until all are acknowledged."""
+        self._work.set()
+        if self._sampler is None and not self.closed:
+            self._sampler = asyncio.get_running_loop().create_task(self._sample(), name=f"fttree-uplink-{self.rank}")
+
+    def poll_s(self) -> float:
+        """How long a bulk channel waits for room in its budget before it looks again."""
+        rate = self.meter.rate
+        return 0.002 if not rate else min(max(self.channel_budget / rate / 4, 0.002), 0.02)
+
+    def _channels(self) -> list[_Channel]:
+        return [ch for link in self._out.values() for ch in link.channels]
+
+    async def _sample(self) -> None:
+        """While anything is outstanding: read every connection's acknowledgements, feed the
+        meter the intervals in which the rank had more to send than its budget let out, split
+        the budget over the busy bulk channels, and report connections that stalled (their
+        peers' backup nodes then carry around them at once). Sleeps while all is acknowledged."""
+        loop = asyncio.get_running_loop()
+        backlogged = False
+        last = loop.time()
+        acked = 0
+        while not self.closed:
+            if not self._work.is_set():
+                backlogged = False
+                await self._work.wait()
+                last, acked = loop.time(), sum(ch.acked for ch in self._channels())
+            await asyncio.sleep(SAMPLE_S)
+            now = loop.time()
+            channels = self._channels()
+            pending = [ch.outstanding() for ch in channels]  # updates each channel's acked
+            total = sum(ch.acked for ch in channels)
+            waiting = [ch for ch in channels if ch.bulk and (ch.slices or ch.queue)]
+            if backlogged and waiting and total > acked and not any(ch.stalled for ch in channels):
+                self.meter.add(now - last, total - acked)  # (a stalled link says nothing of the uplink)
+            last, acked, backlogged = now, total, bool(waiting)
+            for ch, out in zip(channels, pending, strict=True):
+                if out and ch.sock is not None:
+                    counters = tcp_counters(ch.sock)
+                    if counters is not None and counters.min_rtt_s:
+                        self.meter.saw_rtt(counters.min_rtt_s)
+                if ch.check_stall(now):
+                    self.events.on_link_down(ch.peer, f"nothing acknowledged for {now - ch.progress_at:.1f} s "
+                                                      "while the kernel retransmits")
+            busy_bulk = sum(1 for ch, out in zip(channels, pending, strict=True)
+                            if ch.bulk and (out or ch.slices or ch.queue))
+            self.channel_budget = max(self.meter.budget() // max(1, busy_bulk), MIN_CHANNEL_BUDGET)
+            if not any(pending) and not any(ch.queue or ch.slices for ch in channels):
+                self._work.clear()
+
+    def uplink_rate(self) -> float:
+        return self.meter.rate
+
+    def link_state(self, peer: int) -> LinkState:
+        link = self._out.get(peer)
+        return LinkState() if link is None else link.state()
 
     def bind(self, events: TransportEvents) -> None:
         self._events = events
@@ -343,8 +593,8 @@ class TcpTransport:
         if self._server is not None and self._server.is_serving():
             found += list(self._server.sockets)
         found += [t.get_extra_info("socket") for t in self._inbound if not t.is_closing()]
-        found += [link.writer.get_extra_info("socket") for link in self._out.values()
-                  if link.writer is not None and not link.writer.transport.is_closing()]
+        found += [ch.writer.get_extra_info("socket") for link in self._out.values() for ch in link.channels
+                  if ch.writer is not None and not ch.writer.transport.is_closing()]
         fds = {sock.fileno() for sock in found if sock is not None}
         return {fd for fd in fds if fd >= 0}
 
@@ -370,8 +620,10 @@ class TcpTransport:
         self._link(dst).push(msg)
 
     def backlog_bytes(self, dst: int | None = None) -> int:
+        """Bytes queued or on a connection and not yet acknowledged by the peer (of every link:
+        those whose connection stalled excepted, as they hold nothing else up)."""
         if dst is None:
-            return sum(link.backlog_bytes() for link in self._out.values())
+            return sum(ch.pending() for link in self._out.values() for ch in link.channels if not ch.stalled)
         link = self._out.get(dst)
         return 0 if link is None else link.backlog_bytes()
 
@@ -409,40 +661,60 @@ class TcpTransport:
                             peers=tuple(missing))
 
     async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
-        """Stop, first giving queued frames up to `flush_s` to go out (a peer may still need
-        the last step's result or relay from us). With `abort`, as a killed process would:
-        nothing more goes out, every connection is reset and the listener is gone at once."""
-        busy = [] if abort else [link for link in self._out.values()
-                                 if link.connected.is_set() and not link.idle.is_set()]
-        if busy:
-            waits = [asyncio.ensure_future(link.idle.wait()) for link in busy]
-            await asyncio.wait(waits, timeout=flush_s)
-            for w in waits:
-                w.cancel()
+        """Stop, first giving what is queued or unacknowledged time to reach the peers (a peer
+        may still need the last step's result or relay from us): `flush_s`, or longer while it
+        moves, up to twice its time at the measured uplink rate. With `abort`, as a killed
+        process would: nothing more goes out, every connection is reset and the listener is
+        gone at once."""
+        if not abort:
+            await self._flush(flush_s)
         self.closed = True
         if self._server is not None:
             self._server.close()
-        for link in self._out.values():
-            link.task.cancel()
-            if link.writer is not None:
+        channels = self._channels()
+        for ch in channels:
+            ch.task.cancel()
+            ch.wake.set()  # a writer whose cancel a finishing wait_for swallowed (asyncio 3.11) ends too
+            if ch.writer is not None:
                 if abort:
-                    link.writer.transport.abort()
+                    ch.writer.transport.abort()
                 else:
-                    link.writer.close()  # graceful: what the socket buffer holds still goes out
+                    ch.writer.close()  # graceful: what the socket buffer holds still goes out
         for inbound in list(self._inbound):
             inbound.abort()
-        tasks = [link.task for link in self._out.values()]
-        for link in self._out.values():
-            if link.eof_watch is not None:
-                link.eof_watch.cancel()
-                tasks.append(link.eof_watch)
+        tasks: list[asyncio.Task[None]] = [ch.task for ch in channels]
+        for ch in channels:
+            if ch.eof_watch is not None:
+                ch.eof_watch.cancel()
+                tasks.append(ch.eof_watch)
+        if self._sampler is not None:
+            self._sampler.cancel()
+            tasks.append(self._sampler)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _flush(self, flush_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            live = [ch for ch in self._channels() if not ch.stalled and not ch.unreachable]
+            pending = sum(ch.pending() for ch in live)
+            if not pending:
+                return
+            rate = self.meter.rate
+            limit = flush_s if not rate else max(flush_s, min(FLUSH_MAX_S, 2 * pending / rate))
+            if loop.time() - start >= limit:
+                log.info("rank %d: closing with %d bytes not acknowledged after %.1f s", self.rank, pending,
+                         loop.time() - start)
+                return
+            await asyncio.sleep(0.02)
 
     # ---- inbound ----------------------------------------------------------------------
 
     def _check_hello(self, hello: Message, peer_host: str) -> int:
         if hello.kind != Kind.HELLO:
             raise FrameError(f"first frame is {hello.kind.name}, expected HELLO")
+        if hello.code not in (CONTROL, BULK):
+            raise FrameError(f"HELLO names connection kind {hello.code}, expected {CONTROL} (control) or {BULK} (bulk)")
         # a grown group's joiner knows more ranks than the first start did: it says so in `world`
         limit = max(self.world, hello.world)
         src = hello.src
@@ -480,6 +752,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
+        self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -514,6 +787,7 @@ class _Inbound(asyncio.BufferedProtocol):
             if self.payload is not None:
                 self.payload_got += nbytes
                 if self.payload_got < len(self.payload):
+                    self._progress()
                     return
                 payload, self.payload = self.payload, None
                 self._frame(self.head, payload)
@@ -524,6 +798,13 @@ class _Inbound(asyncio.BufferedProtocol):
             self.t._frame_error(f"rank {self.src}" if self.src >= 0 else f"{self.peer[0]}:{self.peer[1]}", exc)
             if self.transport is not None:
                 self.transport.abort()
+
+    def _progress(self) -> None:
+        """Part of a payload arrived: the sender is alive (told at most every PROGRESS_EVERY_S)."""
+        now = time.monotonic()
+        if now - self.progress_at >= PROGRESS_EVERY_S and self.src >= 0:
+            self.progress_at = now
+            self.t.events.on_progress(self.src)
 
     def _parse(self) -> None:
         """Handle every whole frame in the scratch buffer; start reading a payload if one begins."""

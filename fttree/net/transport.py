@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from ..core.messages import Message
+from ..core.protocol import LinkState
 from .address import Address
+
+__all__ = ["LinkHealth", "LinkState", "LinkStatus", "Transport", "TransportEvents", "TransportStatus"]
 
 
 class TransportEvents(Protocol):
@@ -27,6 +30,10 @@ class TransportEvents(Protocol):
 
     def is_stale(self, msg: Message) -> bool:
         """May a queued frame be dropped unsent (its op finished here)?"""
+
+    def on_progress(self, peer: int) -> None:
+        """Bytes of a frame from `peer` are arriving (a large one takes seconds on a slow link):
+        whatever frame they belong to, they prove `peer` alive."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,7 +102,13 @@ class Transport(Protocol):
         """Where `rank` listens ("" if unknown): a joiner learns the members' addresses so."""
 
     def backlog_bytes(self, dst: int | None = None) -> int:
-        """Bytes queued on the link to `dst` (every link: None) and not yet on the wire."""
+        """Bytes queued on the link to `dst` (every link: None) and not yet acknowledged."""
+
+    def uplink_rate(self) -> float:
+        """This rank's measured uplink speed in bytes per second (0.0: not measured yet)."""
+
+    def link_state(self, peer: int) -> LinkState:
+        """Whether frames to `peer` are moving, as far as this end can tell."""
 
     def status(self) -> TransportStatus: ...
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.messages import Message, decode, encode
 from ..net.address import Address
-from ..net.transport import LinkHealth, LinkStatus, TransportEvents, TransportStatus
+from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .clock import SimClock
 
 Pair = tuple[int, int]
@@ -74,6 +74,14 @@ class MemoryTransport:
     def backlog_bytes(self, dst: int | None = None) -> int:
         return 0
 
+    def uplink_rate(self) -> float:
+        return 0.0
+
+    def link_state(self, peer: int) -> LinkState:
+        net = self.network
+        return LinkState(pending_bytes=net.in_flight.get((self.rank, peer), 0),
+                         lost_at=net.lost_at.get((self.rank, peer), -float("inf")))
+
     def link_health(self, peer: int) -> LinkHealth:
         counts = self.counts.get(peer)
         return LinkHealth() if counts is None else LinkHealth(frames_sent=counts.frames_sent)
@@ -101,6 +109,8 @@ class MemoryNetwork:
         self._delay: dict[Pair, float] = {}
         self.crashed: set[int] = set()
         self._hung: dict[int, list[Message]] = {}  # rank -> frames waiting for it
+        self.lost_at: dict[tuple[int, int], float] = {}  # (src, dst) -> when a frame was last dropped
+        self.in_flight: defaultdict[tuple[int, int], int] = defaultdict(int)  # (src, dst) -> bytes on their way
 
     def transport(self, rank: int) -> MemoryTransport:
         t = self.transports[rank] = MemoryTransport(rank, self)
@@ -169,6 +179,7 @@ class MemoryNetwork:
         link = pair(src, dst)
         if link in self._cut or self.rng.random() < self._drop.get(link, 0.0):
             self.stats.dropped += 1
+            self.lost_at[(src, dst)] = self.clock.now()  # the sender's end knows what it lost
             return
         size = 0 if msg.payload is None else len(memoryview(msg.payload).cast("B"))
         self.stats.data_bytes += size
@@ -179,13 +190,16 @@ class MemoryNetwork:
             msg = decode(b"".join(bytes(b) for b in encode(msg)))
         copies = 2 if self.duplicate_p and self.rng.random() < self.duplicate_p else 1
         self.stats.duplicated += copies - 1
-        for _ in range(copies):
+        self.in_flight[(src, dst)] += size  # unacknowledged, as TCP would say, until the first copy lands
+        for copy in range(copies):
             delay = self.latency_s + self._delay.get(link, 0.0)
             if self.jitter_s:
                 delay += self.rng.uniform(0, self.jitter_s)
-            self.clock.call_later(delay, functools.partial(self._deliver, dst, msg))
+            self.clock.call_later(delay, functools.partial(self._deliver, dst, msg, size if copy == 0 else 0))
 
-    def _deliver(self, dst: int, msg: Message) -> None:
+    def _deliver(self, dst: int, msg: Message, acked: int = 0) -> None:
+        if acked:
+            self.in_flight[(msg.src, dst)] -= acked
         if dst in self.crashed or msg.src in self.crashed:  # a killed process's unsent data is lost with it
             return
         if dst in self._hung:

@@ -170,7 +170,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @click.option("--port", type=click.IntRange(1, 65535), default=29500, show_default=True,
               help="Port every worker listens on (each on its own address).")
 @click.option("--launch-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write peers.txt (default: a new temp dir).")
+              help="Where to write peers.txt and each worker's log, worker-R.log (default: a new temp dir).")
 @click.option("--real-faults", is_flag=True,
               help="Apply --faults with iptables (netem/ scripts) in a network namespace, not in-process. Needs root.")
 @click.option("--netns", default=None, metavar="NAME",
@@ -216,7 +216,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
 
         run_launch_cli(schedule, world, args, steps=steps, netns=netns, host_base=host_base, port=port,
                        launch_dir=launch_dir,
-                       deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s())
+                       deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
+                       verbose=click.get_current_context().find_root().params.get("verbose", 0))
         return
     from .realfaults import sigterm_as_interrupt
 
@@ -224,7 +225,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
             result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
                                 deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
-                                echo=click.echo, schedule=schedule)
+                                echo=click.echo, schedule=schedule,
+                                verbose=click.get_current_context().find_root().params.get("verbose", 0))
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     if not result.ok:

@@ -150,9 +150,9 @@ def cut_off(rule: FaultRule, rank: int, world: int) -> bool:
     return False
 
 
-def worker_command(rank: int, peers_file: Path, args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "fttree", "worker", "--rank", str(rank), "--peers", str(peers_file),
-            "--json", *args]
+def worker_command(rank: int, peers_file: Path, args: Sequence[str], verbose: int = 0) -> list[str]:
+    return [sys.executable, "-m", "fttree", *["-v"] * verbose, "worker", "--rank", str(rank), "--peers",
+            str(peers_file), "--json", *args]
 
 
 #: what a step line shows: data that went around a link, lost or by plan (link memory)
@@ -256,8 +256,11 @@ def _explain_exits(result: LaunchResult, stderr_lines: dict[int, list[str]], ech
 def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "127.0.0.1", port: int = 29500,
            launch_dir: Path | None = None, deadline_s: float = 600.0,
            echo: Callable[[str], None] = print, prefix: Sequence[str] = (),
-           schedule: FaultSchedule | None = None, driver: NodeFaultDriver | None = None) -> LaunchResult:
-    """Start n workers, stream their step lines, and return everything they reported.
+           schedule: FaultSchedule | None = None, driver: NodeFaultDriver | None = None,
+           verbose: int = 0) -> LaunchResult:
+    """Start n workers, stream their step lines, and return everything they reported. Each
+    worker's log (stderr; `verbose` as -v gives the workers) goes to worker-R.log in the launch
+    directory.
 
     `prefix` is put before each worker command (for example `ip netns exec NAME`). The crash and
     hang rules of `schedule` are carried out on the worker processes (SIGKILL, SIGSTOP/SIGCONT;
@@ -292,14 +295,16 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
 
     def pump_err(rank: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stderr is not None
-        for line in proc.stderr:
-            stderr_lines[rank].append(line.rstrip())
-            del stderr_lines[rank][:-20]
+        with open(workdir / f"worker-{rank}.log", "w") as log:
+            for line in proc.stderr:
+                log.write(line)
+                stderr_lines[rank].append(line.rstrip())
+                del stderr_lines[rank][:-20]
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         for rank in range(n):
-            cmd = [*prefix, *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)])]
+            cmd = [*prefix, *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)], verbose)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     start_new_session=True)
             procs[rank] = proc

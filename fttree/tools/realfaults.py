@@ -305,7 +305,7 @@ class RealFaultRun:
 def launch_with_real_faults(schedule: FaultSchedule, world: int, worker_args: Sequence[str], *, steps: int,
                             netns: str | None = None, host_base: str = "127.0.0.1", port: int = 29500,
                             launch_dir: Path | None = None, deadline_s: float = 600.0,
-                            echo: Callable[[str], None] = print) -> RealFaultRun:
+                            echo: Callable[[str], None] = print, verbose: int = 0) -> RealFaultRun:
     """`fttree launch` with the schedule applied by the kernel: workers in a namespace, rules
     installed and removed by the netem scripts at step boundaries."""
     for rule in schedule.rules:
@@ -323,18 +323,20 @@ def launch_with_real_faults(schedule: FaultSchedule, world: int, worker_args: Se
         with runner:
             result = launch(world, [*worker_args, *runner.worker_args()], steps=steps,
                             host_base=host_base, port=port, launch_dir=launch_dir, deadline_s=deadline_s, echo=echo,
-                            prefix=["ip", "netns", "exec", ns], schedule=schedule, driver=driver)
+                            prefix=["ip", "netns", "exec", ns], schedule=schedule, driver=driver, verbose=verbose)
         if runner.error is not None:
             raise RealFaultError(f"applying real faults failed: {runner.error}") from runner.error
         return RealFaultRun(result=result, netns=ns, applied=runner.applied)
 
 
 def run_launch_cli(schedule: FaultSchedule, world: int, worker_args: Sequence[str], *, steps: int,
-                   netns: str | None, host_base: str, port: int, launch_dir: Path | None, deadline_s: float) -> None:
+                   netns: str | None, host_base: str, port: int, launch_dir: Path | None, deadline_s: float,
+                   verbose: int = 0) -> None:
     """`fttree launch --real-faults`: errors become click errors, a failed run exit status 1."""
     try:
         run = launch_with_real_faults(schedule, world, worker_args, steps=steps, netns=netns, host_base=host_base,
-                                      port=port, launch_dir=launch_dir, deadline_s=deadline_s, echo=click.echo)
+                                      port=port, launch_dir=launch_dir, deadline_s=deadline_s, echo=click.echo,
+                                      verbose=verbose)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     except FTTreeError as exc:

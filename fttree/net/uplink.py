@@ -1,0 +1,115 @@
+"""What a rank's uplink carries: its speed, learnt from the bytes peers acknowledge, and how many
+bytes may be in flight so that nothing queues far behind data.
+
+Edge links are slow and their queues are deep (a home router holds seconds of data, and so does
+a kernel socket buffer that autotuning grew to 4 MB). TCP fills whatever queue it finds, so a
+ping, a confirmation or a view-change frame sent behind megabytes of tensor data waits seconds,
+and a slow link looks like a broken one. fttree therefore keeps every rank's unacknowledged bulk
+bytes near `rate x (min_rtt + QUEUE_TARGET_S)`: the link stays busy (a bandwidth-delay product
+plus a little) while a frame sent now waits about QUEUE_TARGET_S, whatever the rate.
+
+The rate is measured, never configured: bytes acknowledged per second over the intervals in
+which the rank had more to send than it was allowed to (so the figure is the link's, not the
+application's), the best slice of the last few seconds of such busy time. While the budget is
+what holds the rank back, the measured rate is the budget over the round trip, and the next
+budget is larger by (min_rtt + target) / min_rtt: it grows until the link, not the budget,
+limits the rate. Pure arithmetic here; the TCP transport feeds it what the kernel reports
+(`unacked_bytes`, `tcp_counters`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import socket
+import struct
+import termios
+from collections import deque
+from dataclasses import dataclass
+
+QUEUE_TARGET_S = 0.05  # how long a frame may wait behind bulk data this rank sent before it
+INITIAL_BUDGET_BYTES = 128 * 1024  # before any measurement: 0.1 s at 10 Mbit/s, nothing on a LAN
+MIN_BUDGET_BYTES = 64 * 1024  # one loopback packet (64 KiB MTU) must fit
+MAX_BUDGET_BYTES = 64 * 1024 * 1024
+SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
+WINDOW_SLICES = 10  # ... and is the best of this many newest slices
+
+
+@dataclass
+class UplinkMeter:
+    """Bytes per second this rank's uplink delivers, and the in-flight budget that follows.
+
+    Busy time is cut into slices of SLICE_S; the rate is the best slice of the newest
+    WINDOW_SLICES (BBR's bottleneck bandwidth is a windowed maximum for the same reason): a
+    slice in which a link stalled (a cut, a retransmission timeout) or the peer was slow to
+    read says little about the uplink, and must not pull the estimate down."""
+
+    min_rtt_s: float | None = None  # the least round trip seen on any link (None: unknown)
+
+    def __post_init__(self) -> None:
+        self._slices: deque[float] = deque(maxlen=WINDOW_SLICES)  # rates of the newest whole slices
+        self._busy_s = 0.0  # of the slice being filled
+        self._bytes = 0
+
+    def add(self, seconds: float, acked_bytes: int) -> None:
+        """`acked_bytes` were acknowledged over `seconds` during which this rank had more to send."""
+        if seconds <= 0:
+            return
+        self._busy_s += seconds
+        self._bytes += acked_bytes
+        if self._busy_s >= SLICE_S:
+            self._slices.append(self._bytes / self._busy_s)
+            self._busy_s, self._bytes = 0.0, 0
+
+    def saw_rtt(self, rtt_s: float) -> None:
+        if rtt_s > 0 and (self.min_rtt_s is None or rtt_s < self.min_rtt_s):
+            self.min_rtt_s = rtt_s
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second, or 0.0 before a whole slice was measured."""
+        return max(self._slices, default=0.0)
+
+    def budget(self) -> int:
+        """Bytes this rank may have sent and not yet acknowledged, over all its bulk links."""
+        rate = self.rate
+        if not rate:
+            return INITIAL_BUDGET_BYTES
+        wanted = rate * ((self.min_rtt_s or 0.0) + QUEUE_TARGET_S)
+        return int(min(max(wanted, MIN_BUDGET_BYTES), MAX_BUDGET_BYTES))
+
+
+# ---- what the kernel says about one TCP socket (Linux; elsewhere the fields are None) ---------
+
+_SIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_OUTQ = struct.Struct("i")
+
+
+def unacked_bytes(sock: socket.socket) -> int | None:
+    """Bytes written to `sock` that its peer has not acknowledged yet (sent or not), or None."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return None
+    return int(_OUTQ.unpack(raw)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class TcpCounters:
+    rtt_s: float  # smoothed round trip
+    min_rtt_s: float  # the least round trip seen (0.0 where the kernel does not say)
+    retransmits: int  # retransmission timeouts in a row without an acknowledgement
+
+
+def tcp_counters(sock: socket.socket) -> TcpCounters | None:
+    """The kernel's view of a connected TCP socket (Linux TCP_INFO), or None."""
+    if _TCP_INFO is None:
+        return None
+    with contextlib.suppress(OSError):
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 152)
+        if len(info) >= 72:
+            rtt = struct.unpack_from("<I", info, 68)[0] / 1e6
+            min_rtt = struct.unpack_from("<I", info, 148)[0] / 1e6 if len(info) >= 152 else 0.0
+            return TcpCounters(rtt_s=rtt, min_rtt_s=min_rtt, retransmits=info[2])
+    return None
