@@ -28,8 +28,8 @@ from typing import Any, cast
 
 from ..core.buffers import BufferPool
 from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
-from ..errors import FrameError, PeerError
-from .address import Address, is_ip
+from ..errors import ConfigError, FrameError, PeerError
+from .address import Address, is_ip, parse_address
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import UplinkMeter, tcp_counters, unacked_bytes
 
@@ -220,7 +220,11 @@ class _Channel:
         return bufs
 
     async def _connect(self) -> bool:
-        t, addr = self.t, self.t.addresses[self.peer]
+        t, addr = self.t, self.t.addresses.get(self.peer)
+        if addr is None:  # a rank that joined with us, whose address we learn from its HELLO or JOIN
+            t.stats[self.peer].last_error = f"the address of rank {self.peer} is not known yet"
+            self.unreachable = True
+            return False
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0), limit=STREAM_LIMIT),
@@ -238,7 +242,8 @@ class _Channel:
             _bound_retransmissions(sock, t.stall_timeout_s)
             # asyncio hands out a wrapper whose ioctl and getsockopt still reach the socket
             self.sock = cast(socket.socket, sock)
-        hello = Message(kind=Kind.HELLO, src=t.rank, world=t.world, code=BULK if self.bulk else CONTROL)
+        hello = Message(kind=Kind.HELLO, src=t.rank, world=t.world, code=BULK if self.bulk else CONTROL,
+                        reason=str(t.me))  # where we listen: a rank that joined with us may not know
         for buf in encode(hello):
             writer.write(buf)
         self.writer = writer
@@ -434,7 +439,8 @@ class _OutLink:
     def state(self) -> LinkState:
         pending = self.backlog_bytes()  # brings each channel's acknowledgements up to date
         now = self.t.clock()
-        stalled = [ch.check_stall(now) or ch.stalled for ch in self.channels]
+        # stalled: acknowledging nothing, or unable to connect at all with frames waiting
+        stalled = [ch.check_stall(now) or ch.stalled or (ch.unreachable and bool(ch.queue)) for ch in self.channels]
         return LinkState(pending_bytes=pending, stalled=any(stalled), lost_at=max(ch.lost_at for ch in self.channels))
 
     @property
@@ -604,6 +610,9 @@ class TcpTransport:
             return
         self.addresses[rank] = address
         self.stats.setdefault(rank, _LinkStats())
+        link = self._out.get(rank)
+        if link is not None:  # frames may wait for this address: dial now
+            link.peer_is_up()
 
     def address_of(self, rank: int) -> str:
         found = self.addresses.get(rank)
@@ -840,6 +849,9 @@ class _Inbound(asyncio.BufferedProtocol):
             self.src = t._check_hello(msg, self.peer[0])
             if self.hello_timer is not None:
                 self.hello_timer.cancel()
+            if self.src not in t.addresses and msg.reason:  # a rank that joined with us: where it listens
+                with contextlib.suppress(ValueError, ConfigError):
+                    t.add_peer(self.src, parse_address(msg.reason))
             link = t._out.get(self.src)
             if link is not None:
                 link.peer_is_up()
