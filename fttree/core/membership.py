@@ -64,7 +64,7 @@ survivors; never two. The plan travels flattened: step, holder, count, then that
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -327,10 +327,16 @@ class Membership:
         self._ping_rtt: tuple[float, float] | None = None  # (SRTT, RTTVAR) of answered pings
         self.done: dict[int, int] = {}  # members that finished their job -> their last step
         self.rate = 0.0  # this rank's measured uplink (Uplink events)
+        self._uplinks: dict[int, int] = {}  # member -> the uplink it reported (PACE, VIEW_PROMISE)
         self._pace_asked = -1  # the view in which this rank last asked for a pace round
         self._pace_wanted: dict[int, int] = {}  # coordinator: member -> the uplink it asked a pace round for
 
     # ---- public ------------------------------------------------------------------------------
+
+    @property
+    def heard_at(self) -> Mapping[int, float]:
+        """When bytes from each peer last arrived (a frame, or part of one): read only."""
+        return self._last_heard
 
     def heard(self, peer: int, now: float) -> list[MemberAction]:
         """Any frame from `peer`. The Node calls this for every frame: keep it cheap."""
@@ -377,6 +383,13 @@ class Membership:
                 for ballot, coordinator in waiting:
                     self._send_promise(ballot, coordinator, now, out)
         return out
+
+    @property
+    def slowest_uplink(self) -> float:
+        """The slowest uplink this rank knows of in the group (its own, and those members told
+        it: PACE, promises), bytes per second; 0.0 if none. A root's deadline allows for it."""
+        known = [r for m, r in self._uplinks.items() if m in self.view] + ([self.rate] if self.rate else [])
+        return float(min(known, default=0.0))
 
     def _target_pace(self) -> int:
         """The pace this rank's uplink calls for: its rate, never above the configured one (above
@@ -622,6 +635,8 @@ class Membership:
         r.promises[msg.src] = (msg.steps, msg.accepted, ViewValue.of(msg))
         r.user_steps[msg.src] = msg.training_step
         r.rates[msg.src] = msg.rate
+        if msg.rate > 0:
+            self._uplinks[msg.src] = msg.rate
         if self._expected(r) <= set(r.promises):
             self._propose(now, out)
 
@@ -902,7 +917,7 @@ class Membership:
             case Kind.DONE if msg.src in self.view:
                 self._on_done(msg, out)
             case Kind.PACE if msg.src in self.view and msg.rate > 0:
-                self._pace_wanted[msg.src] = msg.rate
+                self._pace_wanted[msg.src] = self._uplinks[msg.src] = msg.rate
                 self._maybe_pace_round(now, out)
             case Kind.VIEW_PREPARE:
                 self._on_prepare(msg, now, out)

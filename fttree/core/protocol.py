@@ -62,7 +62,7 @@ import numpy as np
 from .buffers import BufferPool
 from .config import Config
 from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
-from .timeouts import Phase, TimeoutPolicy
+from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
 from .view import View
@@ -79,6 +79,9 @@ OpId = tuple[int, int]  # (step, chunk)
 # A backup node acts on a watch only after this many checks went unanswered: one answer that
 # waited behind a slow uplink's data is not a dead sender.
 UNANSWERED_CHECKS = 2
+# The root's deadline is put off while the children it waits for send bytes, up to this many
+# times its length in all: a step is given up on for silence, not slowness, but never waits for ever.
+MAX_DEADLINE_EXTENSIONS = 20
 
 
 class TimerKind(Enum):
@@ -189,6 +192,8 @@ class Received:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimerFired:
     key: TimerKey
+    alive: frozenset[int] | None = None  # DEADLINE, ROOT_DEADLINE: peers whose bytes arrived lately
+    uplink: float = 0.0  # DEADLINE, ROOT_DEADLINE: this rank's measured uplink, bytes per second (0.0: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -407,6 +412,8 @@ class _Op:
     checked_at: dict[tuple[Phase, int], float] = field(default_factory=dict)  # a check asked, not answered yet
     delivered_told: dict[int, int] = field(default_factory=dict)  # observer -> times told our data was delivered
     delivered_heard: dict[tuple[Phase, int], int] = field(default_factory=dict)  # watch -> "delivered" answers
+    started: float = 0.0  # when it was submitted here
+    nbytes: int = 0  # our contribution's size
     sent_at: float = 0.0  # when our subtree sum went to the parent
     finished_at: float = 0.0  # when we took the result (and sent it to our children)
     rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
@@ -473,6 +480,12 @@ class TreeMachine:
             del self._ops[op_id]  # not retired: the step runs again under the same id
             if op.submitted:
                 out.append(Void(step=op.step, chunk=op.chunk))
+        voided = {a.step for a in out if isinstance(a, Void)}
+        if voided:
+            # Chunks of those steps that finished here before the change (behind a slow
+            # uplink a step's first chunks are done seconds before its last) were retired:
+            # they run again too. Late frames of the old view are dropped by their epoch.
+            self._retired -= {op_id for op_id in self._retired if op_id[0] in voided}
         self._replay_later(view, now, out)
         return out
 
@@ -541,8 +554,8 @@ class TreeMachine:
                 self._on_submit(event, now, out)
             case Received(msg=msg, link=link):
                 self._on_message(msg, now, out, link)
-            case TimerFired(key=key):
-                self._on_timer(key, now, out)
+            case TimerFired():
+                self._on_timer(event, now, out)
             case LinkDown(peer=peer, reason=reason):
                 self._on_link_down(peer, reason, now, out)
         return out
@@ -717,7 +730,8 @@ class TreeMachine:
                                                                     epoch=self.view.epoch, chunks=ev.chunks,
                                                                     tree=self.tree_of(ev.chunk, ev.chunks)))
         t = self._t(op)
-        op.submitted, op.signature, op.dtype = True, ev.signature, ev.data.dtype.str
+        op.submitted, op.signature, op.dtype, op.started = True, ev.signature, ev.data.dtype.str, now
+        op.nbytes = ev.data.nbytes
         op.own = op.acc = ev.data
         if ev.contribute:
             op.contributors.add(self.rank)
@@ -1299,7 +1313,8 @@ class TreeMachine:
 
     # ---- timers ------------------------------------------------------------------------
 
-    def _on_timer(self, key: TimerKey, now: float, out: list[Action]) -> None:
+    def _on_timer(self, event: TimerFired, now: float, out: list[Action]) -> None:
+        key = event.key
         if key.kind is TimerKind.PROBE:
             if key.chunk in (0, 1):
                 self._probe(self.trees[key.chunk], now, out)
@@ -1307,16 +1322,22 @@ class TreeMachine:
         op = self._ops.get((key.step, key.chunk))
         if op is None or op.epoch != key.epoch:
             return  # that op is gone, or it is the same step run again in a later view
+        if key.kind in (TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH) and op.epoch != self.view.epoch \
+                and op.epoch not in self._same_trees:
+            # a committed op of a view whose trees are gone (a member left): no link to watch
+            op.watch_started.pop((Phase.REDUCE if key.kind is TimerKind.REDUCE_WATCH else Phase.BCAST, key.peer), None)
+            return
         match key.kind:
             case TimerKind.REDUCE_WATCH:
                 self._reduce_watch_fired(op, key.peer, now, out)
             case TimerKind.BCAST_WATCH:
                 self._bcast_watch_fired(op, key.peer, now, out)
             case TimerKind.DEADLINE:
-                if not op.done:
+                if not op.done and not self._extended(op, event, self.cfg.step_timeout_s, now, out):
                     self._deadline(op, now, out)
             case TimerKind.ROOT_DEADLINE:
-                if not op.done and not op.reduce_sent:
+                if not op.done and not op.reduce_sent and not self._extended(op, event, self.cfg.root_give_up_s, now,
+                                                                                 out):
                     missing = tuple(sorted(set(self.view.members) - op.contributors
                                            - {r for m in op.early for r in m.contributors}))
                     waiting = sorted(set(self._t(op).me.children) - op.got_children)
@@ -1332,6 +1353,31 @@ class TreeMachine:
                     out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
                 else:
                     self._retire(op)
+
+    def _extended(self, op: _Op, event: TimerFired, base_s: float, now: float, out: list[Action]) -> bool:
+        """A step deadline gives up on silence, not on slowness: True (and the deadline moved on)
+        if the step's bytes may still be on their way. Behind 1 Mbit/s a 1.63 MB step takes
+        twenty seconds and more (a first step, cut for a LAN before a pace was agreed, three
+        times that). A deadline allows for three times the step's bytes at the slowest of the
+        group's pace, this rank's measured uplink and the slowest one members reported (`uplink`,
+        from the driver). The root's, which waits for its children's uplinks, is also put off
+        while a child it waits for sends tensor data (a silent child is evicted by the
+        membership), up to MAX_DEADLINE_EXTENSIONS times its length."""
+        key = event.key
+        pace = self.view.pace or self.cfg.uplink_bytes_per_s
+        rate = min(pace, event.uplink) if event.uplink > 0 else pace
+        end = op.started + base_s + SLACK * 3 * op.nbytes * op.chunks / rate
+        if now < end:
+            out.append(SetTimer(key=key, at=end))
+            return True
+        if key.kind is TimerKind.DEADLINE:
+            return False
+        waiting = [c for c in self._t(op).me.children if c not in op.got_children]
+        if not event.alive or now - op.started >= base_s * MAX_DEADLINE_EXTENSIONS \
+                or not any(c in event.alive for c in waiting):
+            return False
+        out.append(SetTimer(key=key, at=now + min(base_s, self.cfg.node_deadline_s)))
+        return True
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
         """No confirmation that `origin`'s sum reached its parent in time. First a check: ask the

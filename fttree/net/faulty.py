@@ -169,6 +169,7 @@ class FaultyTransport:
     def uplink_rate(self) -> float:
         return self.inner.uplink_rate()
 
+
     def link_state(self, peer: int) -> LinkState:
         inner = self.inner.link_state(peer)
         return inner._replace(pending_bytes=inner.pending_bytes + self._delayed.get(peer, 0),

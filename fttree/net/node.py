@@ -82,6 +82,7 @@ _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})
 _WATCH_TIMERS = frozenset({TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH})  # a peer may still need us
+_STEP_DEADLINES = frozenset({TimerKind.DEADLINE, TimerKind.ROOT_DEADLINE})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -176,6 +177,7 @@ class Node:
         self._last_submitted = -1  # the newest step submitted here (DONE names it)
         self._owed_done_acks: dict[int, int] = {}  # a finished peer -> its last step, which we still run
         self._done_acked: dict[int, int] = {}  # peer -> the newest step it says it has an outcome of
+        self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
         self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
         transport.bind(self)
 
@@ -426,6 +428,8 @@ class Node:
         now = self.scheduler.now()
         if self.stopped is None:
             self._do_member(self.membership.heard(msg.src, now))
+        if msg.payload is not None:
+            self._data_at[msg.src] = now
         if msg.kind is Kind.DONE_ACK:
             self._done_acked[msg.src] = max(self._done_acked.get(msg.src, -1), msg.step)
             self._quiet.set()
@@ -446,7 +450,9 @@ class Node:
     def on_progress(self, peer: int) -> None:
         """Bytes of a large frame from `peer` are arriving: it is alive, whatever the frame."""
         if self.started and self.stopped is None:
-            self._do_member(self.membership.heard(peer, self.scheduler.now()))
+            now = self.scheduler.now()
+            self._data_at[peer] = now
+            self._do_member(self.membership.heard(peer, now))
 
     def is_stale(self, msg: Message) -> bool:
         if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED) or msg.answer
@@ -592,6 +598,13 @@ class Node:
 
     # ---- the tree machine's actions --------------------------------------------------------
 
+    def _alive(self) -> frozenset[int]:
+        """Peers whose tensor data arrived within the node deadline (a frame or part of one):
+        their part of a step is on its way, slowly. A peer that only answers pings is alive
+        but not sending (it may have left the step)."""
+        recent = self.scheduler.now() - self.membership.node_deadline_s
+        return frozenset(peer for peer, at in self._data_at.items() if at >= recent)
+
     def _report_uplink(self) -> None:
         """Tell the membership what the transport measured of the uplink: if it is far from the
         view's pace, a pace round follows (after a step, and while one runs: a first step behind
@@ -607,6 +620,9 @@ class Node:
             if key.kind is TimerKind.MEMBER_CHECK:
                 self._report_uplink()
             self._member(MemberTimer(key=key))
+        elif key.kind in _STEP_DEADLINES:  # put off while the peers it waits for send bytes
+            rates = [r for r in (self.transport.uplink_rate(), self.membership.slowest_uplink) if r > 0]
+            self._handle(TimerFired(key=key, alive=self._alive(), uplink=min(rates, default=0.0)))
         else:
             self._handle(TimerFired(key=key))
 

@@ -72,9 +72,11 @@ CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 
 SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
 MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
 SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
-# A connection is stalled (a cut, not a slow link) when bytes are outstanding, none has been
-# acknowledged for STALL_MIN_S and STALL_RTTS round trips, and the kernel has retransmitted in
-# vain STALL_RETRANSMITS times in a row (a lossy link gets most losses through at the first)
+# A connection is stalled (a cut, not a slow or lossy link) when bytes are outstanding, no
+# acknowledgement of any kind came for STALL_MIN_S and STALL_RTTS round trips, and the kernel's
+# retransmission timer expired STALL_RETRANSMITS times in a row (0.2 + 0.4 s on a cut). A lossy
+# link's holes keep the cumulative acknowledgement still for a while too, but the packets behind
+# them are acknowledged (duplicates, SACKs): it is never silent that long.
 STALL_MIN_S = 1.0
 STALL_RTTS = 4
 STALL_RETRANSMITS = 2
@@ -394,9 +396,10 @@ class _Channel:
             return False
         counters = tcp_counters(self.sock)
         rtt = 0.0 if counters is None else counters.rtt_s
-        if now - self.progress_at < max(STALL_MIN_S, STALL_RTTS * rtt):
+        wait = max(STALL_MIN_S, STALL_RTTS * rtt)
+        if now - self.progress_at < wait:
             return False
-        if counters is not None and counters.retransmits < STALL_RETRANSMITS:
+        if counters is not None and (counters.retransmits < STALL_RETRANSMITS or counters.last_ack_s < wait):
             return False
         self.stalled = True
         return True
@@ -550,7 +553,7 @@ class TcpTransport:
             total = sum(ch.acked for ch in channels)
             waiting = [ch for ch in channels if ch.bulk and (ch.slices or ch.queue)]
             if backlogged and waiting and total > acked and not any(ch.stalled for ch in channels):
-                self.meter.add(now - last, total - acked)  # (a stalled link says nothing of the uplink)
+                self.meter.add(now - last, total - acked, now)  # (a stalled link says nothing of the uplink)
             last, acked, backlogged = now, total, bool(waiting)
             for ch, out in zip(channels, pending, strict=True):
                 if out and ch.sock is not None:

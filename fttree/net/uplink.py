@@ -10,7 +10,7 @@ plus a little) while a frame sent now waits about QUEUE_TARGET_S, whatever the r
 
 The rate is measured, never configured: bytes acknowledged per second over the intervals in
 which the rank had more to send than it was allowed to (so the figure is the link's, not the
-application's), the best slice of the last few seconds of such busy time. While the budget is
+application's), the best slice of the last half minute of such busy time. While the budget is
 what holds the rank back, the measured rate is the budget over the round trip, and the next
 budget is larger by (min_rtt + target) / min_rtt: it grows until the link, not the budget,
 limits the rate. Pure arithmetic here; the TCP transport feeds it what the kernel reports
@@ -29,37 +29,41 @@ from dataclasses import dataclass
 
 QUEUE_TARGET_S = 0.05  # how long a frame may wait behind bulk data this rank sent before it
 INITIAL_BUDGET_BYTES = 128 * 1024  # before any measurement: 0.1 s at 10 Mbit/s, nothing on a LAN
-MIN_BUDGET_BYTES = 64 * 1024  # one loopback packet (64 KiB MTU) must fit
+MIN_BUDGET_BYTES = 16 * 1024  # 0.13 s behind 1 Mbit/s
 MAX_BUDGET_BYTES = 64 * 1024 * 1024
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
-WINDOW_SLICES = 10  # ... and is the best of this many newest slices
+WINDOW_S = 30.0  # ... and is the best slice of this long ago or since
+MAX_SLICES = 256
 
 
 @dataclass
 class UplinkMeter:
     """Bytes per second this rank's uplink delivers, and the in-flight budget that follows.
 
-    Busy time is cut into slices of SLICE_S; the rate is the best slice of the newest
-    WINDOW_SLICES (BBR's bottleneck bandwidth is a windowed maximum for the same reason): a
-    slice in which a link stalled (a cut, a retransmission timeout) or the peer was slow to
-    read says little about the uplink, and must not pull the estimate down."""
+    Busy time is cut into slices of SLICE_S; the rate is the best slice of the last WINDOW_S
+    (BBR's bottleneck bandwidth is a windowed maximum for the same reason): a slice in which a
+    link stalled (a cut, a retransmission timeout) or a peer was slow to read says little about
+    the uplink, and must not pull the estimate down while the link's own figure is recent."""
 
     min_rtt_s: float | None = None  # the least round trip seen on any link (None: unknown)
 
     def __post_init__(self) -> None:
-        self._slices: deque[float] = deque(maxlen=WINDOW_SLICES)  # rates of the newest whole slices
+        self._slices: deque[tuple[float, float]] = deque()  # (when, rate) of the newest whole slices
         self._busy_s = 0.0  # of the slice being filled
         self._bytes = 0
 
-    def add(self, seconds: float, acked_bytes: int) -> None:
-        """`acked_bytes` were acknowledged over `seconds` during which this rank had more to send."""
+    def add(self, seconds: float, acked_bytes: int, now: float) -> None:
+        """`acked_bytes` were acknowledged over `seconds` (ending `now`) during which this rank
+        had more to send."""
         if seconds <= 0:
             return
         self._busy_s += seconds
         self._bytes += acked_bytes
         if self._busy_s >= SLICE_S:
-            self._slices.append(self._bytes / self._busy_s)
+            self._slices.append((now, self._bytes / self._busy_s))
             self._busy_s, self._bytes = 0.0, 0
+            while self._slices[0][0] < now - WINDOW_S or len(self._slices) > MAX_SLICES:
+                self._slices.popleft()
 
     def saw_rtt(self, rtt_s: float) -> None:
         if rtt_s > 0 and (self.min_rtt_s is None or rtt_s < self.min_rtt_s):
@@ -68,7 +72,7 @@ class UplinkMeter:
     @property
     def rate(self) -> float:
         """Bytes per second, or 0.0 before a whole slice was measured."""
-        return max(self._slices, default=0.0)
+        return max((rate for _at, rate in self._slices), default=0.0)
 
     def budget(self) -> int:
         """Bytes this rank may have sent and not yet acknowledged, over all its bulk links."""
@@ -100,6 +104,7 @@ class TcpCounters:
     rtt_s: float  # smoothed round trip
     min_rtt_s: float  # the least round trip seen (0.0 where the kernel does not say)
     retransmits: int  # retransmission timeouts in a row without an acknowledgement
+    last_ack_s: float  # since the last acknowledgement of any kind arrived (a lossy link's duplicates count)
 
 
 def tcp_counters(sock: socket.socket) -> TcpCounters | None:
@@ -111,5 +116,6 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
         if len(info) >= 72:
             rtt = struct.unpack_from("<I", info, 68)[0] / 1e6
             min_rtt = struct.unpack_from("<I", info, 148)[0] / 1e6 if len(info) >= 152 else 0.0
-            return TcpCounters(rtt_s=rtt, min_rtt_s=min_rtt, retransmits=info[2])
+            last_ack = struct.unpack_from("<I", info, 56)[0] / 1e3  # tcpi_last_ack_recv, ms
+            return TcpCounters(rtt_s=rtt, min_rtt_s=min_rtt, retransmits=info[2], last_ack_s=last_ack)
     return None

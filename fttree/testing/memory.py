@@ -77,6 +77,7 @@ class MemoryTransport:
     def uplink_rate(self) -> float:
         return 0.0
 
+
     def link_state(self, peer: int) -> LinkState:
         net = self.network
         return LinkState(pending_bytes=net.in_flight.get((self.rank, peer), 0),

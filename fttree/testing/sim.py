@@ -6,13 +6,15 @@ when a fault schedule is given, and a clock that is the shared `SimClock` seen t
 rank's eyes (a hung rank's timers wait; a crashed rank's never fire). The network speaks the
 fault language of the netem scripts and `--faults`: `cut`, `drop`, `delay`, `isolate`,
 `partition`, `heal`, `crash`, `hang`, `resume`, plus step-windowed schedules. Everything is
-seeded: a failing seed reproduces exactly.
+seeded: a failing seed reproduces exactly. Given `uplink` (bytes per second), the frames go
+through a ShapedNetwork instead (shaped.py): every rank's uplink at that rate, segments lost at
+the `loss` rate and sent again, and the fault language speaking of packets, as iptables does.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..net.scheduler import Handle
 from ..net.transport import Transport
 from .clock import SimClock
 from .memory import MemoryNetwork, WireStats
+from .shaped import ShapedNetwork
 
 Outcome = StepResult | BaseException
 
@@ -57,12 +60,18 @@ class SimNetwork:
 
     def __init__(self, world: int, *, config: Config | None = None, latency_s: float = 0.001,
                  jitter_s: float = 0.0, duplicate_p: float = 0.0, seed: int = 0, wire: bool = True,
-                 faults: FaultSchedule | str | None = None, **settings: Any) -> None:
+                 faults: FaultSchedule | str | None = None, uplink: float | Mapping[int, float] | None = None,
+                 loss: float = 0.0, **settings: Any) -> None:
         self.world = world
         self.config = Config.build(config, **settings)
         self.clock = SimClock()
-        self.wire = MemoryNetwork(self.clock, latency_s=latency_s, jitter_s=jitter_s, duplicate_p=duplicate_p,
-                                  seed=seed, wire=wire)
+        self.wire: MemoryNetwork | ShapedNetwork
+        if uplink is not None:  # bytes per second, every rank or one each: TCP behind real uplinks
+            self.wire = ShapedNetwork(self.clock, uplink=uplink, latency_s=latency_s, loss=loss, seed=seed,
+                                      wire=wire)
+        else:
+            self.wire = MemoryNetwork(self.clock, latency_s=latency_s, jitter_s=jitter_s, duplicate_p=duplicate_p,
+                                      seed=seed, wire=wire)
         self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults, world=world, seed=seed)
         view = View.initial(world)
         self.nodes: list[Node] = []
@@ -170,7 +179,14 @@ class SimNetwork:
         self._futures[key] = future
         future.add_done_callback(functools.partial(self._record, key))
         flat = np.array(data, copy=True).ravel()
-        self.run_as(rank, lambda: self.nodes[rank].submit(step, flat, sig, future))
+
+        def go() -> None:
+            transport = self.nodes[rank].transport
+            if isinstance(transport, FaultyTransport):  # as the API counts them: membership frames
+                transport.marks.next_step = max(transport.marks.next_step, step + 1)  # belong to this step
+            self.nodes[rank].submit(step, flat, sig, future)
+
+        self.run_as(rank, go)
         return future
 
     def submit_all(self, step: int, contributions: Sequence[np.ndarray]) -> None:
