@@ -220,6 +220,25 @@ def test_link_faults_never_evict_anyone(faults: str) -> None:
     assert all(n.membership.status().evicted_total == 0 for n in net.nodes)
 
 
+@pytest.mark.parametrize("victim", [5, 3])
+def test_a_crash_behind_a_cut_coordinator_link_keeps_the_cut_member(victim: int) -> None:
+    """Rank 1 cannot reach the coordinator (rank 0) directly when rank `victim` crashes: the
+    agreement's messages also go through a relay, so rank 1 promises and stays a member
+    (before, it was left out as one that did not answer the change in time)."""
+    net = SimNetwork(7, faults="cut 1-0", seed=3)
+    run = Run(net)
+    run.steps(2)
+    out = run.step(2, [(0.002, lambda: net.crash(victim))])
+    survivors_finished({r: o for r, o in out.items() if r != victim}, {victim})  # one result, on every survivor
+    expected = tuple(r for r in range(7) if r != victim)
+    for s in (3, 4):
+        out = run.step(s)
+        assert survivors_finished({r: o for r, o in out.items() if r != victim}, {victim}) == expected
+    assert net.nodes[1].view.members == net.nodes[0].view.members
+    assert 1 in net.nodes[0].view
+    assert net.nodes[1].stopped is None
+
+
 # ---- random schedules --------------------------------------------------------------------------
 
 KINDS = ("crash leaf", "crash interior", "crash root", "hang", "two crashes", "crash and a cut link")

@@ -76,6 +76,10 @@ from .view import View
 MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this
 PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
+#: the agreement's messages: each goes directly and through a relay (Membership._send)
+RELAYED_KINDS = frozenset(
+    {Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT}
+)
 SLOTS = 1 << 16  # ballot = round * SLOTS + (SLOTS - 1 - the coordinator's slot): later rounds, then earlier slots win
 
 
@@ -599,7 +603,31 @@ class Membership:
     def _to_all(self, msg: Message, out: list[MemberAction], but: tuple[int, ...] = ()) -> None:
         for r in self.view.members:
             if r != self.rank and r not in but:
-                out.append(Send(dst=r, msg=msg))
+                self._send(r, msg, out)
+
+    def _send(self, dst: int, msg: Message, out: list[MemberAction]) -> None:
+        """Send; a message of the agreement also goes a second way, through a relay, so that one
+        silent link between the coordinator and a member does not leave the member out."""
+        out.append(Send(dst=dst, msg=msg))
+        if msg.kind in RELAYED_KINDS:
+            relay = next((m for m in self.view.members if m not in (self.rank, dst) and m not in self._suspects
+                          and m not in self._gone), None)
+            if relay is not None:
+                out.append(Send(dst=relay, msg=msg.but(target=dst)))
+
+    def _relayed(self, msg: Message, out: list[MemberAction]) -> Message | None:
+        """A copy of an agreement message sent through this rank: pass it on (once: the copy
+        names its first sender in `origin`) and return None; or, relayed to this rank, the
+        message as its first sender sent it."""
+        if msg.origin >= 0:
+            if msg.target != self.rank or msg.origin not in self.view or msg.src not in self.view:
+                return None
+            return msg.but(src=msg.origin, origin=-1, target=-1)
+        if msg.target >= 0 and msg.target != self.rank:
+            if msg.target in self.view and msg.src in self.view:
+                out.append(Send(dst=msg.target, msg=msg.but(src=self.rank, origin=msg.src)))
+            return None
+        return msg
 
     # ---- the coordinator ----------------------------------------------------------------------
 
@@ -741,7 +769,11 @@ class Membership:
         if msg.epoch > self.view.epoch or self.rank in msg.missing:
             return  # we are behind, or the one being left out: the decision will tell us
         self._max_round = max(self._max_round, msg.ballot // SLOTS)
-        if msg.ballot <= self._promised:
+        if msg.ballot == self._promised and msg.src != self.rank:
+            if self._held is not None:  # the same PREPARE the second way: the same answer
+                self._send_promise(msg.ballot, msg.src, now, out)
+            return
+        if msg.ballot < self._promised:
             out.append(Send(dst=msg.src, msg=self._msg(Kind.VIEW_NACK, ballot=self._promised)))
             return
         if self._round is not None and msg.src != self.rank and msg.ballot > self._round.ballot:
@@ -776,7 +808,7 @@ class Membership:
         if coordinator == self.rank:
             self._on_promise(promise, now, out)
         else:
-            out.append(Send(dst=coordinator, msg=promise))
+            self._send(coordinator, promise, out)
 
     def _on_accept(self, msg: Message, now: float, out: list[MemberAction]) -> None:
         value = ViewValue.of(msg)
@@ -791,7 +823,7 @@ class Membership:
         if msg.src == self.rank:
             self._on_accepted(accepted, now, out)
         else:
-            out.append(Send(dst=msg.src, msg=accepted))
+            self._send(msg.src, accepted, out)
 
     def _on_nack(self, msg: Message, now: float, out: list[MemberAction]) -> None:
         if msg.proposed and msg.epoch < self.view.epoch:
@@ -909,6 +941,11 @@ class Membership:
     # ---- dispatch ------------------------------------------------------------------------------
 
     def _on_message(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        if msg.kind in RELAYED_KINDS:
+            relayed = self._relayed(msg, out)
+            if relayed is None:
+                return
+            msg = relayed
         match msg.kind:
             case Kind.PING:
                 out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
