@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fttree import StepResult
+from fttree.core.messages import Kind, Message
 from fttree.core.protocol import NoteKind
 from fttree.testing.sim import SimNetwork
 
@@ -186,3 +187,34 @@ def test_a_stopped_worker_is_evicted_within_the_node_deadline(mbit: float) -> No
     deadline = node.membership.node_deadline_s
     assert when[0] - stopped <= 1.5 * deadline + node.cfg.confirm_wait_s + 1.0, (when[0] - stopped, deadline)
     net.resume(4)
+
+
+# ---- what the transport may drop --------------------------------------------------------------
+
+
+def test_a_frame_is_worthless_only_once_its_view_was_replaced() -> None:
+    """The transport drops a queued frame the node calls stale (net/tcp.py). Behind a slow
+    uplink a child's share of the result waits in the bulk queue for seconds: a frame of an op
+    that finished here long ago, or of the view before a pace change (same members, the ops
+    run on), is still owed. Only a membership change voids the old view's frames."""
+    world, rate = 7, 10 * MBIT
+    net = SimNetwork(world, uplink=rate, wire=False)
+    run(net, world, MLP, 3)
+    node = net.nodes[0]
+    assert node.view.epoch >= 1, "the group agreed on a pace"
+    paced = node.view.epoch
+    finished = Message(kind=Kind.DATA_BCAST, src=0, epoch=paced, step=0, chunk=0)
+    before_pace = Message(kind=Kind.DATA_BCAST, src=0, epoch=paced - 1, step=0, chunk=0)
+    assert node.machine.is_retired(finished.op)
+    assert not node.is_stale(finished)
+    assert not node.is_stale(before_pace)
+    net.crash(6)
+    survivors = [r for r in range(world) if r != 6]
+    data = [np.full(1000, 1.0, dtype=np.float32) for _ in range(world)]
+    for r in survivors:
+        net.submit(r, 3, data[r])
+    net.run_until_finished(3, limit_s=120, ranks=survivors)
+    assert node.view.epoch > paced
+    assert 6 not in node.view
+    assert node.is_stale(finished)
+    assert node.is_stale(before_pace)

@@ -675,6 +675,11 @@ class TreeMachine:
             op.result_wire = (held, msg.dtype)
         return result
 
+    def is_past_epoch(self, epoch: int) -> bool:
+        """Are frames of view `epoch` out of date here? Those of an earlier view are, unless it
+        had these very members (a pace change): its ops run on, and their frames still count."""
+        return epoch < self.view.epoch and epoch not in self._same_trees
+
     def is_retired(self, op_id: OpId) -> bool:
         """Has this op finished here long enough ago that its messages are dropped?"""
         return op_id[0] < self._retired_floor or op_id in self._retired

@@ -458,7 +458,10 @@ class Node:
         if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED) or msg.answer
                 or msg.kind in VIEW_KINDS or msg.kind in ELASTIC_KINDS or msg.kind is Kind.JOIN_REPLY):
             return False  # about links, views or committed results; or answers about an op we let go of
-        return msg.epoch < self.view.epoch or self.machine.is_retired(msg.op)
+        # A frame of an op that finished here is still owed to its peer: behind a slow uplink a
+        # child's share of the result waits in the bulk queue for longer than the op lingers.
+        # Only a view change (its ops voided, run again under new ids) makes a frame worthless.
+        return self.machine.is_past_epoch(msg.epoch)
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
         if not self.started or peer in self.membership.done:  # starting up, or finished: expected
