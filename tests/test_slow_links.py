@@ -53,7 +53,7 @@ def assert_healthy(net: SimNetwork) -> None:
     for node in net.nodes:
         status = node.membership.status()
         assert status.evicted_total == 0
-        assert not status.suspects
+        assert status.suspicions_total == 0
         assert node.view.members == tuple(range(len(net.nodes)))
 
 

@@ -286,6 +286,7 @@ class MemberStatus:
     evictions: tuple[Eviction, ...]  # newest last
     evicted_total: int
     node_deadline_s: float
+    suspicions_total: int = 0  # neighbours this rank has suspected (each once per suspicion)
 
 
 class Membership:
@@ -319,6 +320,7 @@ class Membership:
         self._decided: tuple[int, ViewValue] | None = None  # the last change installed: (its base epoch, value)
         self._evictions: list[Eviction] = []
         self._evicted_total = 0
+        self._suspicions_total = 0
         self._told: dict[int, int] = {}  # left-out rank -> the view we told it about
         # joins and leaves
         self.user_step = -1  # the training step this rank is in (the node reports each boundary)
@@ -490,7 +492,7 @@ class Membership:
         return MemberStatus(state=self.state, epoch=self.view.epoch, reason=self.reason,
                             suspects={p: tuple(sorted(r)) for p, r in sorted(self._reports.items()) if r},
                             evictions=tuple(self._evictions), evicted_total=self._evicted_total,
-                            node_deadline_s=self.node_deadline_s)
+                            node_deadline_s=self.node_deadline_s, suspicions_total=self._suspicions_total)
 
     # ---- detection -----------------------------------------------------------------------------
 
@@ -538,6 +540,7 @@ class Membership:
         if peer in self._suspects:
             return
         self._suspects[peer] = why
+        self._suspicions_total += 1
         self._to_all(self._msg(Kind.SUSPECT, target=peer, code=1), out, but=(peer,))
         self._report(self.rank, peer, True, now, out)
 

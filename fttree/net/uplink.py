@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 QUEUE_TARGET_S = 0.05  # how long a frame may wait behind bulk data this rank sent before it
-INITIAL_BUDGET_BYTES = 128 * 1024  # before any measurement: 0.1 s at 10 Mbit/s, nothing on a LAN
+INITIAL_BUDGET_BYTES = 32 * 1024  # before any measurement: 0.26 s at 1 Mbit/s, nothing on a LAN
 MIN_BUDGET_BYTES = 16 * 1024  # 0.13 s behind 1 Mbit/s
 MAX_BUDGET_BYTES = 64 * 1024 * 1024
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...

@@ -126,6 +126,8 @@ def render(snap: Snapshot) -> str:
              [({"state": st}, int(snap.member_state == st)) for st in MEMBER_STATES])
     w.family("fttree_evictions_total", "counter", "Workers left out of a view since this worker started.",
              [({}, snap.evicted_total)])
+    w.family("fttree_suspicions_total", "counter", "Neighbours this worker suspected dead (refuted or not).",
+             [({}, snap.suspicions_total)])
     w.family("fttree_suspects", "gauge", "Workers suspected dead right now (not yet confirmed).",
              [({}, len(snap.suspects))])
     if snap.evictions:

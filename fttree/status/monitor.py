@@ -146,6 +146,7 @@ class Snapshot:
     suspects: dict[int, tuple[int, ...]]  # rank -> the ranks suspecting it now
     evictions: tuple[EvictionView, ...]  # newest last
     evicted_total: int
+    suspicions_total: int  # neighbours this worker suspected (a healthy group has none)
     node_deadline_s: float
     reruns: int
     address: str
@@ -193,6 +194,7 @@ class Snapshot:
             "membership": {"state": self.member_state, "stopped": self.stopped,
                            "suspects": {str(r): list(by) for r, by in self.suspects.items()},
                            "evictions": [asdict(e) for e in self.evictions], "evicted_total": self.evicted_total,
+                           "suspicions_total": self.suspicions_total,
                            "node_deadline_s": round(self.node_deadline_s, 3), "reruns": self.reruns},
             "address": self.address,
             "uptime_s": round(self.at - self.started_at, 3),
@@ -462,7 +464,8 @@ class Monitor:
             evictions=tuple(EvictionView(rank=e.rank, epoch=e.epoch, reason=e.reason,
                                          detected_after_s=e.detected_after_s, suspected_by=e.suspected_by)
                               for e in member.evictions),
-            evicted_total=member.evicted_total, node_deadline_s=member.node_deadline_s, reruns=status.reruns,
+            evicted_total=member.evicted_total, suspicions_total=member.suspicions_total,
+            node_deadline_s=member.node_deadline_s, reruns=status.reruns,
             address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
             trees=tuple(_tree_view(t) for t in status.machine.trees),

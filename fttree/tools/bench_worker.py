@@ -9,7 +9,7 @@ EOF): closing right after its last step could abort frames still queued for a sl
 
 Records (stdout, one JSON object per line): {"kind": "ready"}, then per step {"kind": "step",
 "rank", "step", "start", "end", "duration_s", "exact", "error", "events", "ranks", "epoch"}, then
-{"kind": "membership", "views", "evictions"} (the views installed here with the time each was,
+{"kind": "membership", "views", "evictions", "suspicions"} (the views installed here with the time each was,
 and what the membership layer says about each eviction) and {"kind": "done"}. `start`, `end` and
 the install times are time.monotonic(), one clock for every process on the machine, so they can
 be set against the moment the bench killed or stopped a worker (--node-gate-steps).
@@ -98,13 +98,16 @@ async def _call(fn: Any) -> Any:
     return fn()
 
 
-def _evictions(ar: Any) -> list[dict[str, Any]]:
-    """What this rank's membership layer knows of each eviction (read on the node's loop)."""
+def _membership(ar: Any) -> dict[str, Any]:
+    """What this rank's membership layer knows of each eviction, and how many neighbours it
+    suspected (read on the node's loop)."""
     import asyncio
 
     status = asyncio.run_coroutine_threadsafe(_call(ar.node.membership.status), ar._loop).result(timeout=10)
-    return [{"rank": e.rank, "epoch": e.epoch, "reason": e.reason, "detected_after_s": e.detected_after_s,
-             "suspected_by": list(e.suspected_by)} for e in status.evictions]
+    return {"evictions": [{"rank": e.rank, "epoch": e.epoch, "reason": e.reason,
+                           "detected_after_s": e.detected_after_s, "suspected_by": list(e.suspected_by)}
+                          for e in status.evictions],
+            "suspicions": status.suspicions_total}
 
 
 def _footprint(ar: Any) -> dict[str, int]:
@@ -224,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "events": notes.pop(step), "ranks": ranks, "epoch": epoch})
             if args.footprint_every and (step + 1) % args.footprint_every == 0:
                 emit({"kind": "footprint", "rank": args.rank, "step": step, "sizes": _footprint(ar)})
-        emit({"kind": "membership", "rank": args.rank, "views": list(views), "evictions": _evictions(ar)})
+        emit({"kind": "membership", "rank": args.rank, "views": list(views), **_membership(ar)})
         emit({"kind": "done", "rank": args.rank})
         if profiler is not None:
             _stop_profile(ar, profiler, args.profile)
