@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
+from ..core.config import Config
 from ..errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,8 +97,14 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--uplink", default="", metavar="RATE",
               help="Give every rank its own uplink of RATE (tc units: 100mbit, 1gbit): the runs go into a private "
                    "network namespace under netem/uplink.sh, gloo's ranks bound to their own addresses like fttree's; "
-                   "prints each rank's bytes per step against the 2N(p-1)/p bound. Only the size sweep runs "
-                   "(--sizes, --sweep-workers). Needs root, ip and tc.")
+                   "prints each rank's bytes per step against the 2N(p-1)/p bound and each fttree run's false "
+                   "events. fttree runs at its defaults (the sweep's policy: adaptive unless --sweep-policies says "
+                   "otherwise). Only the size sweep runs (--sizes, --sweep-workers). Needs root, ip and tc.")
+@click.option("--tuned", is_flag=True,
+              help="With --uplink: also run fttree with the timeouts derived from the declared rate, beside its "
+                   "defaults.")
+@click.option("--loss", type=click.FloatRange(min=0, max=50), default=0.0, metavar="PERCENT",
+              help="With --uplink: every rank's links drop this share of packets (netem/loss.sh), for gloo too.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
               help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
 @click.option("--trees", "trees_text", default="double,rotated", show_default=True, metavar="LIST",
@@ -112,8 +120,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
-          elastic: int | None, uplink: str, compression_text: str, trees_text: str, dry_run: bool, strict: bool,
-          out_dir: Path) -> None:
+          elastic: int | None, uplink: str, tuned: bool, loss: float, compression_text: str, trees_text: str,
+          dry_run: bool, strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -164,9 +172,14 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
             raise click.BadParameter(str(exc), param_hint="--uplink") from None
         # the Table 1-2 matrix (fault windows, the plain tree) is about timeouts, not bandwidth
         workers, plain, fig11_trials = "", False, 0
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("sweep_policies") is ParameterSource.DEFAULT:
+            sweep_policies = Config().timeout_policy  # what a user gets
+    elif tuned or loss:
+        raise click.UsageError("--tuned and --loss need --uplink")
 
     def family(text: str) -> str:
-        if text not in ("double", "rotated"):
+        if text not in ("double", "rotated", *(("single",) if uplink else ())):
             raise ValueError(f"unknown tree family {text!r}; the sweep adds double or rotated to the single tree")
         return text
 
@@ -185,7 +198,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
         link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,
         compressions=_split(compression_text, compression, "--compression"),
-        trees=_split(trees_text, family, "--trees"))
+        trees=_split(trees_text, family, "--trees"), tuned=tuned, loss=loss)
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
     runs, notes = b.plan(opts)
@@ -204,7 +217,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     if uplink:
         machine["uplink"] = uplink
     started = time.monotonic()
-    uplinks = b.Uplinks(uplink) if uplink else None
+    uplinks = b.Uplinks(uplink, loss=loss) if uplink else None
     from .realfaults import signals_raise
 
     exit_on_kill = signals_raise(lambda signum: SystemExit(128 + signum))  # tc limits, namespace, workers go
