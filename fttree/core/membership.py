@@ -74,6 +74,9 @@ from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .view import View
 
 MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this
+# A ping or its answer lost on a lossy link waits for TCP to send it again, and again if that is
+# lost too: the node deadline covers three tries (the timeout, then twice and four times it).
+RETRANSMIT_TRIES = 1 + 2 + 4
 PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
@@ -122,9 +125,11 @@ class MemberTimer:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Uplink:
-    """This rank's uplink, as its transport measured it (bytes per second)."""
+    """This rank's uplink, as its transport measured it (bytes per second), and the longest
+    retransmission timeout of its links to its neighbours (TCP's, without backoff)."""
 
     rate: float
+    retransmit_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,7 +191,16 @@ class Stopped:
     reason: str
 
 
-MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Suspected:
+    """This rank has begun to suspect `peer` (for the log: a suspicion on a healthy link is a
+    false event, and the reason says what the evidence was)."""
+
+    peer: int
+    reason: str
+
+
+MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold | Suspected
 
 
 # ---- the value agreed on -----------------------------------------------------------------------
@@ -331,6 +345,7 @@ class Membership:
         self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
         self._ping_since: dict[int, float] = {}  # silent neighbour -> when the first unanswered ping went
         self._ping_rtt: tuple[float, float] | None = None  # (SRTT, RTTVAR) of answered pings
+        self._retransmit_s = 0.0  # the longest retransmission timeout to a neighbour (Uplink events)
         self.done: dict[int, int] = {}  # members that finished their job -> their last step
         self.rate = 0.0  # this rank's measured uplink (Uplink events)
         self._uplinks: dict[int, int] = {}  # member -> the uplink it reported (PACE, VIEW_PROMISE)
@@ -380,8 +395,10 @@ class Membership:
                 self._on_timer(key, now, out)
             case ControlReceived(msg=msg):
                 self._on_message(msg, now, out)
-            case Uplink(rate=rate):
+            case Uplink(rate=rate, retransmit_s=retransmit_s):
                 self.rate = rate
+                self._retransmit_s = retransmit_s
+                self._set_node_deadline()
                 self._maybe_ask_pace(now, out)
             case Fenced(held=held):
                 self._held = held
@@ -466,7 +483,14 @@ class Membership:
             rttvar = 0.75 * rttvar + 0.25 * abs(srtt - r)
             srtt = 0.875 * srtt + 0.125 * r
         self._ping_rtt = (srtt, rttvar)
-        self.node_deadline_s = min(max(self.cfg.node_deadline_s, 2 * (srtt + 4 * rttvar)), MAX_NODE_DEADLINE_S)
+        self._set_node_deadline()
+
+    def _set_node_deadline(self) -> None:
+        """`node_deadline_s`, or more: twice what pings took to be answered (SRTT + 4 RTTVAR),
+        and three tries of a lost ping or answer on a lossy link."""
+        answered = 0.0 if self._ping_rtt is None else 2 * (self._ping_rtt[0] + 4 * self._ping_rtt[1])
+        self.node_deadline_s = min(max(self.cfg.node_deadline_s, answered, RETRANSMIT_TRIES * self._retransmit_s),
+                                   MAX_NODE_DEADLINE_S)
 
     def stale_sender(self, msg: Message) -> list[MemberAction]:
         """A frame of an older view: a rank not in ours missed the change that left it out (it
@@ -541,6 +565,7 @@ class Membership:
             return
         self._suspects[peer] = why
         self._suspicions_total += 1
+        out.append(Suspected(peer=peer, reason=why))
         self._to_all(self._msg(Kind.SUSPECT, target=peer, code=1), out, but=(peer,))
         self._report(self.rank, peer, True, now, out)
 

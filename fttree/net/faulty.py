@@ -169,6 +169,9 @@ class FaultyTransport:
     def uplink_rate(self) -> float:
         return self.inner.uplink_rate()
 
+    def retransmit_s(self, peer: int) -> float:
+        return self.inner.retransmit_s(peer)
+
 
     def link_state(self, peer: int) -> LinkState:
         inner = self.inner.link_state(peer)

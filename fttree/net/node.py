@@ -45,6 +45,7 @@ from ..core.membership import (
     MemberTimer,
     PeerDown,
     Stopped,
+    Suspected,
     Uplink,
 )
 from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, VIEW_KINDS, Kind, Message
@@ -175,6 +176,7 @@ class Node:
         self._marked = False  # the caller marks training steps (boundary); else each step is one
         self.leaving = False
         self._last_submitted = -1  # the newest step submitted here (DONE names it)
+        self._retransmit_s = 0.0  # the membership was last told this retransmission timeout
         self._owed_done_acks: dict[int, int] = {}  # a finished peer -> its last step, which we still run
         self._done_acked: dict[int, int] = {}  # peer -> the newest step it says it has an outcome of
         self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
@@ -613,8 +615,11 @@ class Node:
         view's pace, a pace round follows (after a step, and while one runs: a first step behind
         a slow uplink takes long)."""
         rate = self.transport.uplink_rate()
-        if rate and rate != self.membership.rate:
-            self._member(Uplink(rate=rate))
+        neighbours = self.membership.view.neighbours(self.rank).all if self.rank in self.membership.view else ()
+        retransmit = round(max((self.transport.retransmit_s(p) for p in neighbours), default=0.0), 3)
+        if (rate and rate != self.membership.rate) or retransmit != self._retransmit_s:
+            self._retransmit_s = retransmit
+            self._member(Uplink(rate=rate or self.membership.rate, retransmit_s=retransmit))
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
@@ -795,6 +800,8 @@ class Node:
                     self._hold(on)
                 case Stopped(state=state, reason=reason):
                     self._stopped(state, reason)
+                case Suspected(peer=peer, reason=reason):
+                    log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
 
     def _install(self, inst: Installed) -> None:
         log.warning("rank %d: view %d installed: %s; evicted %s (%s)", self.rank, inst.view.epoch,

@@ -107,6 +107,10 @@ class Transport(Protocol):
     def uplink_rate(self) -> float:
         """This rank's measured uplink speed in bytes per second (0.0: not measured yet)."""
 
+    def retransmit_s(self, peer: int) -> float:
+        """How long a frame lost on the way to `peer` waits before it is sent again (TCP's
+        retransmission timeout, without backoff; 0.0: frames are never lost)."""
+
     def link_state(self, peer: int) -> LinkState:
         """Whether frames to `peer` are moving, as far as this end can tell."""
 

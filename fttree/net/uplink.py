@@ -102,9 +102,19 @@ def unacked_bytes(sock: socket.socket) -> int | None:
 @dataclass(frozen=True, slots=True)
 class TcpCounters:
     rtt_s: float  # smoothed round trip
+    rttvar_s: float  # its variation (RFC 6298)
     min_rtt_s: float  # the least round trip seen (0.0 where the kernel does not say)
     retransmits: int  # retransmission timeouts in a row without an acknowledgement
     last_ack_s: float  # since the last acknowledgement of any kind arrived (a lossy link's duplicates count)
+
+
+RTO_MIN_S = 0.2  # Linux's least retransmission timeout
+
+
+def retransmit_timeout_s(counters: TcpCounters) -> float:
+    """TCP's retransmission timeout from its round-trip figures (RFC 6298, Linux's 200 ms
+    floor on the variation term), without the backoff of a link that is failing."""
+    return counters.rtt_s + max(4 * counters.rttvar_s, RTO_MIN_S)
 
 
 def tcp_counters(sock: socket.socket) -> TcpCounters | None:
@@ -115,7 +125,9 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 152)
         if len(info) >= 72:
             rtt = struct.unpack_from("<I", info, 68)[0] / 1e6
+            rttvar = struct.unpack_from("<I", info, 72)[0] / 1e6
             min_rtt = struct.unpack_from("<I", info, 148)[0] / 1e6 if len(info) >= 152 else 0.0
             last_ack = struct.unpack_from("<I", info, 56)[0] / 1e3  # tcpi_last_ack_recv, ms
-            return TcpCounters(rtt_s=rtt, min_rtt_s=min_rtt, retransmits=info[2], last_ack_s=last_ack)
+            return TcpCounters(rtt_s=rtt, rttvar_s=rttvar, min_rtt_s=min_rtt, retransmits=info[2],
+                               last_ack_s=last_ack)
     return None

@@ -77,6 +77,9 @@ class MemoryTransport:
     def uplink_rate(self) -> float:
         return 0.0
 
+    def retransmit_s(self, peer: int) -> float:
+        return 0.0  # whole frames, never lost in transit (a drop is a fault, not a loss TCP repairs)
+
 
     def link_state(self, peer: int) -> LinkState:
         net = self.network

@@ -128,6 +128,9 @@ class ShapedTransport:
     def uplink_rate(self) -> float:
         return self.network.uplinks[self.rank].meter.rate
 
+    def retransmit_s(self, peer: int) -> float:
+        return self.network.retransmit_s(self.rank, peer)
+
     def link_state(self, peer: int) -> LinkState:
         streams = [s for s in self.network.streams_of(self.rank) if s.dst == peer]
         for s in streams:
@@ -375,6 +378,13 @@ class ShapedNetwork:
         if seg.tries == 1:
             return rtt + 4 * seg.size / self.uplinks[seg.stream.src].rate + 0.002
         return float(min(max(RTO_MIN_S, 2 * rtt) * 2 ** (seg.tries - 2), RTO_MAX_S))
+
+    def retransmit_s(self, src: int, dst: int) -> float:
+        """The retransmission timeout of the link, without backoff (as the TCP transport reads it)."""
+        if not self.loss and pair(src, dst) not in self._drop:
+            return 0.0
+        rtt = 2 * (self.latency_s + self._delay.get(pair(src, dst), 0.0))
+        return float(max(RTO_MIN_S, 2 * rtt))
 
     def _retransmit(self, seg: _Segment) -> None:
         s = seg.stream
