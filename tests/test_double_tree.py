@@ -11,7 +11,6 @@ own tests (test_rotated_trees.py).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import click
@@ -23,7 +22,6 @@ from fttree.core import topology as topo
 from fttree.core.config import Config
 from fttree.core.messages import Kind, Message, decode, encode
 from fttree.core.protocol import Cause, NoteKind, TreeMachine
-from fttree.core.trees import tree_count, tree_of
 from fttree.core.view import View
 from fttree.errors import ConfigError, FrameError
 from fttree.status.cli import render as render_status
@@ -492,25 +490,3 @@ def test_workers_that_cut_a_step_differently_fail_it_naming_the_settings() -> No
     assert all(isinstance(o, StepAborted) for o in outs), outs
     assert any("uplink_bytes_per_s" in str(o) and "same on every worker" in str(o) for o in outs), outs
 
-
-@pytest.mark.parametrize("world", [3, 7, 15])
-@pytest.mark.parametrize(("elements", "pace"), [(407_050, 12.5e6), (407_050, 1.25e6), (4_194_304, 12.5e6),
-                                                (4_194_304, 0.0), (25_000_000, 0.0), (1_000, 0.0)])
-def test_every_tree_carries_as_many_chunks(world: int, elements: int, pace: float) -> None:
-    """Chunks are dealt over the trees in turn, so a count that is not a multiple of the trees
-    leaves some trees one more and their interior ranks more to send (behind 100 Mbit/s the
-    thesis MLP in 26 chunks over 7 rotated trees: the busiest rank 1.16x the bound). The count
-    is rounded up to a multiple of the trees, adding at most trees - 1 chunks."""
-    for family in ("rotated", "double", "single"):
-        cfg = Config(trees=family)
-        per_chunk = cfg.chunk_elements(elements, 4, pace, world)
-        chunks = -(-elements // per_chunk)
-        asked = cfg.chunk_bytes_for(elements * 4, pace) // 4
-        if -(-elements // asked) < 2:
-            assert per_chunk == asked  # one chunk: untouched
-            continue
-        trees = tree_count(family, world)
-        assert chunks % trees == 0, (family, chunks, trees)
-        assert elements // (-(-elements // asked) + trees - 1) <= per_chunk <= asked  # at most trees-1 more
-        per_tree = Counter(tree_of(family, c, chunks, world) for c in range(chunks))
-        assert len(set(per_tree.values())) == 1, per_tree

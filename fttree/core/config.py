@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
-from .trees import check_family, tree_count
+from .trees import check_family
 
 TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
@@ -161,19 +161,6 @@ class Config:
             return min(self.chunk_bytes, max(floor, per_chunk))
         floor = min(MIN_SLOW_SPLIT_CHUNK_BYTES if slow else MIN_SPLIT_CHUNK_BYTES, self.chunk_bytes)
         return min(self.chunk_bytes, max(floor, per_chunk))
-
-    def chunk_elements(self, size: int, itemsize: int, pace: float, world: int) -> int:
-        """Elements per chunk of a step of `size` elements in a view of `world` members: the
-        chunk size `chunk_bytes_for` gives, with the count of chunks rounded up to a multiple of
-        the trees they are dealt over, so that every tree carries as many and no rank's uplink
-        sends more than its share (behind 100 Mbit/s the thesis MLP went in 26 chunks over 7
-        rotated trees: the busiest rank sent 1.16x the 2N(p-1)/p bound)."""
-        per_chunk = max(1, self.chunk_bytes_for(size * itemsize, pace) // max(1, itemsize))
-        chunks = -(-size // per_chunk)
-        trees = tree_count(self.trees, world)
-        if chunks < 2 or trees < 2 or chunks % trees == 0:
-            return per_chunk
-        return max(1, -(-size // (-(-chunks // trees) * trees)))
 
     def make_timeouts(self) -> TimeoutPolicy:
         if self.timeout_policy == "adaptive":

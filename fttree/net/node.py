@@ -369,7 +369,8 @@ class Node:
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
                 contribute: bool = True) -> None:
         # cut as every member cuts it: at the view's pace (view.py)
-        per_chunk = self.cfg.chunk_elements(data.size, data.itemsize, self.view.pace, len(self.view.members))
+        # (never by the number of members: a step re-run after an eviction keeps its chunks)
+        per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, self.view.pace) // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
