@@ -344,6 +344,14 @@ class FTTreeAllreduce:
         return self.node.view if self.node is not None else View.initial(self.world)
 
     @property
+    def left_group(self) -> str | None:
+        """Why this rank is no longer in the group (the group went on without it, or its side
+        of a partition has no majority), or None while it is a member. A rank left out during
+        its last step may have delivered a result of that step that the group did not settle
+        on: check this after `close()`."""
+        return None if self.node is None else self.node.stopped
+
+    @property
     def joined_at(self) -> tuple[int, int] | None:
         """For a worker that joined a running group: (its first allreduce step, its first
         training step); None for a worker of the first start."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from fttree.tools.demo import StepRecord
 from fttree.tools.launch import LaunchResult, launch
 
 from .conftest import free_port
@@ -67,3 +68,38 @@ def test_far_links_stay_exact_to_the_last_step() -> None:
     result = launch(WORLD, ["--steps", str(steps), "--faults", delays, "--no-http"], steps=steps,
                     port=free_port(), deadline_s=200, echo=lines.append)
     assert_healthy(result, lines)
+
+
+# ---- the launch's verdict: one result per step, for every member of the view that settled it ---
+
+
+def _record(rank: int, step: int, digest: str, ranks: list[int], epoch: int, members: list[int]) -> StepRecord:
+    return StepRecord(rank=rank, step=step, duration_s=0.1, exact=True, contributors=len(ranks), ranks=ranks,
+                      epoch=epoch, members=members, digest=digest)
+
+
+def test_the_verdict_compares_the_members_that_settled_each_step() -> None:
+    """The issue's case: at the last step two healthy ranks were left out after they had the
+    7-contributor result, while the five others settled on a 5-contributor one. The five agree
+    (the guarantee holds), but two ranks left the group with no fault to explain it: the run
+    fails, naming them. A member of the settling view with another result breaks the
+    guarantee itself."""
+    five, seven = [0, 1, 2, 3, 4], list(range(7))
+    result = LaunchResult(world=7, steps=2)
+    for r in seven:
+        result.records[0][r] = _record(r, 0, "a", seven, 0, seven)
+        result.records[1][r] = (_record(r, 1, "b", seven, 0, seven) if r in (5, 6)
+                                else _record(r, 1, "c", five, 1, five))
+    assert result.all_exact()
+    assert result.deciding_members(1) == set(five)
+    assert result.agree()
+    assert result.departures() == [(5, 1), (6, 1)]
+    assert not result.ok
+    result.records[1][4] = _record(4, 1, "d", five, 1, five)  # a member of the settling view differs
+    assert not result.agree()
+    clean = LaunchResult(world=7, steps=1)
+    for r in seven:
+        clean.records[0][r] = _record(r, 0, "a", seven, 2, seven)  # a pace change: same members
+    assert clean.agree()
+    assert clean.departures() == []
+    assert clean.ok

@@ -158,6 +158,11 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
         raise click.ClickException(str(exc)) from None
     finally:
         ar.close()
+    if ar.left_group is not None and not leave_asked and not failed:
+        # left out after its last result: that result may not be the one the group settled on
+        click.echo(f"rank {rank}: the group went on without this rank after step {steps - 1}: "
+                   f"{ar.left_group}", err=True)
+        sys.exit(1)
     if failed:
         sys.exit(1)
 

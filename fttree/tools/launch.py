@@ -128,14 +128,35 @@ class LaunchResult:
                 return False
         return True
 
+    def deciding_members(self, step: int) -> set[int]:
+        """The members of the view that settled `step`: the newest view any counted worker
+        delivered the step in (a view change that reruns a step moves it to a later epoch)."""
+        done = [r for r in self.counted(step).values() if not r.error]
+        if not done:
+            return set()
+        newest = max(done, key=lambda r: r.epoch)
+        return set(newest.members)
+
     def agree(self) -> bool:
-        """Workers that finished a step got the same result and the same contributors."""
-        return all(len({(r.digest, tuple(r.ranks)) for r in self.counted(s).values() if not r.error}) <= 1
-                   for s in self.all_steps())
+        """The guarantee: every member of the view that settled a step delivered the same
+        result for it, with the same contributors."""
+        for s in self.all_steps():
+            members = self.deciding_members(s)
+            if len({(r.digest, tuple(r.ranks)) for rank, r in self.counted(s).items()
+                    if not r.error and rank in members}) > 1:
+                return False
+        return True
+
+    def departures(self) -> list[tuple[int, int]]:
+        """(rank, step) of every worker that delivered a step and is not in the view that
+        settled it, though no fault the schedule names explains it: the group left it out
+        (it may have delivered a result the group did not settle on)."""
+        return [(rank, s) for s in self.all_steps() if (members := self.deciding_members(s))
+                for rank, r in sorted(self.counted(s).items()) if not r.error and rank not in members]
 
     @property
     def ok(self) -> bool:
-        return (self.all_exact() and self.agree()
+        return (self.all_exact() and self.agree() and not self.departures()
                 and all(self.exit_codes.get(r, 0) == 0 for r in self.survivors))
 
 
@@ -356,5 +377,6 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
         if times:
             echo(f"{len(times)} steps done on {who}; median {statistics.median(times) * 1000:.1f} ms, "
                  f"max {max(times) * 1000:.1f} ms; all exact: {'yes' if result.all_exact() else 'NO'}"
-                 + ("" if result.agree() else "; RESULTS DIFFER between workers"))
+                 + ("" if result.agree() else "; RESULTS DIFFER between members")
+                 + "".join(f"; rank {r} left out of the group in step {s}" for r, s in result.departures()[:5]))
     return result
