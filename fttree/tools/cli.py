@@ -50,9 +50,9 @@ def _job_options(f: F) -> F:
                           "rotated (p trees: each rank sends the ring's 2N(p-1)/p bytes), double (the double "
                           "binary tree: 2N) or single (interior ranks send 3N).")(f)
     f = click.option("--uplink", default=None, metavar="RATE",
-                     help="The workers' uplink speed in tc units (100mbit, 1gbit), the same on every worker (the "
-                          "slowest uplink's): backup watches allow queued data to leave at this pace, and a step "
-                          "that would take over 100 ms a hop is pipelined in chunks (default: a LAN's 50 MB/s).")(f)
+                     help="A first guess of the workers' uplink speed in tc units (100mbit, 1gbit), the same on "
+                          "every worker; never needed: each worker measures its own, and the group agrees on a pace "
+                          "after the first step (default guess: a LAN's 50 MB/s).")(f)
     f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
