@@ -31,7 +31,7 @@ from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, de
 from ..errors import ConfigError, FrameError, PeerError
 from .address import Address, is_ip, parse_address
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from .uplink import UplinkMeter, retransmit_timeout_s, tcp_counters, unacked_bytes
+from .uplink import POLL_MIN_S, UplinkMeter, retransmit_timeout_s, tcp_counters, unacked_bytes
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -529,7 +529,7 @@ class TcpTransport:
     def poll_s(self) -> float:
         """How long a bulk channel waits for room in its budget before it looks again."""
         rate = self.meter.rate
-        return 0.002 if not rate else min(max(self.channel_budget / rate / 4, 0.002), 0.02)
+        return POLL_MIN_S if not rate else min(max(self.channel_budget / rate / 4, POLL_MIN_S), 0.02)
 
     def _channels(self) -> list[_Channel]:
         return [ch for link in self._out.values() for ch in link.channels]
@@ -572,7 +572,7 @@ class TcpTransport:
                 self._work.clear()
 
     def uplink_rate(self) -> float:
-        return self.meter.rate
+        return self.meter.link_rate
 
     def retransmit_s(self, peer: int) -> float:
         link = self._out.get(peer)

@@ -126,7 +126,7 @@ class ShapedTransport:
         return sum(s.outstanding for s in net.streams_of(self.rank) if (dst is None or s.dst == dst) and not s.stalled)
 
     def uplink_rate(self) -> float:
-        return self.network.uplinks[self.rank].meter.rate
+        return self.network.uplinks[self.rank].meter.link_rate
 
     def retransmit_s(self, peer: int) -> float:
         return self.network.retransmit_s(self.rank, peer)
