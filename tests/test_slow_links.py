@@ -79,18 +79,18 @@ def test_healthy_uplinks_at_defaults_run_at_the_links_speed(mbit: float, element
     assert {n.view.pace for n in net.nodes} == {net.nodes[0].view.pace}  # one pace, the same everywhere
 
 
-@pytest.mark.parametrize(("loss", "seed"), [(0.02, 1), (0.02, 2), (0.05, 3)])
+@pytest.mark.parametrize(("loss", "seed"), [(0.02, 1), (0.02, 2), (0.05, 3), (0.05, 4)])
 def test_lossy_uplinks_stay_exact_with_no_false_event(loss: float, seed: int) -> None:
     """Every link loses segments (netem/loss.sh); TCP sends them again. Holes hold a stream
-    up, but its later segments are acknowledged: never a stall, a relay or a suspicion."""
+    up, but its later segments are acknowledged, and a lost retransmission is rare: never a
+    stall, a relay or a suspicion, up to 5% loss. (Until stalls needed three retransmission
+    timeouts in a row and the node deadline covered three tries of a ping, 5% loss relayed.)"""
     world, rate = 7, 10 * MBIT
     net = SimNetwork(world, uplink=rate, loss=loss, wire=False, seed=seed)
     times = run(net, world, MLP, 6)
+    assert_healthy(net)
     if loss <= 0.02:
-        assert_healthy(net)
         assert times[-1] <= 1.3 * bound_s(MLP, world, rate), times
-    else:  # 5%: exact, and nobody suspected or evicted (a rare relay is bytes, not a failure)
-        assert all(n.membership.status().evicted_total == 0 for n in net.nodes)
 
 
 @pytest.mark.parametrize(("mbit", "delay_s"), [(10, 0.05), (100, 0.05), (100, 0.1)])
