@@ -467,7 +467,11 @@ def test_a_step_that_would_take_long_per_hop_is_pipelined_behind_a_slow_uplink()
     assert Config().chunk_bytes_for(16 * mib) == mib  # the LAN pace: 16 chunks of 1 MiB
     assert slow.chunk_bytes_for(16 * mib) == -(-16 * mib // 48)  # behind 100 Mbit/s: 48 chunks
     assert slow.chunk_bytes_for(6 * mib) == mib // 4  # ... of at least 256 KiB
-    assert slow.chunk_bytes_for(400 * mib) == slow.chunk_bytes  # never over chunk_bytes
+    assert slow.chunk_bytes_for(100_000_000) == int(12.5e6 * 0.05)  # a hop takes at most 50 ms: 160 chunks
+    assert slow.chunk_bytes_for(400 * mib) == 400 * mib // 512  # ... in at most 512 chunks
+    ten = Config(uplink_bytes_per_s=1.25e6)  # 10 Mbit/s: 16 MB in 269 chunks of 62.5 KB, not 48 of 350 KB
+    assert ten.chunk_bytes_for(16 * mib) == int(1.25e6 * 0.05)
+    assert Config(uplink_bytes_per_s=125e3).chunk_bytes_for(16 * mib) == 32 * 1024  # 1 Mbit/s: never under 32 KiB
     world = 7
     net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, uplink_bytes_per_s=12.5e6, trees="double")
     net.cut(5, 6)  # a primary link of tree 1 only: the MLP's chunks now use it

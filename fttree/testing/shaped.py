@@ -381,8 +381,6 @@ class ShapedNetwork:
 
     def retransmit_s(self, src: int, dst: int) -> float:
         """The retransmission timeout of the link, without backoff (as the TCP transport reads it)."""
-        if not self.loss and pair(src, dst) not in self._drop:
-            return 0.0
         rtt = 2 * (self.latency_s + self._delay.get(pair(src, dst), 0.0))
         return float(max(RTO_MIN_S, 2 * rtt))
 
