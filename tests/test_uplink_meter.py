@@ -44,3 +44,17 @@ def test_a_slow_link_is_measured_at_once(mbit: float) -> None:
     feed(meter, rate, 0.001, 4)
     assert meter.link_rate == pytest.approx(rate)
     assert meter.budget() == pytest.approx(max(rate * (0.001 + QUEUE_TARGET_S), 16 * 1024), rel=1e-3)
+
+
+def test_a_budget_that_holds_the_rank_back_grows_at_every_sample() -> None:
+    """The transport samples every 50 ms; on loopback a 1.63 MB step is busy for milliseconds,
+    so waiting for a whole 0.2 s slice kept the first budget for dozens of steps (1.63 MB steps
+    took 1.2x as long). While the budget is the limit, each sample grows it."""
+    meter = UplinkMeter()
+    meter.saw_rtt(50e-6)
+    budgets = [meter.budget()]
+    for i in range(3):
+        meter.add(0.05, int(meter.budget() / POLL_MIN_S * 0.05), 0.05 * (i + 1))
+        budgets.append(meter.budget())
+    assert all(b > 10 * a for a, b in zip(budgets[:2], budgets[1:3], strict=True)), budgets
+    assert meter.link_rate == 0.0

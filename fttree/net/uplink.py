@@ -62,14 +62,16 @@ class UplinkMeter:
             return
         self._busy_s += seconds
         self._bytes += acked_bytes
-        if self._busy_s >= SLICE_S:
-            rate = self._bytes / self._busy_s
-            # A budget acknowledged within a few round trips (or polls) was what held the rank
-            # back (on loopback 32 KB every 2 ms read as 16 MB/s): the figure is a lower bound,
-            # and the budget grows from it. Bytes the link held for longer queued: the link
-            # limited the rate.
-            cycle = max(self.min_rtt_s or 0.0, POLL_MIN_S)
-            self.link_limited = self.budget() / rate >= LIMITED_CYCLES * cycle
+        rate = self._bytes / self._busy_s
+        # A budget acknowledged within a few round trips (or polls) was what held the rank back
+        # (on loopback 32 KB every 2 ms read as 16 MB/s): the figure is a lower bound, and the
+        # budget grows from it at once, without waiting for a whole slice (on loopback a
+        # 1.63 MB step is busy for milliseconds: waiting for 0.2 s of it kept the budget small
+        # for dozens of steps). Bytes the link held for longer queued: the link limited the rate.
+        cycle = max(self.min_rtt_s or 0.0, POLL_MIN_S)
+        budget_limited = rate > 0 and self.budget() / rate < LIMITED_CYCLES * cycle
+        if self._busy_s >= SLICE_S or budget_limited:
+            self.link_limited = not budget_limited
             self._slices.append((now, rate))
             self._busy_s, self._bytes = 0.0, 0
             while self._slices[0][0] < now - WINDOW_S or len(self._slices) > MAX_SLICES:
