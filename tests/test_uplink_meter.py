@@ -3,6 +3,8 @@ budget that follows. Pure arithmetic: fed by hand here."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from fttree.net.uplink import INITIAL_BUDGET_BYTES, POLL_MIN_S, QUEUE_TARGET_S, SLICE_S, UplinkMeter
@@ -56,5 +58,5 @@ def test_a_budget_that_holds_the_rank_back_grows_at_every_sample() -> None:
     for i in range(3):
         meter.add(0.05, int(meter.budget() / POLL_MIN_S * 0.05), 0.05 * (i + 1))
         budgets.append(meter.budget())
-    assert all(b > 10 * a for a, b in zip(budgets[:2], budgets[1:3], strict=True)), budgets
+    assert all(b > 10 * a for a, b in itertools.pairwise(budgets)), budgets
     assert meter.link_rate == 0.0

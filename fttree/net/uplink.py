@@ -34,6 +34,7 @@ MAX_BUDGET_BYTES = 64 * 1024 * 1024
 POLL_MIN_S = 0.002  # a bulk channel waiting for room looks again this often, at the most
 LIMITED_CYCLES = 4  # a budget that took this many round trips (or polls) to drain was queued by the link
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
+RAMP_SLICE_S = 0.05  # ... or this much, while the budget is the limit (one sample of the transport's)
 WINDOW_S = 30.0  # ... and is the best slice of this long ago or since
 MAX_SLICES = 256
 
@@ -69,7 +70,8 @@ class UplinkMeter:
         # 1.63 MB step is busy for milliseconds: waiting for 0.2 s of it kept the budget small
         # for dozens of steps). Bytes the link held for longer queued: the link limited the rate.
         cycle = max(self.min_rtt_s or 0.0, POLL_MIN_S)
-        budget_limited = rate > 0 and self.budget() / rate < LIMITED_CYCLES * cycle
+        budget_limited = (self._busy_s >= RAMP_SLICE_S and rate > 0
+                          and self.budget() / rate < LIMITED_CYCLES * cycle)
         if self._busy_s >= SLICE_S or budget_limited:
             self.link_limited = not budget_limited
             self._slices.append((now, rate))
