@@ -27,6 +27,7 @@ from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .net.address import Address, parse_address, parse_peers
+from .net.credentials import Credentials, check_exposure
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
@@ -137,6 +138,8 @@ class FTTreeAllreduce:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.config = Config.build(config, **settings)
+        self.credentials = Credentials.from_key_file(self.config.auth_key_file)
+        check_exposure(self.credentials, known.values(), self.config.insecure)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)
         hangs = [str(r) for r in faults.node_faults() if r.kind is FaultKind.HANG]
@@ -218,7 +221,8 @@ class FTTreeAllreduce:
         scheduler = AsyncioScheduler(loop)
         cfg = self.config
         tcp = TcpTransport(self.rank, self._known, connect_timeout_s=cfg.connect_timeout_s,
-                           stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes)
+                           stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes,
+                           credentials=self.credentials)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
                          contact=self.contact)

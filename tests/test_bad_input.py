@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from fttree import ConfigError, FTTreeAllreduce, PeerError, StepAborted, TensorMismatch
-from fttree.core.messages import PREFIX, VERSION, Kind, Message, encode
+from fttree.core.messages import PREFIX, VERSION, Kind
 from fttree.errors import GroupLeft
 from fttree.net.address import parse_peers
 
 from .conftest import cluster, free_port, local_peers
+from .rawpeer import closed_by_peer, connect, handshake, hello_frame
 
 
 def _send_and_wait_closed(host: str, port: int, data: bytes, *, source: str = "127.0.0.100") -> None:
@@ -31,8 +32,8 @@ def _send_and_wait_closed(host: str, port: int, data: bytes, *, source: str = "1
             pass
 
 
-def _hello(rank: int, world: int) -> bytes:
-    return b"".join(bytes(b) for b in encode(Message(kind=Kind.HELLO, src=rank, world=world)))
+def _hello(rank: int, world: int, dst: int = 0, key: bytes = b"") -> bytes:
+    return hello_frame(rank, dst, world, key=key)[1]
 
 
 def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
@@ -43,7 +44,11 @@ def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
 @pytest.mark.parametrize(("make", "needle"), [
     (lambda: b"GET / HTTP/1.1\r\n\r\n", "bad frame magic"),
     (lambda: PREFIX.pack(b"FT", VERSION, 5, 1 << 40), "exceeds the limit"),
+    (lambda: PREFIX.pack(b"FT", VERSION, 5, 1 << 20), "before the handshake finished"),  # a payload, unproven
     (lambda: _hello(1, 3)[:-1] + b"\xc1", "not valid msgpack"),
+    (lambda: _raw({"k": int(Kind.DATA_REDUCE), "f": 1}), "before the handshake finished"),
+    (lambda: _hello(1, 3, dst=2), "dialled rank 2, but this is rank 0"),
+    (lambda: _hello(1, 3, key=b"another job's key 0123"), "a worker of job"),
     # a peer of a job of another size: its world may be a grown group's, but the address is wrong
     (lambda: _hello(1, 9), "claims rank 1, whose address is 127.0.0.2"),
     (lambda: _hello(-1, 3), "claims rank -1"),
@@ -51,24 +56,31 @@ def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
     (lambda: _hello(1, 3), "claims rank 1, whose address is 127.0.0.2"),  # sent from 127.0.0.100
 ])
 def test_garbage_on_the_wire_is_named_and_the_node_keeps_serving(make, needle: str) -> None:  # type: ignore[no-untyped-def]
+    """Before the handshake is done nothing but a handshake frame is read: anything else is
+    refused, named and counted, and the connection closed."""
     with cluster(3, timeout_s=0.3) as handles:
         node = handles[0].node
         assert node is not None
         addr = handles[0].peers[0]
         _send_and_wait_closed(addr.host, addr.port, make())
         status = node.status().transport
-        assert status.frame_errors == 1
+        assert status.refusals == 1
+        assert status.frame_errors == 0
         assert needle in status.last_frame_error
         futures = [h.allreduce_async(np.full(3, h.rank + 1.0)) for h in handles]
         assert all(np.array_equal(f.result(timeout=30), np.full(3, 6.0)) for f in futures)
 
 
-def test_unknown_kind_after_a_valid_hello_is_refused() -> None:
+def test_unknown_kind_after_a_valid_handshake_is_refused() -> None:
     with cluster(3, timeout_s=0.3) as handles:
         node = handles[0].node
         assert node is not None
         addr = handles[0].peers[0]
-        _send_and_wait_closed(addr.host, addr.port, _hello(1, 3) + _raw({"k": 77, "f": 1}), source="127.0.0.2")
+        with connect(addr.host, addr.port, source="127.0.0.2") as sock:
+            assert handshake(sock, 1)
+            sock.sendall(_raw({"k": 77, "f": 1}))
+            assert closed_by_peer(sock)
+        assert node.status().transport.frame_errors == 1
         last = node.status().transport.last_frame_error
         assert "unknown message kind 77" in last
         assert "rank 1" in last

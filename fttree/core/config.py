@@ -8,6 +8,7 @@ it. Durations are seconds, as floats, and their names end in `_s`; sizes are byt
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,11 @@ class Config:
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
     retired_memory: int = 8192  # ids of finished ops remembered to drop their late messages
 
+    # trust boundary (README "Security"): the job's shared key, read from this file by every
+    # worker; without one, only loopback addresses unless `insecure`
+    auth_key_file: str | os.PathLike[str] | None = None
+    insecure: bool = False  # run without a credential on addresses others can reach
+
     # transport
     startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start
     connect_timeout_s: float = 2.0
@@ -116,6 +122,10 @@ class Config:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         check_family(self.trees)
+        if self.auth_key_file is not None and not isinstance(self.auth_key_file, str | os.PathLike):
+            raise ConfigError(f"auth_key_file must be a path, got {self.auth_key_file!r}")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"insecure must be True or False, got {self.insecure!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
             raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 

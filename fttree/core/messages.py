@@ -24,8 +24,9 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 5  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
-#               5: a control and a bulk connection per peer, link progress queries, DONE
+VERSION = 6  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+#               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
+#               handshake (net/handshake.py)
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -83,6 +84,9 @@ class Kind(IntEnum):
     DONE = 32  # `src` finished its last step `step` and closes once its peers have finished too
     DONE_ACK = 33  # `src` has an outcome of step `step`: it needs nothing more of you for it
     PACE = 34  # to the coordinator: my uplink sends `rate` bytes per second, far from the view's pace
+    # the handshake (net/handshake.py): their frames have headers of their own, never a Message
+    CHALLENGE = 35  # the acceptor's nonce and its proof of the job's key
+    PROOF = 36  # the dialer's proof of the job's key
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})

@@ -72,13 +72,14 @@ from ..core.protocol import (
 )
 from ..core.view import View
 from ..errors import ConfigError, GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
+from . import handshake as hs
 from .address import Address, parse_address
 from .scheduler import Handle, Scheduler
 from .transport import Transport, TransportStatus
 
 log = logging.getLogger("fttree.net.node")
 
-CONTACT = -2  # the transport's key for a joiner's contact, whose rank it does not know yet
+CONTACT = hs.CONTACT  # the transport's key for a joiner's contact, whose rank it does not know yet
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..core.buffers import BufferPool
-from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Kind, Message, decode_header, decode_prefix, encode
+from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Message, decode_header, decode_prefix, encode
 from ..errors import ConfigError, FrameError, PeerError
+from . import handshake as hs
 from .address import Address, is_ip, parse_address
+from .credentials import Credentials
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import POLL_MIN_S, UplinkMeter, retransmit_timeout_s, tcp_counters, unacked_bytes
 
@@ -66,8 +68,7 @@ def tcp_rtt_s(writer: Any) -> float | None:
     return float(struct.unpack_from("<I", info, 68)[0]) / 1e6  # tcpi_rtt, microseconds
 
 
-# The two connections to a peer (_OutLink), as a HELLO's `code` names them
-CONTROL, BULK = 0, 1
+CONTROL, BULK = hs.CONTROL, hs.BULK  # the two connections to a peer (_OutLink), as the HELLO names them
 CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 KiB: 0.13 s at 1 Mbit/s)
 SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
 MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
@@ -246,10 +247,14 @@ class _Channel:
             _bound_retransmissions(sock, t.stall_timeout_s)
             # asyncio hands out a wrapper whose ioctl and getsockopt still reach the socket
             self.sock = cast(socket.socket, sock)
-        hello = Message(kind=Kind.HELLO, src=t.rank, world=t.world, code=BULK if self.bulk else CONTROL,
-                        reason=str(t.me))  # where we listen: a rank that joined with us may not know
-        for buf in encode(hello):
-            writer.write(buf)
+        refused = await self._handshake(reader, writer, addr)
+        if refused:
+            writer.transport.abort()
+            self.sock = None
+            t.stats[self.peer].last_error = refused
+            t.refused(f"dial {addr}", refused)
+            self.unreachable = True
+            return False
         self.writer = writer
         self.unreachable = False
         self.written = self.acked = 0
@@ -259,6 +264,32 @@ class _Channel:
         self.connected.set()
         self.eof_watch = asyncio.get_running_loop().create_task(self._watch_eof(reader, writer))
         return True
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: Address) -> str:
+        """Say who we are and whom we dial, check that the peer holds the job's key, and prove
+        that we do (handshake.py). '' once done; otherwise why the peer was refused."""
+        t = self.t
+        hello = hs.Hello(src=t.rank, dst=self.peer, world=t.world, channel=BULK if self.bulk else CONTROL,
+                         address=str(t.me), job=t.credentials.job, nonce=hs.new_nonce())
+        writer.write(hs.encode(hello))
+        try:
+            prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), HELLO_TIMEOUT_S)
+            head_len, payload_len = decode_prefix(prefix)
+            hs.check_prefix(head_len, payload_len)
+            answer = hs.decode(await asyncio.wait_for(reader.readexactly(head_len), HELLO_TIMEOUT_S))
+        except asyncio.IncompleteReadError:
+            return (f"rank {self.peer} at {addr} closed the connection during the handshake (a worker of another "
+                    f"job, with another key, or not rank {self.peer}?)")
+        except (OSError, TimeoutError) as exc:
+            return f"handshake with {addr}: {exc or type(exc).__name__}"
+        except FrameError as exc:
+            return f"handshake with {addr}: {exc}"
+        if not isinstance(answer, hs.Challenge) or (answer.src != self.peer and self.peer != hs.CONTACT):
+            return f"{addr} did not answer as rank {self.peer} does"
+        if not hs.verify(hs.accept_mac(t.credentials.key, hello, answer.nonce), answer.mac):
+            return f"rank {self.peer} at {addr} did not prove the job's key"
+        writer.write(hs.encode(hs.Proof(src=t.rank, mac=hs.dial_mac(t.credentials.key, hello, answer.nonce))))
+        return ""
 
     async def _watch_eof(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The peer never writes on our outgoing connection, so its end of file means its
@@ -491,7 +522,8 @@ class TcpTransport:
     def __init__(self, rank: int, addresses: Sequence[Address] | Mapping[int, Address], *,
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 credentials: Credentials | None = None) -> None:
         # a joiner that knows only itself and a contact passes {rank: address}
         self.addresses: dict[int, Address] = dict(addresses) if isinstance(addresses, Mapping) \
             else dict(enumerate(addresses))
@@ -502,8 +534,11 @@ class TcpTransport:
         self.max_payload_bytes = max_payload_bytes
         self.stats = {p: _LinkStats() for p in range(self.world) if p != rank}
         self.closed = False
+        self.credentials = credentials or Credentials()
         self.frame_errors = 0
         self.last_frame_error = ""
+        self.refusals = 0  # connections refused at the handshake (another job, no key, a wrong rank)
+        self._refusals_logged: set[tuple[str, str]] = set()
         self._events: TransportEvents | None = None
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
@@ -662,7 +697,8 @@ class TcpTransport:
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
                 errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
-                               frame_errors=self.frame_errors, last_frame_error=self.last_frame_error)
+                               frame_errors=self.frame_errors, last_frame_error=self.last_frame_error,
+                               refusals=self.refusals)
 
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable."""
@@ -730,23 +766,39 @@ class TcpTransport:
 
     # ---- inbound ----------------------------------------------------------------------
 
-    def _check_hello(self, hello: Message, peer_host: str) -> int:
-        if hello.kind != Kind.HELLO:
-            raise FrameError(f"first frame is {hello.kind.name}, expected HELLO")
-        if hello.code not in (CONTROL, BULK):
-            raise FrameError(f"HELLO names connection kind {hello.code}, expected {CONTROL} (control) or {BULK} (bulk)")
+    def check_hello(self, hello: hs.Hello, peer_host: str) -> None:
+        """Is this HELLO one we answer? FrameError naming what is wrong otherwise."""
+        if hello.protocol != hs.PROTOCOL:
+            raise FrameError(f"handshake protocol {hello.protocol} is not supported (this is {hs.PROTOCOL})")
+        if hello.job != self.credentials.job:
+            theirs = f"job {hello.job}" if hello.job else "a job without a key"
+            ours = f"job {self.credentials.job}" if self.credentials.job else "a job without a key"
+            raise FrameError(f"a worker of {theirs} connected; this is {ours}")
+        if hello.dst not in (self.rank, hs.CONTACT):
+            raise FrameError(f"peer dialled rank {hello.dst}, but this is rank {self.rank} (a wrong address in "
+                             f"its peers?)")
+        if hello.channel not in (CONTROL, BULK):
+            raise FrameError(f"HELLO names connection kind {hello.channel}, expected {CONTROL} (control) or "
+                             f"{BULK} (bulk)")
         # a grown group's joiner knows more ranks than the first start did: it says so in `world`
         limit = max(self.world, hello.world)
-        src = hello.src
-        if not 0 <= src < limit or src == self.rank:
-            raise FrameError(f"peer claims rank {src}, which is not another rank of 0..{limit - 1}")
-        if src not in self.addresses:
-            return src  # a joiner: its address arrives with its JOIN
-        expected = self.addresses[src].host
+        if not 0 <= hello.src < limit or hello.src == self.rank:
+            raise FrameError(f"peer claims rank {hello.src}, which is not another rank of 0..{limit - 1}")
+        if self.credentials.secured or hello.src not in self.addresses:
+            return  # proven by the key (or a joiner: its address arrives with it)
+        expected = self.addresses[hello.src].host
         if is_ip(expected) and is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
-            raise FrameError(f"connection from {peer_host} claims rank {src}, whose address is {expected} "
+            raise FrameError(f"connection from {peer_host} claims rank {hello.src}, whose address is {expected} "
                              f"(two workers with the same rank, or a wrong --rank?)")
-        return src
+
+    def refused(self, who: str, why: str) -> None:
+        """A connection refused at the handshake: counted, and logged once per peer and reason
+        (a flood of them must not flood the log)."""
+        self.refusals += 1
+        self.last_frame_error = f"{who}: {why}"
+        if (who.rsplit(":", 1)[0], why) not in self._refusals_logged and len(self._refusals_logged) < 256:
+            self._refusals_logged.add((who.rsplit(":", 1)[0], why))
+            log.error("rank %d: refused %s: %s", self.rank, who, why)
 
     def _frame_error(self, who: str, exc: FrameError) -> None:
         self.frame_errors += 1
@@ -768,7 +820,9 @@ class _Inbound(asyncio.BufferedProtocol):
         self.payload: bytearray | memoryview | None = None  # the payload being read, if any
         self.payload_got = 0
         self.head = b""
-        self.src = -1  # rank, once its HELLO is checked
+        self.src = -1  # rank, once it proved the job's key
+        self.hello: hs.Hello | None = None  # its opening, once checked
+        self.nonce = b""  # ours, in the challenge
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
@@ -790,7 +844,7 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def _no_hello(self) -> None:
         if self.src < 0 and self.transport is not None:
-            log.error("rank %d: %s:%s sent no HELLO within %g s; closing", self.t.rank, *self.peer, HELLO_TIMEOUT_S)
+            self.t.refused(f"{self.peer[0]}:{self.peer[1]}", f"no handshake within {HELLO_TIMEOUT_S:g} s")
             self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -815,7 +869,10 @@ class _Inbound(asyncio.BufferedProtocol):
                 self.end += nbytes
             self._parse()
         except FrameError as exc:
-            self.t._frame_error(f"rank {self.src}" if self.src >= 0 else f"{self.peer[0]}:{self.peer[1]}", exc)
+            if self.src >= 0:
+                self.t._frame_error(f"rank {self.src}", exc)
+            else:
+                self.t.refused(f"{self.peer[0]}:{self.peer[1]}", str(exc))
             if self.transport is not None:
                 self.transport.abort()
 
@@ -834,6 +891,8 @@ class _Inbound(asyncio.BufferedProtocol):
                 break
             head_len, payload_len = decode_prefix(bytes(self.scratch[self.start:self.start + PREFIX.size]),
                                                   max_payload_bytes=self.t.max_payload_bytes)
+            if self.src < 0:
+                hs.check_prefix(head_len, payload_len)
             if avail < PREFIX.size + head_len:
                 break
             head_start = self.start + PREFIX.size
@@ -853,20 +912,38 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.start == self.end:
             self.start = self.end = 0
 
+    def _handshake(self, head: bytes) -> None:
+        """HELLO, then PROOF (handshake.py): nothing else is read before the proof."""
+        frame, t = hs.decode(head), self.t
+        if self.hello is None:
+            if not isinstance(frame, hs.Hello):
+                raise FrameError("the first frame is not a HELLO")
+            t.check_hello(frame, self.peer[0])
+            self.hello, self.nonce = frame, hs.new_nonce()
+            assert self.transport is not None
+            self.transport.write(hs.encode(hs.Challenge(src=t.rank, nonce=self.nonce,
+                                                        mac=hs.accept_mac(t.credentials.key, frame, self.nonce))))
+            return
+        if not isinstance(frame, hs.Proof) or frame.src != self.hello.src:
+            raise FrameError("the second frame is not the HELLO's PROOF")
+        if not hs.verify(hs.dial_mac(t.credentials.key, self.hello, self.nonce), frame.mac):
+            raise FrameError(f"a peer claiming rank {frame.src} did not prove the job's key")
+        self.src = frame.src
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        if self.src not in t.addresses and self.hello.address:  # a rank that joined with us: where it listens
+            with contextlib.suppress(ValueError, ConfigError):
+                t.add_peer(self.src, parse_address(self.hello.address))
+        link = t._out.get(self.src)
+        if link is not None:
+            link.peer_is_up()
+
     def _frame(self, head: bytes, payload: bytearray | memoryview | None) -> None:
+        if self.src < 0:
+            self._handshake(head)
+            return
         msg = decode_header(head, payload)
         t = self.t
-        if self.src < 0:
-            self.src = t._check_hello(msg, self.peer[0])
-            if self.hello_timer is not None:
-                self.hello_timer.cancel()
-            if self.src not in t.addresses and msg.reason:  # a rank that joined with us: where it listens
-                with contextlib.suppress(ValueError, ConfigError):
-                    t.add_peer(self.src, parse_address(msg.reason))
-            link = t._out.get(self.src)
-            if link is not None:
-                link.peer_is_up()
-            return
         if msg.src != self.src:
             raise FrameError(f"frame says it is from rank {msg.src} on rank {self.src}'s connection")
         stats = t.stats.setdefault(self.src, _LinkStats())  # a joiner's first frames come before its address

@@ -61,6 +61,7 @@ class TransportStatus:
     address: str
     links: tuple[LinkStatus, ...]
     frame_errors: int = 0
+    refusals: int = 0  # connections refused at the handshake (another job, no key, a wrong rank)
     last_frame_error: str = ""
     faults: str = ""  # the in-process fault schedule in force ("" for none)
 

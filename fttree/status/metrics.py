@@ -145,6 +145,9 @@ def render(snap: Snapshot) -> str:
              [({}, snap.duplicates)])
     w.family("fttree_frame_errors_total", "counter", "Undecodable frames received (their connections were closed).",
              [({}, snap.frame_errors)])
+    w.family("fttree_refused_connections_total", "counter",
+             "Connections refused at the handshake: another job, no proof of the job's key, a wrong rank.",
+             [({}, snap.refusals)])
     w.family("fttree_tree_uplink_state", "gauge",
              "This worker's link to its parent in each tree (Config.trees; tree 0 carries small steps), one "
              "series per state: 1 for the current one.",
