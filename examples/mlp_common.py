@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fttree.net.credentials import write_key
 from fttree.tools import launch
 
 BATCH = 100  # per worker, as in the thesis
@@ -108,10 +110,14 @@ def free_port(workers: int = 16) -> int:
 def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],
                  deadline_s: float) -> int:
     """Run n copies of `script` on this machine; rank 0's output is shown, the others' only
-    if they fail. Returns the worst exit code."""
+    if they fail. Returns the worst exit code. The workers prove a key made for this job
+    (FTTREE_AUTH_KEY_FILE), unless the environment names one already."""
     procs = []
+    keys = tempfile.TemporaryDirectory(prefix="fttree-job-")
+    job = {} if os.environ.get("FTTREE_AUTH_KEY_FILE") else \
+        {"FTTREE_AUTH_KEY_FILE": str(write_key(Path(keys.name) / "job.key"))}
     for rank in range(n):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_for_rank[rank]}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **job, **env_for_rank[rank]}
         procs.append(subprocess.Popen([sys.executable, script, *worker_args], env=env,
                                       stdout=None if rank == 0 else subprocess.PIPE,
                                       stderr=None if rank == 0 else subprocess.STDOUT, text=True))
@@ -131,6 +137,7 @@ def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        keys.cleanup()
     return worst
 
 

@@ -115,7 +115,7 @@ class FTTreeAllreduce:
                  config: Config | None = None,
                  faults: str | FaultSchedule | None = None, http_port: int | None = None,
                  http_host: str | None = None, http_token: str | None = None, join: bool | str = False,
-                 **settings: Any) -> None:
+                 auth_key: bytes | None = None, **settings: Any) -> None:
         table = dict(peers.items()) if isinstance(peers, Mapping) else dict(enumerate(peers))
         if not table:
             raise ConfigError("peers is empty: list one host:port per rank")
@@ -138,7 +138,8 @@ class FTTreeAllreduce:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.config = Config.build(config, **settings)
-        self.credentials = Credentials.from_key_file(self.config.auth_key_file)
+        self.credentials = Credentials.from_key(auth_key) if auth_key is not None else \
+            Credentials.from_key_file(self.config.auth_key_file)
         check_exposure(self.credentials, known.values(), self.config.insecure)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)
@@ -179,6 +180,8 @@ class FTTreeAllreduce:
         and ports FTTREE_BASE_PORT + rank.
         """
         env = os.environ
+        if env.get("FTTREE_AUTH_KEY_FILE") and "auth_key_file" not in kwargs:
+            kwargs["auth_key_file"] = env["FTTREE_AUTH_KEY_FILE"]
         rank_text = env.get("FTTREE_RANK", env.get("RANK"))
         if rank_text is None or not rank_text.strip().lstrip("-").isdigit():
             raise ConfigError(f"set FTTREE_RANK (or torchrun's RANK) to this worker's rank, got {rank_text!r}")
@@ -188,11 +191,13 @@ class FTTreeAllreduce:
             lines = path.read_text().splitlines() if "," not in peers_text and path.is_file() else peers_text.split(",")
             peers = parse_peers(lines)
         elif env.get("WORLD_SIZE", "").isdigit() and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-            from .training.rendezvous import peers_from_env_store
+            from .training.rendezvous import rendezvous_from_env_store
 
             given = {k: v for k, v in kwargs.items() if k == "startup_timeout_s"}
             wait = Config.build(kwargs.get("config"), **given).startup_timeout_s
-            peers = peers_from_env_store(int(rank_text), int(env["WORLD_SIZE"]), wait)
+            peers, key = rendezvous_from_env_store(int(rank_text), int(env["WORLD_SIZE"]), wait)
+            if key is not None:
+                kwargs.setdefault("auth_key", key)
         elif env.get("WORLD_SIZE", "").isdigit():
             base = int(env.get("FTTREE_BASE_PORT", "29600"))
             peers = [Address("127.0.0.1", base + r) for r in range(int(env["WORLD_SIZE"]))]
@@ -222,7 +227,8 @@ class FTTreeAllreduce:
         cfg = self.config
         tcp = TcpTransport(self.rank, self._known, connect_timeout_s=cfg.connect_timeout_s,
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes,
-                           credentials=self.credentials)
+                           credentials=self.credentials, handshake_timeout_s=cfg.handshake_timeout_s,
+                           max_pending_handshakes=cfg.max_pending_handshakes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
                          contact=self.contact)

@@ -93,6 +93,8 @@ class Config:
     # worker; without one, only loopback addresses unless `insecure`
     auth_key_file: str | os.PathLike[str] | None = None
     insecure: bool = False  # run without a credential on addresses others can reach
+    handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
+    max_pending_handshakes: int = 64  # connections not proven yet, at most (a flood is refused beyond)
 
     # transport
     startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start
@@ -117,7 +119,7 @@ class Config:
         if self.adaptive_floor_s > self.adaptive_ceiling_s:
             raise ConfigError(f"adaptive_floor_s ({self.adaptive_floor_s}) is above adaptive_ceiling_s "
                               f"({self.adaptive_ceiling_s})")
-        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory"):
+        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory", "max_pending_handshakes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -75,7 +75,8 @@ from .view import View
 
 MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this
 # A ping or its answer lost on a lossy link waits for TCP to send it again, and again if that is
-# lost too: the node deadline covers three tries (the timeout, then twice and four times it).
+# lost too: where a link to a neighbour has lost packets, the node deadline covers three tries
+# (the timeout, then twice and four times it).
 RETRANSMIT_TRIES = 1 + 2 + 4
 PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace

@@ -38,6 +38,13 @@ class Credentials:
         return bool(self.key)
 
     @classmethod
+    def from_key(cls, key: bytes) -> Credentials:
+        key = b"".join(key.split())
+        if len(key) < MIN_KEY_BYTES:
+            raise ConfigError(f"a job key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+        return cls(key=key)
+
+    @classmethod
     def from_key_file(cls, path: str | os.PathLike[str] | None) -> Credentials:
         if path is None:
             return cls()

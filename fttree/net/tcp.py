@@ -86,7 +86,8 @@ STALL_RETRANSMITS = 3
 
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0  # a connection must finish the handshake this soon (Config.handshake_timeout_s)
+MAX_PENDING_HANDSHAKES = 64  # connections not proven yet, at most (Config.max_pending_handshakes)
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
 # Receive buffers the pool tracks: a 100 MB step in 4 MiB chunks holds one per chunk until its
@@ -273,10 +274,10 @@ class _Channel:
                          address=str(t.me), job=t.credentials.job, nonce=hs.new_nonce())
         writer.write(hs.encode(hello))
         try:
-            prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), HELLO_TIMEOUT_S)
+            prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), t.handshake_timeout_s)
             head_len, payload_len = decode_prefix(prefix)
             hs.check_prefix(head_len, payload_len)
-            answer = hs.decode(await asyncio.wait_for(reader.readexactly(head_len), HELLO_TIMEOUT_S))
+            answer = hs.decode(await asyncio.wait_for(reader.readexactly(head_len), t.handshake_timeout_s))
         except asyncio.IncompleteReadError:
             return (f"rank {self.peer} at {addr} closed the connection during the handshake (a worker of another "
                     f"job, with another key, or not rank {self.peer}?)")
@@ -523,7 +524,9 @@ class TcpTransport:
                  connect_timeout_s: float = 2.0,
                  stall_timeout_s: float = 5.0,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None,
+                 handshake_timeout_s: float = HELLO_TIMEOUT_S,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES) -> None:
         # a joiner that knows only itself and a contact passes {rank: address}
         self.addresses: dict[int, Address] = dict(addresses) if isinstance(addresses, Mapping) \
             else dict(enumerate(addresses))
@@ -535,6 +538,12 @@ class TcpTransport:
         self.stats = {p: _LinkStats() for p in range(self.world) if p != rank}
         self.closed = False
         self.credentials = credentials or Credentials()
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_pending_handshakes = max_pending_handshakes
+        self._pending: set[_Inbound] = set()  # accepted connections that have not proven the key yet
+        # (rank, channel, the rank it dialled) -> its newest proven connection (a joiner's contact
+        # is dialled apart from the rank that listens there)
+        self._proven: dict[tuple[int, int, int], _Inbound] = {}
         self.frame_errors = 0
         self.last_frame_error = ""
         self.refusals = 0  # connections refused at the handshake (another job, no key, a wrong rank)
@@ -610,10 +619,14 @@ class TcpTransport:
         return self.meter.link_rate
 
     def retransmit_s(self, peer: int) -> float:
+        """TCP's retransmission timeout to `peer` once a connection to it has lost packets (a
+        link that never lost one waits for no retransmission); 0.0 before."""
         link = self._out.get(peer)
-        sock = None if link is None else link.control.sock
-        counters = None if sock is None else tcp_counters(sock)
-        return 0.0 if counters is None else retransmit_timeout_s(counters)
+        counters = [c for ch in ([] if link is None else link.channels) if ch.sock is not None
+                    for c in [tcp_counters(ch.sock)] if c is not None]
+        if not any(c.total_retrans for c in counters):
+            return 0.0
+        return max(retransmit_timeout_s(c) for c in counters)
 
     def link_state(self, peer: int) -> LinkState:
         link = self._out.get(peer)
@@ -832,19 +845,29 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         peername = transport.get_extra_info("peername")
         self.peer = (str(peername[0]), int(peername[1])) if peername else ("?", 0)
-        self.t._inbound.add(self.transport)
-        self.hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
+        t = self.t
+        t._inbound.add(self.transport)
+        if len(t._pending) >= t.max_pending_handshakes:  # a flood of connections: each costs a scratch buffer
+            t.refused(f"{self.peer[0]}:{self.peer[1]}", f"{len(t._pending)} connections are still in their "
+                                                        f"handshake (at most {t.max_pending_handshakes})")
+            self.transport.abort()
+            return
+        t._pending.add(self)
+        self.hello_timer = asyncio.get_running_loop().call_later(t.handshake_timeout_s, self._no_hello)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
             self.t._inbound.discard(self.transport)
+        self.t._pending.discard(self)
+        if self.hello is not None and self.t._proven.get(self._slot()) is self:
+            del self.t._proven[self._slot()]
         self.transport = None
         if self.hello_timer is not None:
             self.hello_timer.cancel()
 
     def _no_hello(self) -> None:
         if self.src < 0 and self.transport is not None:
-            self.t.refused(f"{self.peer[0]}:{self.peer[1]}", f"no handshake within {HELLO_TIMEOUT_S:g} s")
+            self.t.refused(f"{self.peer[0]}:{self.peer[1]}", f"no handshake within {self.t.handshake_timeout_s:g} s")
             self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -912,6 +935,10 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.start == self.end:
             self.start = self.end = 0
 
+    def _slot(self) -> tuple[int, int, int]:
+        assert self.hello is not None
+        return (self.src, self.hello.channel, self.hello.dst)
+
     def _handshake(self, head: bytes) -> None:
         """HELLO, then PROOF (handshake.py): nothing else is read before the proof."""
         frame, t = hs.decode(head), self.t
@@ -931,6 +958,12 @@ class _Inbound(asyncio.BufferedProtocol):
         self.src = frame.src
         if self.hello_timer is not None:
             self.hello_timer.cancel()
+        t._pending.discard(self)
+        # one connection a rank and channel: a newer one (a restart, a reconnect) replaces the old
+        older = t._proven.get(self._slot())
+        t._proven[self._slot()] = self
+        if older is not None and older.transport is not None:
+            older.transport.abort()
         if self.src not in t.addresses and self.hello.address:  # a rank that joined with us: where it listens
             with contextlib.suppress(ValueError, ConfigError):
                 t.add_peer(self.src, parse_address(self.hello.address))

@@ -110,7 +110,7 @@ class Transport(Protocol):
 
     def retransmit_s(self, peer: int) -> float:
         """How long a frame lost on the way to `peer` waits before it is sent again (TCP's
-        retransmission timeout, without backoff; 0.0: frames are never lost)."""
+        retransmission timeout, without backoff), once the link has lost one; 0.0 before."""
 
     def link_state(self, peer: int) -> LinkState:
         """Whether frames to `peer` are moving, as far as this end can tell."""

@@ -127,6 +127,7 @@ class TcpCounters:
     min_rtt_s: float  # the least round trip seen (0.0 where the kernel does not say)
     retransmits: int  # retransmission timeouts in a row without an acknowledgement
     last_ack_s: float  # since the last acknowledgement of any kind arrived (a lossy link's duplicates count)
+    total_retrans: int = 0  # segments sent again over the connection's life: the link has lost packets
 
 
 RTO_MIN_S = 0.2  # Linux's least retransmission timeout
@@ -149,6 +150,7 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
             rttvar = struct.unpack_from("<I", info, 72)[0] / 1e6
             min_rtt = struct.unpack_from("<I", info, 148)[0] / 1e6 if len(info) >= 152 else 0.0
             last_ack = struct.unpack_from("<I", info, 56)[0] / 1e3  # tcpi_last_ack_recv, ms
+            total_retrans = struct.unpack_from("<I", info, 100)[0] if len(info) >= 104 else 0
             return TcpCounters(rtt_s=rtt, rttvar_s=rttvar, min_rtt_s=min_rtt, retransmits=info[2],
-                               last_ack_s=last_ack)
+                               last_ack_s=last_ack, total_retrans=total_retrans)
     return None

@@ -76,6 +76,7 @@ class _Stream:
     reported_at: float = -1.0  # when the receiver last heard of a payload in progress
     frames_sent: int = 0
     bytes_sent: int = 0
+    lost: int = 0  # segments of this stream lost on the way (TCP sent them again)
     waiting: dict[int, Message] = field(default_factory=dict)  # bulk frames not begun yet, by start offset
     voided: set[int] = field(default_factory=set)  # end offsets of frames found stale as they began
 
@@ -364,6 +365,7 @@ class ShapedNetwork:
         lost = link in self._cut or self.rng.random() < self._drop.get(link, self.loss)
         if lost:
             self.stats.dropped += 1
+            s.lost += 1
             self.clock.call_later(self._resend_after_s(seg), functools.partial(self._retransmit, seg))
             return
         delay = self.latency_s + self._delay.get(link, 0.0)
@@ -380,7 +382,10 @@ class ShapedNetwork:
         return float(min(max(RTO_MIN_S, 2 * rtt) * 2 ** (seg.tries - 2), RTO_MAX_S))
 
     def retransmit_s(self, src: int, dst: int) -> float:
-        """The retransmission timeout of the link, without backoff (as the TCP transport reads it)."""
+        """The retransmission timeout of the link, without backoff, once it has lost a segment
+        (as the TCP transport reads it); 0.0 before."""
+        if not any(s.lost for s in self.streams_of(src) if s.dst == dst):
+            return 0.0
         rtt = 2 * (self.latency_s + self._delay.get(pair(src, dst), 0.0))
         return float(max(RTO_MIN_S, 2 * rtt))
 

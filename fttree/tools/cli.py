@@ -18,6 +18,7 @@ from ..core.config import Config
 from ..core.faults import FaultSchedule
 from ..errors import FTTreeError
 from ..net.address import parse_peers
+from ..net.credentials import write_key
 from ..status.cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
 from .demo import THESIS_MLP_PARAMS, run_steps
 from .launch import launch as run_launch
@@ -28,6 +29,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _faults_option(f: F) -> F:
     return click.option("--faults", default="", metavar="SCHEDULE",
                         help='In-process faults, e.g. "cut 1-0 @5..10; loss 3 20% @12..15".')(f)
+
+
+def _auth_options(f: F) -> F:
+    f = click.option("--auth-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     envvar="FTTREE_AUTH_KEY_FILE",
+                     help="The job's shared key (the same file on every worker; `fttree key --out FILE` makes "
+                          "one): every connection proves it. Env FTTREE_AUTH_KEY_FILE.")(f)
+    f = click.option("--insecure", is_flag=True,
+                     help="Run without a credential on addresses other machines can reach (a trusted network).")(f)
+    return f
 
 
 def _job_options(f: F) -> F:
@@ -104,11 +115,13 @@ def topology(world: int) -> None:
               help="Join a running job through the member at HOST:PORT (a new rank; --peers names it too). "
                    "A restarted worker needs no flag: it finds the running group by itself.")
 @_job_options
+@_auth_options
 @worker_options
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
-           on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None) -> None:
+           on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None,
+           auth_key_file: Path | None, insecure: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
@@ -121,7 +134,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
                              timeout_policy=timeout_policy, link_memory=not no_link_memory,
                              on_node_failure=on_node_failure, join=join or False, trees=trees,
                              chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
-                             **http_kwargs(rank, peers))
+                             auth_key_file=None if auth_key_file is None else str(auth_key_file),
+                             insecure=insecure, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
@@ -181,15 +195,18 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @click.option("--netns", default=None, metavar="NAME",
               help="Namespace for --real-faults (default: a new fttree-PID, deleted afterwards).")
 @_job_options
+@_auth_options
 @launch_options
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
-           trees: str, uplink: str | None) -> None:
+           trees: str, uplink: str | None, auth_key_file: Path | None, insecure: bool) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
-    SIGCONT); the other faults in-process, or with iptables under --real-faults."""
+    SIGCONT); the other faults in-process, or with iptables under --real-faults. The workers
+    prove a key made for this job (job.key in the launch directory) unless --auth-key-file
+    names one."""
     from .nodefaults import link_schedule_text, node_faults
 
     try:
@@ -215,6 +232,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     if no_ft:
         args.append("--no-ft")
     launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
+    key = auth_key_file or write_key(launch_dir / "job.key")
+    args += ["--auth-key-file", str(key)] + (["--insecure"] if insecure else [])
     args += launch_worker_args(world, host_base, port, launch_dir)
     if real_faults:
         from .realfaults import run_launch_cli
@@ -236,6 +255,15 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         raise click.ClickException(str(exc)) from None
     if not result.ok:
         sys.exit(1)
+
+
+@main.command()
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the key (readable by its owner only).")
+def key(out: Path) -> None:
+    """Write a fresh shared key for a job: give the same file to every worker (--auth-key-file)."""
+    click.echo(f"wrote a new job key to {write_key(out)}: copy it to every worker of the job, over a channel "
+               f"you trust")
 
 
 # Subcommands that live in their own modules (bench, status, ...) register here, so each

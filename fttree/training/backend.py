@@ -18,7 +18,8 @@ as +0.0).
 
 Settings come from the environment so that torchrun scripts need no change: FTTREE_TIMEOUT
 (backup-link watch, s), FTTREE_STEP_TIMEOUT (s), FTTREE_FAULTS (in-process fault schedule),
-FTTREE_CHUNK_BYTES, FTTREE_HOST, FTTREE_PORT.
+FTTREE_CHUNK_BYTES, FTTREE_HOST, FTTREE_PORT, FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a
+fresh one in the store, which is torchrun's trust boundary already).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ..errors import ConfigError
 from ..net.node import StepResult
 from .buckets import copy_divided, digest, wire_dtype
 from .ddp import pending_future
-from .rendezvous import exchange, local_host, pick_port
+from .rendezvous import exchange, job_key, local_host, pick_port
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
 
@@ -311,7 +312,12 @@ def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> 
     host = local_host()
     startup = timeout.total_seconds() if timeout is not None else 300.0
     peers = exchange(store, rank, world, f"{host}:{pick_port(host)}", max(1.0, min(startup, 600.0)))
+    key = job_key(store)  # rank 0 put one in the store, unless FTTREE_AUTH_KEY_FILE names one
     settings: dict[str, Any] = {"startup_timeout_s": max(1.0, min(startup, 600.0))}
+    if key is None:
+        settings["auth_key_file"] = os.environ["FTTREE_AUTH_KEY_FILE"]
+    else:
+        settings["auth_key"] = key
     for env, field in (("FTTREE_TIMEOUT", "timeout_s"), ("FTTREE_STEP_TIMEOUT", "step_timeout_s")):
         seconds = _env_seconds(env)
         if seconds is not None:  # else Config's default

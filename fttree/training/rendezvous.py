@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, PeerError
 from ..net.address import Address, parse_address
+from ..net.credentials import new_key
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["exchange", "guard", "local_host", "peers_from_env_store", "pick_port", "store_from_env"]
+__all__ = ["exchange", "guard", "job_key", "local_host", "peers_from_env_store", "pick_port",
+           "rendezvous_from_env_store", "store_from_env"]
 
 
 def _env(name: str) -> str:
@@ -88,6 +90,8 @@ def exchange(store: Store, rank: int, world: int, address: str, timeout_s: float
     crashed, or cannot reach the store).
     """
     me = parse_address(address)
+    if rank == 0 and not _env("FTTREE_AUTH_KEY_FILE"):  # the job's key, before rank 0's address
+        store.set(f"{prefix}/job-key", new_key().decode())
     keys = [f"{prefix}/{r}" for r in range(world)]
     store.set(keys[rank], str(me))
     try:
@@ -99,6 +103,15 @@ def exchange(store: Store, rank: int, world: int, address: str, timeout_s: float
         raise PeerError(f"rank {rank}: no address from rank(s) {missing} of {world} in the rendezvous store after "
                         f"{timeout_s:g} s (did they start, and can they reach MASTER_ADDR:MASTER_PORT?)") from None
     return [parse_address(store.get(key).decode()) for key in keys]
+
+
+def job_key(store: Store, prefix: str = "fttree/peer") -> bytes | None:
+    """The key rank 0 put in the store for this job (read after `exchange`, which it preceded),
+    or None where FTTREE_AUTH_KEY_FILE names one. The store is torchrun's trust boundary
+    already: whoever can write it can start the job's workers."""
+    if _env("FTTREE_AUTH_KEY_FILE"):
+        return None
+    return bytes(store.get(f"{prefix}/job-key"))
 
 
 def _has(store: Store, key: str) -> bool:
@@ -128,15 +141,21 @@ def store_from_env(rank: int, world: int, timeout_s: float) -> Store:
 
 
 def peers_from_env_store(rank: int, world: int, timeout_s: float) -> list[Address]:
-    """Every rank's address via the MASTER_ADDR store (what `FTTreeAllreduce.from_env()` uses
-    under torchrun). Keys carry torchrun's run id and restart count so a restarted round never
-    reads the addresses of the round before."""
+    """Every rank's address via the MASTER_ADDR store (`rendezvous_from_env_store`'s peers)."""
+    return rendezvous_from_env_store(rank, world, timeout_s)[0]
+
+
+def rendezvous_from_env_store(rank: int, world: int, timeout_s: float) -> tuple[list[Address], bytes | None]:
+    """Every rank's address and the job's key via the MASTER_ADDR store (what
+    `FTTreeAllreduce.from_env()` uses under torchrun). Keys carry torchrun's run id and restart
+    count so a restarted round never reads the addresses of the round before."""
     store = store_from_env(rank, world, timeout_s)
     host = local_host()
     me = f"{host}:{pick_port(host)}"
     run = _env("TORCHELASTIC_RUN_ID") or "none"
     prefix = f"fttree/{run}/{_env('TORCHELASTIC_RESTART_COUNT') or '0'}"
     peers = exchange(store, rank, world, me, timeout_s, prefix=f"{prefix}/peer")
+    key = job_key(store, prefix=f"{prefix}/peer")
     # Without an agent the store lives in rank 0's process: rank 0 keeps it up until every
     # rank has read (the last reader says so), so nobody is cut off mid-exchange.
     if store.add(f"{prefix}/read", 1) == world:
@@ -145,7 +164,7 @@ def peers_from_env_store(rank: int, world: int, timeout_s: float) -> list[Addres
         # A reader that never finishes fails on its own deadline, naming what it lacks.
         with contextlib.suppress(Exception):
             store.wait([f"{prefix}/all-read"], timedelta(seconds=timeout_s))
-    return peers
+    return peers, key
 
 
 # ---- running under torchrun's agent -------------------------------------------------------

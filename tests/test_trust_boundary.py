@@ -1,0 +1,135 @@
+"""The trust boundary: only the job's own workers reach its sums, its membership and its model.
+
+The attacker is a separate process (tests/attacker.py) that reaches every worker's port but
+holds no key. While it tries everything it can, the job runs steps: every one exact with
+every member in it, nobody evicted, nothing it sent read past the handshake, and the
+workers' memory bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fttree import ConfigError, FTTreeAllreduce
+from fttree.net.credentials import Credentials, write_key
+
+from .conftest import cluster, local_peers
+from .rawpeer import closed_by_peer, connect, handshake
+
+ATTACKER = Path(__file__).resolve().parent / "attacker.py"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
+def test_an_outsider_without_the_key_changes_nothing(tmp_path: Path) -> None:
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), handshake_timeout_s=1.0, timeout_s=0.3, step_timeout_s=20) as handles:
+        for _ in range(20):  # warm up (steps of 4 KB hold no pooled buffers: what grows is the attack)
+            for fut in [h.allreduce_async(np.zeros(1000, np.float32)) for h in handles]:
+                fut.result(timeout=30)
+        before = rss_mb()
+        targets = ",".join(str(a) for a in handles[0].peers)
+        attacker = subprocess.Popen([sys.executable, str(ATTACKER), "--targets", targets, "--job",
+                                     handles[0].credentials.job, "--idle-wait", "6"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        step = 0
+        while attacker.poll() is None or step < 10:
+            data = [np.full(1000, float(step + r), np.float32) for r in range(3)]
+            futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
+            for h, fut in zip(handles, futures, strict=True):
+                out = fut.result(timeout=30)
+                assert np.array_equal(out, sum(data)), f"rank {h.rank} step {step}: not the members' exact sum"
+                assert h.last is not None
+                assert h.last.contributors == (0, 1, 2), (step, h.last.contributors)
+            step += 1
+        out, err = attacker.communicate(timeout=60)
+        assert attacker.returncode == 0, err
+        report = json.loads(out)
+        after = rss_mb()
+        assert report["not_closed"] == [], report
+        assert report["answered_after_handshake"] == 0, report
+        assert report["challenges"] > 0, report  # the job id travels in clear: the key is the secret
+        assert sum(report["tried"].values()) > 300, report
+        for h in handles:
+            assert h.node is not None
+            member = h.node.membership.status()
+            assert member.evicted_total == 0
+            assert member.suspicions_total == 0
+            assert h.view.members == (0, 1, 2)
+            assert h.node.status().transport.refusals > 0
+        assert after - before < 50, (before, after)
+
+
+def test_a_worker_of_another_job_is_named_and_refused(tmp_path: Path) -> None:
+    ours, theirs = write_key(tmp_path / "ours.key"), write_key(tmp_path / "theirs.key")
+    with cluster(3, auth_key_file=str(ours), handshake_timeout_s=1.0) as handles:
+        addr = handles[0].peers[0]
+        stranger = Credentials.from_key_file(theirs)
+        with connect(addr.host, addr.port, source="127.0.0.2") as sock:
+            handshake(sock, 1, key=stranger.key)
+            assert closed_by_peer(sock)
+        status = handles[0].node.status().transport if handles[0].node else None
+        assert status is not None
+        assert f"a worker of job {stranger.job} connected; this is job {handles[0].credentials.job}" \
+            in status.last_frame_error
+        with connect(addr.host, addr.port, source="127.0.0.2") as sock:  # the right job id, no key
+            from fttree.net import handshake as hs
+
+            hello = hs.Hello(src=1, dst=0, world=3, channel=hs.CONTROL, address="", job=handles[0].credentials.job,
+                             nonce=hs.new_nonce())
+            sock.sendall(hs.encode(hello))
+            sock.sendall(hs.encode(hs.Proof(src=1, mac=b"\0" * hs.MAC_BYTES)))
+            assert closed_by_peer(sock)
+        assert "did not prove the job's key" in handles[0].node.status().transport.last_frame_error  # type: ignore[union-attr]
+
+
+def test_a_worker_with_a_wrong_key_cannot_start_and_says_why(tmp_path: Path) -> None:
+    ours, theirs = write_key(tmp_path / "ours.key"), write_key(tmp_path / "theirs.key")
+    peers = local_peers(2)
+    good = FTTreeAllreduce(0, peers, auth_key_file=str(ours), startup_timeout_s=3)
+    bad = FTTreeAllreduce(1, peers, auth_key_file=str(theirs), startup_timeout_s=3)
+    import threading
+
+    errors: list[BaseException] = []
+
+    def start(h: FTTreeAllreduce) -> None:
+        try:
+            h.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(h,)) for h in (good, bad)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(errors) == 2, errors
+        assert any("closed the connection during the handshake" in str(e) or "did not prove" in str(e)
+                   for e in errors), errors
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_no_credential_off_loopback_refuses_to_start_naming_the_options(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="auth_key_file=") as info:
+        FTTreeAllreduce(0, ["10.1.2.3:29500", "10.1.2.4:29500"])
+    assert "insecure=True" in str(info.value)
+    with pytest.raises(ConfigError, match="auth_key_file"):
+        FTTreeAllreduce(0, ["worker0.example:29500", "127.0.0.2:29500"])
+    FTTreeAllreduce(0, ["10.1.2.3:29500", "10.1.2.4:29500"], insecure=True)  # said plainly: allowed
+    FTTreeAllreduce(0, ["10.1.2.3:29500", "10.1.2.4:29500"], auth_key_file=str(write_key(tmp_path / "k")))
+    short = tmp_path / "short.key"
+    short.write_text("abc\n")
+    with pytest.raises(ConfigError, match="holds 3 bytes"):
+        FTTreeAllreduce(0, ["127.0.0.1:1", "127.0.0.2:1"], auth_key_file=str(short))
