@@ -133,3 +133,40 @@ def test_no_credential_off_loopback_refuses_to_start_naming_the_options(tmp_path
     short.write_text("abc\n")
     with pytest.raises(ConfigError, match="holds 3 bytes"):
         FTTreeAllreduce(0, ["127.0.0.1:1", "127.0.0.2:1"], auth_key_file=str(short))
+
+
+def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None:
+    """Without a key (loopback) a process can complete the handshake as a rank the job does not
+    have. Its commit, minority, suspicion and leave are dropped by the sender rules before they
+    change anything (before: one such frame evicted a healthy rank or stopped every rank)."""
+    from fttree.core.messages import Kind, Message
+
+    from .rawpeer import message_frame
+
+    with cluster(3, timeout_s=0.3, step_timeout_s=20) as handles:
+        addr = handles[0].peers[0]
+        forged = [Message(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
+                  Message(kind=Kind.MINORITY, src=1000, members=(1000,), world=3),
+                  Message(kind=Kind.SUSPECT, src=1000, target=2, code=1),
+                  Message(kind=Kind.LEAVE, src=1000),
+                  Message(kind=Kind.STATE_REQUEST, src=1000, user_step=0)]
+        for target in handles:
+            a = target.peers[target.rank]
+            with connect(a.host, a.port) as sock:
+                assert handshake(sock, 1000, dst=target.rank, world=2000)
+                for msg in forged:
+                    sock.sendall(message_frame(msg))
+                sock.settimeout(1.0)
+                closed_by_peer(sock)  # (the worker keeps a proven connection open: wait a moment)
+        for step in range(5):
+            futures = [h.allreduce_async(np.full(8, float(h.rank + step))) for h in handles]
+            for h, fut in zip(handles, futures, strict=True):
+                assert np.array_equal(fut.result(timeout=30), np.full(8, 3.0 + 3 * step))
+                assert h.last is not None
+                assert h.last.contributors == (0, 1, 2)
+        for h in handles:
+            assert h.node is not None
+            assert h.view.members == (0, 1, 2)
+            assert h.node.membership.status().evicted_total == 0
+            assert h.node.foreign_frames >= len(forged), (h.rank, h.node.foreign_frames)
+        assert addr.port > 0

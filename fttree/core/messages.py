@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any, Protocol
 
 import msgpack
@@ -104,6 +104,25 @@ VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIE
 LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST})
 ELASTIC_KINDS = frozenset({Kind.JOIN_REPLY, Kind.STATE_REQUEST, Kind.STATE})  # the node's, not the tree's
 STATE_DTYPE = "|u1"  # STATE carries raw bytes
+
+
+class Sender(Enum):
+    """Who may send a kind. The transport proves the rank a frame comes from (net/handshake.py);
+    these rules say which proven ranks a frame is taken from (net/node.py applies them before a
+    frame changes any state; a frame from anyone else is dropped, counted and logged once)."""
+
+    MEMBER = "a member of the receiver's view, of a view it has decided to take, or a rank it is admitting"
+    PROVEN = "any rank that proved the job's key: a process asking to join, or answering one"
+    HANDSHAKE = "the other end of a connection, during its handshake (never a Message)"
+
+
+#: the sender rule of every kind
+SENDER_RULES: dict[Kind, Sender] = {
+    **dict.fromkeys(Kind, Sender.MEMBER),
+    Kind.JOIN: Sender.PROVEN,  # a restarted or new process: not in the view yet
+    Kind.JOIN_REPLY: Sender.PROVEN,  # to such a process, which knows no view yet
+    Kind.HELLO: Sender.HANDSHAKE, Kind.CHALLENGE: Sender.HANDSHAKE, Kind.PROOF: Sender.HANDSHAKE,
+}
 
 
 @dataclass(slots=True, kw_only=True)

@@ -48,7 +48,7 @@ from ..core.membership import (
     Suspected,
     Uplink,
 )
-from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, VIEW_KINDS, Kind, Message
+from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, SENDER_RULES, VIEW_KINDS, Kind, Message, Sender
 from ..core.protocol import (
     AbortCode,
     Action,
@@ -110,6 +110,7 @@ class NodeStatus:
     last_steps: tuple[tuple[int, float], ...]  # (step, duration_s), oldest first
     note_counts: dict[NoteKind, int]
     reruns: int  # steps run again in a new view after a node failure
+    foreign_frames: int = 0  # frames dropped because their sender may not send them (SENDER_RULES)
 
 
 @dataclass(slots=True)
@@ -163,6 +164,8 @@ class Node:
         if contact is not None:
             transport.add_peer(CONTACT, contact)
         self.joined_at: tuple[int, int] | None = None  # a joiner's (first allreduce step, first training step)
+        self.foreign_frames = 0  # frames dropped because their sender may not send them (SENDER_RULES)
+        self._foreign_logged: set[int] = set()
         self._incarnations: dict[int, int] = {}  # rank -> the process we take to be that rank
         self._candidates: dict[int, int] = {}  # rank -> the process that asked to join as it
         self._group: tuple[int, tuple[int, ...]] | None = None  # (epoch, members) of a running group found
@@ -403,7 +406,7 @@ class Node:
         return NodeStatus(rank=self.rank, machine=self.machine.status(), membership=self.membership.status(),
                           transport=self.transport.status(), steps_in_flight=tuple(sorted(self._steps)),
                           last_steps=tuple(self.step_durations), note_counts=dict(self.note_counts),
-                          reruns=self.reruns)
+                          reruns=self.reruns, foreign_frames=self.foreign_frames)
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""
@@ -413,8 +416,12 @@ class Node:
     # ---- transport events ------------------------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
-        if msg.kind in (Kind.JOIN, Kind.JOIN_REPLY):
+        rule = SENDER_RULES[msg.kind]
+        if rule is Sender.PROVEN:
             self._on_join_message(msg)
+            return
+        if rule is not Sender.MEMBER or not self._may_send(msg.src):
+            self._foreign(msg, rule)
             return
         if (self.joining and self.joined_at is None) or not (self.started or self.joining):
             # Not in the group yet (a joiner), or not sure yet whether a group runs (a start
@@ -450,6 +457,29 @@ class Node:
             self._handle(Received(msg=msg, link=self.transport.link_state(msg.target)))
         else:
             self._handle(Received(msg=msg))
+
+    def _may_send(self, rank: int) -> bool:
+        """Is `rank` one whose frames this node takes (SENDER_RULES' MEMBER)? A member of its
+        view or of a view decided and not yet in effect, a rank it is admitting, or, while
+        this process joins, a member of the group it asked."""
+        if rank in self.membership.view or rank in self._candidates:
+            return True
+        if any(rank in p.view for p in self._pending):
+            return True
+        if self.joining and self.joined_at is None:
+            return self._group is None or rank in self._group[1]
+        return False
+
+    def _foreign(self, msg: Message, rule: Sender) -> None:
+        """A frame its sender may not send: dropped before it changes anything, counted, and
+        logged once per sender. A rank the group left out is told so (it may not know)."""
+        self.foreign_frames += 1
+        if msg.epoch < self.membership.view.epoch and self.stopped is None and rule is Sender.MEMBER:
+            self._do_member(self.membership.stale_sender(msg))
+        if msg.src not in self._foreign_logged and len(self._foreign_logged) < 64:
+            self._foreign_logged.add(msg.src)
+            log.warning("rank %d: dropped %s from rank %d, which may not send it (%s); further frames of that "
+                        "rank are dropped and counted, not logged", self.rank, msg.kind.name, msg.src, rule.value)
 
     def on_progress(self, peer: int) -> None:
         """Bytes of a large frame from `peer` are arriving: it is alive, whatever the frame."""

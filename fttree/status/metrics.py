@@ -145,6 +145,9 @@ def render(snap: Snapshot) -> str:
              [({}, snap.duplicates)])
     w.family("fttree_frame_errors_total", "counter", "Undecodable frames received (their connections were closed).",
              [({}, snap.frame_errors)])
+    w.family("fttree_foreign_frames_total", "counter",
+             "Frames dropped because their sender may not send them (not a member, for a member's message).",
+             [({}, snap.foreign_frames)])
     w.family("fttree_refused_connections_total", "counter",
              "Connections refused at the handshake: another job, no proof of the job's key, a wrong rank.",
              [({}, snap.refusals)])

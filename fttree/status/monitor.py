@@ -174,6 +174,7 @@ class Snapshot:
     protocol_errors: int
     frame_errors: int
     refusals: int  # connections refused at the handshake
+    foreign_frames: int  # frames dropped because their sender may not send them
     faults: str
     links: tuple[LinkView, ...]
     observed: tuple[LinkView, ...]
@@ -209,7 +210,8 @@ class Snapshot:
             "counts": {"timeouts": self.timeouts, "recoveries": self.recoveries, "detours": self.detours,
                        "retransmissions": self.retransmissions, "duplicates": self.duplicates,
                        "stale": self.stale, "protocol_errors": self.protocol_errors,
-                       "frame_errors": self.frame_errors, "refusals": self.refusals},
+                       "frame_errors": self.frame_errors, "refusals": self.refusals,
+                       "foreign_frames": self.foreign_frames},
             "links": [link(v) for v in self.links],
             "observed_links": [link(v) for v in self.observed],
             "recent_events": [asdict(e) for e in self.events],
@@ -477,7 +479,7 @@ class Monitor:
             detours=counts.get(NoteKind.DETOUR, 0), retransmissions=self.retransmissions,
             duplicates=counts.get(NoteKind.DUPLICATE, 0), stale=counts.get(NoteKind.STALE, 0),
             protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
-            refusals=status.transport.refusals,
+            refusals=status.transport.refusals, foreign_frames=status.foreign_frames,
             faults=status.transport.faults,
             links=tuple(self._view(lk, current, status) for lk in self._links.values()),
             observed=tuple(self._view(lk, current, status) for _, lk in sorted(self._observed.items())),
