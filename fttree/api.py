@@ -27,7 +27,7 @@ from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .net.address import Address, parse_address, parse_peers
-from .net.credentials import Credentials, check_exposure
+from .net.credentials import Credentials, check_exposure, http_token
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
@@ -261,8 +261,9 @@ class FTTreeAllreduce:
         assert self.http_port is not None
         host = self.http_host or default_http_host(self.peers[self.rank].host)
         assert self.transport is not None
+        token = self.http_token or http_token(self.credentials.key)
         control = ControlServer(self.node, self.monitor, self.transport, world=self.world, host=host,
-                                port=self.http_port, token=self.http_token)
+                                port=self.http_port, token=token)
         await control.start()
         self.control = control
 

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -290,3 +291,39 @@ def test_a_dead_worker_shows_in_status_metrics_and_the_status_command() -> None:
     assert dead, lines
     assert "left out of view 1" in dead[0]
     assert "view 1: 3 of 4" in lines[0]
+
+
+def test_a_web_page_cannot_drive_the_admin_routes() -> None:
+    """What any page open on this machine can send to 127.0.0.x: a simple POST with an Origin
+    and text/plain. Refused on every admin route (before: `isolate 2` was applied)."""
+    with cluster(3, http_port=0) as hs:
+        h = hs[0]
+        page = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+        status, _, raw = call(h, "POST", "/faults", "isolate 2", page)
+        assert status == 403
+        assert "web page" in json.loads(raw)["error"]
+        assert call(h, "DELETE", "/faults", headers=page)[0] == 403
+        assert call(h, "GET", "/faults", headers=page)[0] == 403
+        assert get_json(h, "/faults")["rules"] == []
+        assert call(h, "GET", "/status", headers=page)[0] == 200  # reads stay open, as Prometheus expects
+
+
+def test_crash_and_hang_are_refused_not_acknowledged() -> None:
+    with cluster(2, http_port=0) as hs:
+        for rule in ("crash 1 @5", "hang 0 @3..4", "cut 1-0; crash 1 @9"):
+            status, _, raw = call(hs[0], "POST", "/faults", rule)
+            assert status == 400, rule
+            assert "happen to a worker's process" in json.loads(raw)["error"]
+        assert get_json(hs[0], "/faults")["rules"] == []
+
+
+def test_a_job_key_makes_admin_requests_need_its_token(tmp_path: Path) -> None:
+    from fttree.net.credentials import Credentials, http_token, write_key
+
+    key = write_key(tmp_path / "job.key")
+    token = http_token(Credentials.from_key_file(key).key)
+    assert token
+    with cluster(2, http_port=0, auth_key_file=str(key)) as hs:
+        assert call(hs[0], "POST", "/faults", "delay 1-0 1ms")[0] == 401
+        assert call(hs[0], "POST", "/faults", "delay 1-0 1ms", {"Authorization": f"Bearer {token}"})[0] == 200
+        assert get_json(hs[0], "/status")["rank"] == 0

@@ -9,6 +9,8 @@ or take the model (README, "Security").
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import os
 import secrets
@@ -57,6 +59,12 @@ class Credentials:
             raise ConfigError(f"auth_key_file {str(path)!r} holds {len(key)} bytes; a key needs at least "
                               f"{MIN_KEY_BYTES} (make one with `fttree key --out FILE`)")
         return cls(key=key)
+
+
+def http_token(key: bytes) -> str | None:
+    """The admin token a job key implies (None without a key): whoever holds the key may drive
+    the workers' /faults, and nobody else."""
+    return hmac.new(key, b"fttree http token", hashlib.sha256).hexdigest() if key else None
 
 
 def new_key() -> bytes:

@@ -8,9 +8,12 @@
     DELETE /faults   clear every in-process fault on this worker
 
 Handlers run on the node's loop between protocol events, so they read one consistent snapshot
-and swap the transport's FaultSchedule without locks. Admin requests (POST/DELETE) need the
-token when one is set; on a non-loopback bind without a token they are refused, so a worker
-never takes fault injection from the network unauthenticated.
+and swap the transport's FaultSchedule without locks. /status, /metrics and /healthz are read
+without a token (Prometheus convention). The admin routes (/faults) refuse any request that a
+browser made (it carries an `Origin`: a web page open on this machine can reach 127.0.0.x),
+need the token when one is set (with a job key, one derived from the key unless --http-token
+gives one), and are off on a non-loopback bind without a token. A fault the worker cannot
+carry out in-process (crash, hang: they happen to its process) is refused, never acknowledged.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ..core.faults import FaultRule, FaultSchedule, parse
+from ..core.faults import NODE_KINDS, FaultRule, FaultSchedule, parse
 from ..errors import ConfigError, PeerError
 from . import metrics
 from .monitor import Monitor
@@ -115,12 +118,29 @@ class ControlServer:
         return web.json_response({"ok": True, "rank": self.node.rank, "step": self.monitor.current_step()})
 
     async def _faults_get(self, request: web.Request) -> web.Response:
+        refused = self._from_a_web_page(request)  # readable without the token, as /status is
+        if refused is not None:
+            return refused
         return web.json_response(self._faults_doc())
 
     # ---- admin endpoints -----------------------------------------------------------------
 
+    def _from_a_web_page(self, request: web.Request) -> web.Response | None:
+        """403 for a request a browser made (it names its page's Origin): any page open on this
+        machine can send a simple POST to 127.0.0.x. None otherwise."""
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        log.warning("rank %d: refused %s %s from a web page (Origin: %s)", self.node.rank, request.method,
+                    request.path, origin[:100])
+        return _error(403, f"admin requests from a web page are refused (Origin: {origin[:100]}); use curl or "
+                           f"the fttree CLI")
+
     def _refusal(self, request: web.Request) -> web.Response | None:
-        """401/403 when this request may not change the worker, else None."""
+        """401/403 when this request may not use an admin route, else None."""
+        from_page = self._from_a_web_page(request)
+        if from_page is not None:
+            return from_page
         if not self.admin_open:
             return _error(403, f"admin endpoints are off: rank {self.node.rank} listens on {self.host}, "
                                f"which is not loopback, and no token was set (--http-token)")
@@ -154,6 +174,10 @@ class ControlServer:
             return _error(400, str(exc))
         if not rules:
             return _error(400, 'empty fault schedule: send rules like "cut 1-0; delay 2-0 50ms"')
+        node_faults = [str(r) for r in rules if r.kind in NODE_KINDS]
+        if node_faults:
+            return _error(400, f"{'; '.join(node_faults)}: crash and hang happen to a worker's process (SIGKILL, "
+                               f"SIGSTOP), which /faults cannot do; use fttree launch --faults, or signal the process")
         return rules
 
     async def _faults_post(self, request: web.Request) -> web.Response:
