@@ -228,7 +228,8 @@ class FTTreeAllreduce:
         tcp = TcpTransport(self.rank, self._known, connect_timeout_s=cfg.connect_timeout_s,
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes,
                            credentials=self.credentials, handshake_timeout_s=cfg.handshake_timeout_s,
-                           max_pending_handshakes=cfg.max_pending_handshakes)
+                           max_pending_handshakes=cfg.max_pending_handshakes,
+                           receive_pool_bytes=cfg.receive_pool_bytes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
                          contact=self.contact)

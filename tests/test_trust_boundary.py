@@ -170,3 +170,36 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
             assert h.node.membership.status().evicted_total == 0
             assert h.node.foreign_frames >= len(forged), (h.rank, h.node.foreign_frames)
         assert addr.port > 0
+
+
+def test_a_flood_of_made_up_chunks_from_a_member_makes_bounded_state() -> None:
+    """A member's connection (here: a keyless handshake as rank 1) sending frames for chunks a
+    step cannot have, and then for more ops than may be in flight: the first make no op, the
+    second no more than max_live_ops (before: 200,000 such frames grew a worker to 493 MB and
+    stalled its loop). A payload larger than max_payload_bytes is refused outright."""
+    from fttree.core.messages import PREFIX, VERSION, Kind, Message
+    from fttree.net.handshake import BULK
+
+    from .rawpeer import message_frame
+
+    with cluster(3, timeout_s=0.3, step_timeout_s=20, max_live_ops=500, max_payload_bytes=8 << 20) as handles:
+        node = handles[0].node
+        assert node is not None
+        addr = handles[0].peers[0]
+        before = rss_mb()
+        with connect(addr.host, addr.port, source="127.0.0.2") as sock:
+            assert handshake(sock, 1, channel=BULK)
+            burst = b"".join(message_frame(Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=c, chunks=1 << 30,
+                                                   origin=1, target=0)) for c in range(20_000))
+            burst += b"".join(message_frame(Message(kind=Kind.META_REDUCE_SENT, src=1, step=s, chunk=c, chunks=1000,
+                                                    origin=1, target=0)) for s in range(1000, 1003) for c in range(1000))
+            sock.sendall(burst)
+            sock.sendall(PREFIX.pack(b"FT", VERSION, 16, 300 << 20) + bytes(16))
+            assert closed_by_peer(sock)
+        assert "exceeds the limit" in node.status().transport.last_frame_error
+        assert node.footprint()["ops"] <= 500
+        for _step in range(3):
+            futures = [h.allreduce_async(np.full(8, float(h.rank))) for h in handles]
+            for fut in futures:
+                assert np.array_equal(fut.result(timeout=30), np.full(8, 3.0))
+        assert rss_mb() - before < 50

@@ -56,9 +56,12 @@ class BufferPool:
 
     MIN_BYTES = 64 * 1024  # smaller buffers are cheap to allocate
 
-    def __init__(self, keep: int = 24, lock: AbstractContextManager[Any] | None = None) -> None:
+    def __init__(self, keep: int = 24, lock: AbstractContextManager[Any] | None = None,
+                 keep_bytes: int | None = None) -> None:
         self.keep = keep
+        self.keep_bytes = keep_bytes  # and at most this many bytes of them (None: any)
         self.lent: deque[np.ndarray] = deque()
+        self.tracked_bytes = 0
         self.reused = 0  # buffers handed out again
         self.allocated = 0  # fresh ones handed out, small (untracked) ones included
         self._lock: AbstractContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
@@ -77,8 +80,11 @@ class BufferPool:
             self.allocated += 1
             fresh = np.empty(nbytes, dtype=np.uint8)
             lent.append(fresh)
-            if len(lent) > self.keep:
-                lent.popleft()
+            self.tracked_bytes += nbytes
+            # the oldest go: once their holders let go, their memory goes back to the system
+            while len(lent) > self.keep or (self.keep_bytes is not None and self.tracked_bytes > self.keep_bytes
+                                            and len(lent) > 1):
+                self.tracked_bytes -= lent.popleft().size
             return fresh
 
     def take(self, nbytes: int) -> bytearray | memoryview:

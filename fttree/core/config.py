@@ -76,7 +76,7 @@ class Config:
     # each rank sends the ring's 2N(p-1)/p), "double" (the double binary tree, 2N) or "single"
     # (3N on interior ranks); a one-chunk step always runs on tree 0. The same on every worker
     trees: str = "rotated"
-    max_payload_bytes: int = 1 << 30  # a frame announcing more is refused
+    max_payload_bytes: int = 256 * 1024 * 1024  # a frame announcing more is refused (at least chunk_bytes)
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
     compression: str | None = None
@@ -88,6 +88,10 @@ class Config:
     # bookkeeping bounds (nothing grows with the number of steps run)
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
     retired_memory: int = 8192  # ids of finished ops remembered to drop their late messages
+    # bounds that bad input from a peer cannot push memory past (none is hit by a 100 MB model)
+    max_step_chunks: int = 65536  # a frame naming a step of more chunks is refused
+    max_live_ops: int = 65536  # (step, chunk) ops kept at once; a frame that would make more is dropped
+    receive_pool_bytes: int = 512 * 1024 * 1024  # received payload buffers kept for reuse, at most
 
     # trust boundary (README "Security"): the job's shared key, read from this file by every
     # worker; without one, only loopback addresses unless `insecure`
@@ -119,11 +123,15 @@ class Config:
         if self.adaptive_floor_s > self.adaptive_ceiling_s:
             raise ConfigError(f"adaptive_floor_s ({self.adaptive_floor_s}) is above adaptive_ceiling_s "
                               f"({self.adaptive_ceiling_s})")
-        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory", "max_pending_handshakes"):
+        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory", "max_pending_handshakes",
+                     "max_step_chunks", "max_live_ops", "receive_pool_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         check_family(self.trees)
+        if self.max_payload_bytes < self.chunk_bytes:
+            raise ConfigError(f"max_payload_bytes ({self.max_payload_bytes}) is below chunk_bytes "
+                              f"({self.chunk_bytes}): a chunk could not be received")
         if self.auth_key_file is not None and not isinstance(self.auth_key_file, str | os.PathLike):
             raise ConfigError(f"auth_key_file must be a path, got {self.auth_key_file!r}")
         if not isinstance(self.insecure, bool):

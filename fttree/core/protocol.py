@@ -698,6 +698,16 @@ class TreeMachine:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
                             text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
             return None
+        if not chunk < chunks <= self.cfg.max_step_chunks:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk} of {chunks}: not a chunk a step "
+                                 f"can have (at most {self.cfg.max_step_chunks})"))
+            return None
+        if len(self._ops) >= self.cfg.max_live_ops:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk}: {len(self._ops)} ops in flight "
+                                 f"already (max_live_ops)"))
+            return None
         op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
                                     chunks=chunks, tree=self.tree_of(chunk, chunks))
         return op

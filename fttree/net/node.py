@@ -81,6 +81,7 @@ log = logging.getLogger("fttree.net.node")
 
 CONTACT = hs.CONTACT  # the transport's key for a joiner's contact, whose rank it does not know yet
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
+PROTOCOL_NOTES_LOGGED = 20  # protocol violations logged one by one; later ones are counted
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})
 _WATCH_TIMERS = frozenset({TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH})  # a peer may still need us
@@ -749,8 +750,13 @@ class Node:
                 self._on_fail(action)
             case Note():
                 self.note_counts[action.kind] += 1
-                if action.kind in _LOGGED:
-                    log.info("rank %d: %s", self.rank, action.text)
+                if action.kind is NoteKind.PROTOCOL and self.note_counts[action.kind] > PROTOCOL_NOTES_LOGGED:
+                    pass  # a peer that breaks the protocol in a flood must not flood the log: counted only
+                elif action.kind in _LOGGED:
+                    log.info("rank %d: %s%s", self.rank, action.text,
+                             " (further protocol violations are counted, not logged)"
+                             if self.note_counts[action.kind] == PROTOCOL_NOTES_LOGGED
+                             and action.kind is NoteKind.PROTOCOL else "")
                 for listener in self.note_listeners:
                     listener(action)
 

@@ -526,7 +526,8 @@ class TcpTransport:
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                  credentials: Credentials | None = None,
                  handshake_timeout_s: float = HELLO_TIMEOUT_S,
-                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES) -> None:
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+                 receive_pool_bytes: int | None = None) -> None:
         # a joiner that knows only itself and a contact passes {rank: address}
         self.addresses: dict[int, Address] = dict(addresses) if isinstance(addresses, Mapping) \
             else dict(enumerate(addresses))
@@ -552,7 +553,7 @@ class TcpTransport:
         self._out: dict[int, _OutLink] = {}
         self._server: asyncio.Server | None = None
         self._inbound: set[asyncio.Transport] = set()
-        self.pool = BufferPool(keep=RECEIVE_BUFFERS)
+        self.pool = BufferPool(keep=RECEIVE_BUFFERS, keep_bytes=receive_pool_bytes)
         self.meter = UplinkMeter()
         self.channel_budget = self.meter.budget()  # in-flight bytes each busy bulk channel may have
         self._sampler: asyncio.Task[None] | None = None
