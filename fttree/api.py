@@ -88,6 +88,12 @@ def check_flat(flat: Any) -> None:
         raise ValueError("submit_array needs a contiguous array: pass np.ascontiguousarray(array)")
 
 
+def finite(flat: np.ndarray) -> bool:
+    """No NaN or Inf in a float array (integers always are). Checked in the caller's thread,
+    where the contribution enters, before anything is sent."""
+    return flat.dtype.kind != "f" or bool(np.isfinite(flat).all())
+
+
 def _restore(data: np.ndarray, how: Any) -> Any:
     if how[0] == "numpy":
         return data.reshape(how[1]).astype(how[2], copy=False)
@@ -323,6 +329,16 @@ class FTTreeAllreduce:
         if crash is not None:
             self.crash(f"rank {self.rank} crashed at step {self._marks.user_step(step)} "
                        f"(fault injection: {crash})")
+        node = self.node
+        if contribute and self.config.nonfinite != "allow" and not finite(flat):
+            if self.config.nonfinite == "skip":  # as a mixed-precision optimizer skips a step
+                flat[:] = 0
+                self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
+                self._loop.call_soon_threadsafe(node.skipped_nonfinite, step)
+                return future
+            reason = f"rank {self.rank}'s contribution to step {step} holds NaN or Inf (nonfinite='abort')"
+            self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, abort=reason))
+            return future
         if contribute:
             self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
         else:

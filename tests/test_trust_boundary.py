@@ -192,7 +192,8 @@ def test_a_flood_of_made_up_chunks_from_a_member_makes_bounded_state() -> None:
             burst = b"".join(message_frame(Message(kind=Kind.META_REDUCE_SENT, src=1, step=3, chunk=c, chunks=1 << 30,
                                                    origin=1, target=0)) for c in range(20_000))
             burst += b"".join(message_frame(Message(kind=Kind.META_REDUCE_SENT, src=1, step=s, chunk=c, chunks=1000,
-                                                    origin=1, target=0)) for s in range(1000, 1003) for c in range(1000))
+                                                    origin=1, target=0))
+                              for s in range(1000, 1003) for c in range(1000))
             sock.sendall(burst)
             sock.sendall(PREFIX.pack(b"FT", VERSION, 16, 300 << 20) + bytes(16))
             assert closed_by_peer(sock)
@@ -203,3 +204,64 @@ def test_a_flood_of_made_up_chunks_from_a_member_makes_bounded_state() -> None:
             for fut in futures:
                 assert np.array_equal(fut.result(timeout=30), np.full(8, 3.0))
         assert rss_mb() - before < 50
+
+
+# ---- bad numbers from a member -----------------------------------------------------------------
+
+
+def _steps_with_a_nan(policy: str) -> list[list[object]]:
+    """Three steps on 3 ranks; rank 1's contribution to step 1 holds a NaN. Each rank's outcome
+    of each step: (result, contributors) or the exception."""
+    from fttree.core.protocol import NoteKind
+
+    outcomes: list[list[object]] = [[], [], []]
+    with cluster(3, timeout_s=0.3, step_timeout_s=20, nonfinite=policy) as handles:
+        notes: list[object] = []
+        assert handles[1].node is not None
+        handles[1].node.note_listeners.append(lambda n: notes.append(n) if n.kind is NoteKind.NONFINITE else None)
+        for step in range(3):
+            data = [np.full(4, float(r + 1)) for r in range(3)]
+            if step == 1:
+                data[1][2] = np.nan
+            futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
+            for h, fut in zip(handles, futures, strict=True):
+                try:
+                    out = fut.result(timeout=30)
+                    assert h.last is not None
+                    outcomes[h.rank].append((out, h.last.contributors))
+                except Exception as exc:
+                    outcomes[h.rank].append(exc)
+        outcomes.append(notes)
+    return outcomes
+
+
+def test_a_nan_is_left_out_by_default_and_the_result_says_so() -> None:
+    *ranks, notes = _steps_with_a_nan("skip")
+    for outcome in ranks:
+        out, contributors = outcome[1]  # type: ignore[misc]
+        assert np.array_equal(out, np.full(4, 1.0 + 3.0))  # ranks 0 and 2 only
+        assert contributors == (0, 2)
+        assert outcome[2][1] == (0, 1, 2)  # type: ignore[index]  # the next step has everyone again
+    (note,) = notes  # type: ignore[misc]
+    assert note.step == 1
+    assert note.peer == 1
+    assert "NaN or Inf" in note.text
+
+
+def test_a_nan_aborts_the_step_everywhere_naming_the_rank_under_abort() -> None:
+    *ranks, _notes = _steps_with_a_nan("abort")
+    from fttree import StepAborted
+
+    for outcome in ranks:
+        assert isinstance(outcome[1], StepAborted), outcome[1]
+        assert "rank 1's contribution to step 1 holds NaN or Inf" in str(outcome[1])
+        assert 1 in outcome[1].peers
+        assert outcome[2][1] == (0, 1, 2)  # type: ignore[index]
+
+
+def test_allow_adds_a_nan_as_it_is() -> None:
+    *ranks, _notes = _steps_with_a_nan("allow")
+    for outcome in ranks:
+        out, contributors = outcome[1]  # type: ignore[misc]
+        assert np.isnan(out[2])
+        assert contributors == (0, 1, 2)

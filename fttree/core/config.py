@@ -19,6 +19,7 @@ from .trees import check_family
 TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 COMPRESSIONS = (None, "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "abort", "allow")
 
 
 SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many ...
@@ -77,6 +78,10 @@ class Config:
     # (3N on interior ranks); a one-chunk step always runs on tree 0. The same on every worker
     trees: str = "rotated"
     max_payload_bytes: int = 256 * 1024 * 1024  # a frame announcing more is refused (at least chunk_bytes)
+    # a contribution holding NaN or Inf: "skip" (this rank contributes nothing to that step, which
+    # the result's contributors show, and a note names it), "abort" (the step fails on every rank,
+    # naming this one) or "allow" (added as it is: every rank's result is NaN)
+    nonfinite: str = "skip"
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
     compression: str | None = None
@@ -116,6 +121,8 @@ class Config:
         if self.on_node_failure not in NODE_FAILURE_POLICIES:
             raise ConfigError(f"on_node_failure must be one of {', '.join(NODE_FAILURE_POLICIES)}, "
                               f"got {self.on_node_failure!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be None, 'bf16' or 'fp16', got {self.compression!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:

@@ -110,6 +110,7 @@ class AbortCode(IntEnum):
     UNREACHABLE = 1  # contributions or the result could not reach some ranks
     MISMATCH = 2  # workers submitted different tensors
     TIMEOUT = 3  # this node's own deadline passed
+    NONFINITE = 4  # a rank's contribution held NaN or Inf (Config.nonfinite = "abort")
 
 
 class NoteKind(Enum):
@@ -123,6 +124,7 @@ class NoteKind(Enum):
     STALE = "stale"  # a message of a retired op was dropped
     PROTOCOL = "protocol"  # a message broke the protocol and was dropped
     LINK = "link"  # a primary link was marked failed, or put back into use
+    NONFINITE = "nonfinite"  # a contribution held NaN or Inf and was left out of its step
 
 
 class Cause(Enum):
@@ -140,6 +142,7 @@ class Cause(Enum):
     DUPLICATE_DROPPED = "duplicate_dropped"
     STALE_DROPPED = "stale_dropped"
     PROTOCOL_VIOLATION = "protocol_violation"
+    NONFINITE_SKIPPED = "nonfinite_skipped"  # this rank's contribution held NaN or Inf: left out
 
     @property
     def kind(self) -> NoteKind:
@@ -155,6 +158,7 @@ _KIND_OF = {
     Cause.LINK_MARKED_FAILED: NoteKind.LINK, Cause.LINK_BACK_IN_USE: NoteKind.LINK,
     Cause.DUPLICATE_DROPPED: NoteKind.DUPLICATE, Cause.STALE_DROPPED: NoteKind.STALE,
     Cause.PROTOCOL_VIOLATION: NoteKind.PROTOCOL,
+    Cause.NONFINITE_SKIPPED: NoteKind.NONFINITE,
 }
 
 
@@ -171,6 +175,7 @@ class Submit:
     data: np.ndarray
     signature: str  # dtype and shape of the whole tensor, compared across workers
     contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
+    abort: str = ""  # fail this step everywhere for this reason, naming this rank (a NaN, Config.nonfinite)
 
 
 class LinkState(NamedTuple):
@@ -760,6 +765,9 @@ class TreeMachine:
             # anyone from then on, or one lost step would abort the next one too.
             give_up = max(now + self.cfg.root_give_up_s, self._last_abort_at + self.cfg.step_timeout_s)
             out.append(SetTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op), at=give_up))
+        if ev.abort:
+            self._abort(op, AbortCode.NONFINITE, ev.abort, (self.rank,), now, out)
+            return
         early, op.early = op.early, []
         for msg in early:
             if not self._matches(op, msg, now, out):

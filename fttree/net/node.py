@@ -53,6 +53,7 @@ from ..core.protocol import (
     AbortCode,
     Action,
     CancelTimer,
+    Cause,
     Complete,
     Event,
     Fail,
@@ -80,7 +81,7 @@ from .transport import Transport, TransportStatus
 log = logging.getLogger("fttree.net.node")
 
 CONTACT = hs.CONTACT  # the transport's key for a joiner's contact, whose rank it does not know yet
-_LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK)
+_LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK, NoteKind.NONFINITE)
 PROTOCOL_NOTES_LOGGED = 20  # protocol violations logged one by one; later ones are counted
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
                             TimerKind.MEMBER_STALL})
@@ -128,6 +129,7 @@ class _Step:
     contributors: tuple[int, ...] | None = None
     epoch: int = 0
     contribute: bool = True  # False: zeros that take part without counting (a joiner awaiting its state)
+    abort: str = ""  # fail the step everywhere for this reason (a NaN in our contribution, nonfinite="abort")
 
 
 class Node:
@@ -145,7 +147,7 @@ class Node:
         self._watches: set[TimerKey] = set()  # the backup watches among them (owes_peers, per event)
         self._stamped: tuple[Message, Message] | None = None  # the last metadata frame stamped (_stamp_backlog)
         self._steps: dict[int, _Step] = {}
-        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool]] = []  # during a view change
+        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool, str]] = []  # during a view change
         self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
         self.stopped: str | None = None  # why this rank produces no more results
         self.reruns = 0
@@ -330,7 +332,7 @@ class Node:
         for st in steps.values():
             if not st.future.done():
                 st.future.set_exception(error(st.step))
-        for step, _data, _sig, future, _contribute in held:
+        for step, _data, _sig, future, _contribute, _abort in held:
             if not future.done():
                 future.set_exception(error(step))
 
@@ -348,11 +350,13 @@ class Node:
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult], *,
-               contribute: bool = True) -> None:
+               contribute: bool = True, abort: str = "") -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
-        The array is read, never written, until the step completes (it may run again)."""
+        The array is read, never written, until the step completes (it may run again).
+        `abort`: fail the step on every rank for this reason, naming this one."""
         if self._holding:  # a join is being agreed: this step may be the one it starts at
-            self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute))
+            self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute,
+                                                        abort=abort))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
             self._at_boundary(step, step)
@@ -362,17 +366,17 @@ class Node:
             future.set_exception(GroupLeft(step, self.stopped))
             return
         if self.membership.state is MemberState.CHANGING:
-            self._held_back.append((step, data, signature, future, contribute))  # it runs in the view being agreed
+            self._held_back.append((step, data, signature, future, contribute, abort))  # runs in the view agreed
             return
         try:
-            self._submit(step, data, signature, future, contribute)
+            self._submit(step, data, signature, future, contribute, abort)
         except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
             self._steps.pop(step, None)
             if not future.done():
                 future.set_exception(exc)
 
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
-                contribute: bool = True) -> None:
+                contribute: bool = True, abort: str = "") -> None:
         # cut as every member cuts it: at the view's pace (view.py)
         # (never by the number of members: a step re-run after an eviction keeps its chunks)
         per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, self.view.pace) // max(1, data.itemsize))
@@ -380,7 +384,7 @@ class Node:
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
                    per_chunk=per_chunk, started=self.scheduler.monotonic(), began=self.scheduler.now(),
-                   contribute=contribute)
+                   contribute=contribute, abort=abort)
         self._steps[step] = st
         self._last_submitted = max(self._last_submitted, step)
         if idle:
@@ -397,7 +401,13 @@ class Node:
         for chunk, start in st.offsets.items():
             piece = st.submitted[start:start + st.per_chunk]
             self._handle(Submit(step=st.step, chunk=chunk, chunks=len(st.offsets), data=piece, signature=st.signature,
-                                contribute=st.contribute), raise_errors=True)
+                                contribute=st.contribute, abort=st.abort), raise_errors=True)
+
+    def skipped_nonfinite(self, step: int) -> None:
+        """Our contribution to `step` held NaN or Inf and was left out (nonfinite="skip"): a
+        note names this rank and step; the result's contributors show it to everyone."""
+        text = f"rank {self.rank}'s contribution to step {step} holds NaN or Inf: left out of that step"
+        self._do_all([Note(step=step, cause=Cause.NONFINITE_SKIPPED, peer=self.rank, text=text)])
 
     def active_steps(self) -> list[int]:
         """Steps submitted here and not finished yet, oldest first."""
@@ -864,9 +874,9 @@ class Node:
                 for dst in plan.lacking:
                     self._send(dst, msg)
         held, self._held_back = self._held_back, []
-        for step, data, signature, future, contribute in held:
+        for step, data, signature, future, contribute, abort in held:
             try:
-                self._submit(step, data, signature, future, contribute)
+                self._submit(step, data, signature, future, contribute, abort)
             except Exception as exc:
                 self._steps.pop(step, None)
                 future.set_exception(exc)

@@ -18,8 +18,9 @@ as +0.0).
 
 Settings come from the environment so that torchrun scripts need no change: FTTREE_TIMEOUT
 (backup-link watch, s), FTTREE_STEP_TIMEOUT (s), FTTREE_FAULTS (in-process fault schedule),
-FTTREE_CHUNK_BYTES, FTTREE_HOST, FTTREE_PORT, FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a
-fresh one in the store, which is torchrun's trust boundary already).
+FTTREE_CHUNK_BYTES, FTTREE_NONFINITE (skip, abort or allow), FTTREE_HOST, FTTREE_PORT,
+FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a fresh one in the store, which is
+torchrun's trust boundary already).
 """
 
 from __future__ import annotations
@@ -324,6 +325,8 @@ def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> 
             settings[field] = seconds
     if os.environ.get("FTTREE_CHUNK_BYTES"):
         settings["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
+    if os.environ.get("FTTREE_NONFINITE"):  # skip (default), abort or allow
+        settings["nonfinite"] = os.environ["FTTREE_NONFINITE"]
     return FTTreeAllreduce(rank, peers, faults=os.environ.get("FTTREE_FAULTS") or None, **settings).start()
 
 
