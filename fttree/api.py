@@ -21,7 +21,7 @@ import numpy as np
 import uvloop
 
 from .core.buffers import BufferPool
-from .core.config import Config
+from .core.config import NONFINITE_POLICIES, Config
 from .core.faults import FaultKind, FaultSchedule
 from .core.topology import check_rank
 from .core.view import View
@@ -311,12 +311,16 @@ class FTTreeAllreduce:
 
     # ---- allreduce ---------------------------------------------------------------------
 
-    def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True) -> Future[StepResult]:
+    def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True,
+                     nonfinite: str | None = None) -> Future[StepResult]:
         """Low-level: start a step on a flat array the caller hands over (not copied).
         `contribute=False`: take part with zeros that are not counted among the contributors
-        (a joiner still receiving its state does)."""
+        (a joiner still receiving its state does). `nonfinite` overrides Config.nonfinite for
+        this step ("allow" for a broadcast or a gather, which move values, not sum gradients)."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
+        if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_flat(flat)  # before a step number is used: peers would wait for it
         self.admit()  # a joiner's first step: now it takes part
         future: Future[StepResult] = Future()
@@ -330,8 +334,9 @@ class FTTreeAllreduce:
             self.crash(f"rank {self.rank} crashed at step {self._marks.user_step(step)} "
                        f"(fault injection: {crash})")
         node = self.node
-        if contribute and self.config.nonfinite != "allow" and not finite(flat):
-            if self.config.nonfinite == "skip":  # as a mixed-precision optimizer skips a step
+        policy = nonfinite or self.config.nonfinite
+        if contribute and policy != "allow" and not finite(flat):
+            if policy == "skip":  # as a mixed-precision optimizer skips a step
                 flat[:] = 0
                 self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
                 self._loop.call_soon_threadsafe(node.skipped_nonfinite, step)

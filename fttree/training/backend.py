@@ -132,8 +132,10 @@ class FTTreeProcessGroup(dist.ProcessGroup):
     # ---- plumbing --------------------------------------------------------------------
 
     def _run(self, what: str, flat: np.ndarray, signature: str, outputs: list[torch.Tensor],
-             finish: Callable[[StepResult], None]) -> FTTreeWork:
-        """Submit one step; `finish` (on the loop thread) writes the result into `outputs`."""
+             finish: Callable[[StepResult], None], *, moves_values: bool = False) -> FTTreeWork:
+        """Submit one step; `finish` (on the loop thread) writes the result into `outputs`.
+        `moves_values`: a broadcast or a gather, whose NaN and Inf are data, not a bad gradient
+        (Config.nonfinite applies to sums)."""
         inner, outer = pending_future()
         work = FTTreeWork(inner, outer, outputs)
         where = f"fttree rank {self.rank()}: {what}"
@@ -143,7 +145,8 @@ class FTTreeProcessGroup(dist.ProcessGroup):
             inner.set_result(exc)
 
         try:
-            submitted = self.allreduce_handle.submit_array(flat, signature)
+            submitted = self.allreduce_handle.submit_array(flat, signature,
+                                                           nonfinite="allow" if moves_values else None)
         except Exception as exc:
             fail(exc)
             return work
@@ -200,7 +203,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
             if not is_root:
                 _unpack(res.data, tensors)
 
-        return self._run(f"{what} of {flat.size} x {flat.dtype}", flat, sig, tensors, finish)
+        return self._run(f"{what} of {flat.size} x {flat.dtype}", flat, sig, tensors, finish, moves_values=True)
 
     def _gather_into(self, what: str, inputs: list[torch.Tensor], slots: list[list[torch.Tensor]]) -> FTTreeWork:
         """Every rank's `inputs` into slots[r] (empty list: not wanted here)."""
@@ -216,7 +219,8 @@ class FTTreeProcessGroup(dist.ProcessGroup):
                     _unpack(res.data[r * own.size:(r + 1) * own.size], outs)
 
         outputs = [t for outs in slots for t in outs]
-        return self._run(f"{what} of {world} x {own.size} x {own.dtype}", flat, sig, outputs, finish)
+        return self._run(f"{what} of {world} x {own.size} x {own.dtype}", flat, sig, outputs, finish,
+                         moves_values=True)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:

@@ -195,7 +195,8 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
                 view[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
                 offset += t.numel()
         layout = digest([dtype.str, *(tuple(t.shape) for _, t in members)])
-        futures.append(ar.submit_array(flat, f"broadcast from rank {root_rank} {dtype.name}[{total}] #{layout}"))
+        futures.append(ar.submit_array(flat, f"broadcast from rank {root_rank} {dtype.name}[{total}] #{layout}",
+                                       nonfinite="allow"))
         plans.append(members)
     results = _wait(futures, ar, lambda i: f"broadcasting parameters from rank {root_rank}")
     if ar.rank == root_rank:
