@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -46,13 +47,13 @@ def reference() -> list[torch.Tensor]:
 # ---- worker side (run as a script) --------------------------------------------------------
 
 
-def train(model: nn.Module, rank: int) -> list[torch.Tensor]:
+def train(model: nn.Module, rank: int, device: str = "cpu") -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
     for step in range(STEPS):
         x, y = data(step)
         sl = slice(rank * BATCH, (rank + 1) * BATCH)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        nn.functional.cross_entropy(model(x[sl].to(device)), y[sl].to(device)).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -101,6 +102,24 @@ def collectives(rank: int) -> dict[str, Any]:
     return out
 
 
+def cuda_collectives(rank: int) -> dict[str, Any]:
+    """Collectives on GPU tensors: results must land back in the caller's GPU tensors."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    t = torch.full((3, 2), rank + 1.0, device="cuda")
+    dist.all_reduce(t)
+    out["sum"] = t.cpu()
+    out["sum_device"] = t.device.type
+    b = torch.tensor([1.5, float("nan"), 7.0], device="cuda") if rank == 1 else torch.zeros(3, device="cuda")
+    dist.broadcast(b, src=1)
+    out["bcast"] = b.cpu()
+    gathered = [torch.zeros(2, device="cuda") for _ in range(WORLD)]
+    dist.all_gather(gathered, torch.tensor([rank, 10.0 * rank], device="cuda"))
+    out["allgather"] = torch.stack(gathered).cpu()
+    return out
+
+
 def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,6 +141,8 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
         ar = fttree.training.backend.allreduce_of()
         if scenario == "backend":
             result["collectives"] = collectives(rank)
+        if scenario == "backend_cuda":
+            result["collectives"] = cuda_collectives(rank)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
         ar = fttree.FTTreeAllreduce(rank, peers, timeout_s=0.2, faults=os.environ.get("FTTREE_FAULTS") or None,
@@ -130,11 +151,13 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
     model = mlp(seed=0 if rank == 0 else 50 + rank)  # DDP must broadcast rank 0's start
     if hidden_mismatch:
         model = nn.Sequential(nn.Linear(12, 17), nn.Tanh(), nn.Linear(17, 4))
+    if scenario == "backend_cuda":
+        model = model.cuda()
     try:
         ddp = DDP(model)
         if scenario.startswith("hook"):
             ddp.register_comm_hook(ar, fttree.comm_hook)
-        result["params"] = train(ddp, rank)
+        result["params"] = [p.cpu() for p in train(ddp, rank, "cuda" if scenario == "backend_cuda" else "cpu")]
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     assert ar is not None
@@ -238,6 +261,18 @@ def test_backend_collectives_and_ddp(tmp_path: Path) -> None:
         assert torch.equal(c["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * 6)
         assert "SUM and AVG, not MAX" in c["max_error"]
         assert "all_to_all_single is not implemented" in c["alltoall_error"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_backend_on_cuda_tensors(tmp_path: Path) -> None:  # pragma: no cover - needs a GPU
+    results = run_workers("backend_cuda", tmp_path)
+    assert_trained_like_one_process(results)
+    for res in results:
+        c = res["collectives"]
+        assert c["sum_device"] == "cuda"
+        assert torch.equal(c["sum"], torch.full((3, 2), 6.0))
+        torch.testing.assert_close(c["bcast"], torch.tensor([1.5, float("nan"), 7.0]), rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(c["allgather"], torch.tensor([[0.0, 0.0], [1.0, 10.0], [2.0, 20.0]]))
 
 
 def test_backend_ddp_with_a_cut_link(tmp_path: Path) -> None:
