@@ -27,7 +27,7 @@ from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
 from .net.address import Address, parse_address, parse_peers
-from .net.credentials import Credentials, check_exposure, http_token
+from .net.credentials import Credentials, Tls, check_exposure, http_token
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
@@ -144,8 +144,10 @@ class FTTreeAllreduce:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.config = Config.build(config, **settings)
-        self.credentials = Credentials.from_key(auth_key) if auth_key is not None else \
-            Credentials.from_key_file(self.config.auth_key_file)
+        self.credentials = (Credentials.from_key(auth_key) if auth_key is not None else
+                            Credentials.from_key_file(self.config.auth_key_file))
+        if self.config.tls_dir is not None:
+            self.credentials = self.credentials.with_tls(Tls.from_dir(self.config.tls_dir, rank))
         check_exposure(self.credentials, known.values(), self.config.insecure)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)

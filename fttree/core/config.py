@@ -102,6 +102,9 @@ class Config:
     # worker; without one, only loopback addresses unless `insecure`
     auth_key_file: str | os.PathLike[str] | None = None
     insecure: bool = False  # run without a credential on addresses others can reach
+    # mutual TLS: a folder made by `fttree certs` holding ca.pem, rank-N.pem and rank-N.key for
+    # this worker's rank N (ca.key need not be there); with it every connection is encrypted
+    tls_dir: str | os.PathLike[str] | None = None
     handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
     max_pending_handshakes: int = 64  # connections not proven yet, at most (a flood is refused beyond)
 
@@ -141,6 +144,8 @@ class Config:
                               f"({self.chunk_bytes}): a chunk could not be received")
         if self.auth_key_file is not None and not isinstance(self.auth_key_file, str | os.PathLike):
             raise ConfigError(f"auth_key_file must be a path, got {self.auth_key_file!r}")
+        if self.tls_dir is not None and not isinstance(self.tls_dir, str | os.PathLike):
+            raise ConfigError(f"tls_dir must be a path, got {self.tls_dir!r}")
         if not isinstance(self.insecure, bool):
             raise ConfigError(f"insecure must be True or False, got {self.insecure!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:

@@ -1,10 +1,12 @@
-"""What a worker proves itself with, and what it asks of its peers: the job's shared key, or none.
+"""What a worker proves itself with, and what it asks of its peers: the job's shared key, its
+rank's TLS certificate, both, or neither.
 
 A key is a file of at least 16 bytes (`fttree key --out FILE` writes 32 random ones); its
 whitespace is ignored so that a hex or base64 line works too. Every member of a job must read
-the same key. Without one a job may only use loopback addresses, unless the user says
-`insecure=True`: any process that reaches a worker's port could otherwise join, forge frames
-or take the model (README, "Security").
+the same key. With TLS (`fttree certs`), every connection is encrypted and each side shows a
+certificate of the job's CA that names its rank. Without either, a job may only use loopback
+addresses, unless the user says `insecure=True`: any process that reaches a worker's port
+could otherwise join, forge frames or take the model (README, "Security").
 """
 
 from __future__ import annotations
@@ -14,30 +16,116 @@ import hmac
 import ipaddress
 import os
 import secrets
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 from .address import Address
 from .handshake import job_id
 
 MIN_KEY_BYTES = 16
+RANK_URI = "urn:fttree:rank:"  # a rank certificate's subject alternative name is RANK_URI + rank
+
+
+def ca_file(folder: Path) -> Path:
+    """The job CA's certificate in a folder made by `fttree certs`."""
+    return folder / "ca.pem"
+
+
+def rank_files(folder: Path, rank: int) -> tuple[Path, Path]:
+    """(certificate, key) of `rank` in a folder made by `fttree certs`."""
+    return folder / f"rank-{rank}.pem", folder / f"rank-{rank}.key"
+
+
+def rank_of(peercert: Any) -> int | None:
+    """The rank a verified peer certificate names (ssl's getpeercert() form), or None."""
+    if not isinstance(peercert, dict):
+        return None
+    for kind, value in peercert.get("subjectAltName", ()) or ():
+        if kind == "URI" and isinstance(value, str) and value.startswith(RANK_URI):
+            tail = value[len(RANK_URI):]
+            if tail.isdigit():
+                return int(tail)
+    return None
+
+
+def tls_contexts(cert: Path, key: Path, ca: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of mutual TLS 1.3: each side presents its rank's certificate
+    and accepts only certificates of the job's CA. Host names are not checked: the rank is."""
+    try:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
+        server.verify_mode = ssl.CERT_REQUIRED
+        server.load_cert_chain(str(cert), str(key))
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        client.check_hostname = False
+        client.verify_mode = ssl.CERT_REQUIRED
+        client.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS files (cert {cert}, key {key}, CA {ca}): {exc}") from None
+    for ctx in (server, client):
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return server, client
+
+
+def ca_fingerprint(ca: Path) -> str:
+    """The job CA's SHA-256 fingerprint (hex): names the job in a HELLO when there is no key."""
+    try:
+        der = ssl.PEM_cert_to_DER_cert(ca.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"job CA {str(ca)!r}: {exc}") from None
+    return hashlib.sha256(der).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """This rank's side of mutual TLS: contexts to accept and to dial with, and the job CA's
+    fingerprint (which names the job when there is no key)."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    ca_fingerprint: str
+
+    @classmethod
+    def from_dir(cls, folder: str | os.PathLike[str], rank: int) -> Tls:
+        """This rank's files in a folder made by `fttree certs`."""
+        root = Path(folder)
+        cert, key = rank_files(root, rank)
+        missing = [p.name for p in (ca_file(root), cert, key) if not p.is_file()]
+        if missing:
+            raise ConfigError(f"tls_dir {str(folder)!r} lacks {', '.join(missing)} for rank {rank} (make them with "
+                              f"`fttree certs --out {folder} --add {rank}` where the job CA's key is)")
+        return cls.from_files(cert, key, ca_file(root))
+
+    @classmethod
+    def from_files(cls, cert: str | os.PathLike[str], key: str | os.PathLike[str],
+                   ca: str | os.PathLike[str]) -> Tls:
+        server, client = tls_contexts(Path(cert), Path(key), Path(ca))
+        return cls(server=server, client=client, ca_fingerprint=ca_fingerprint(Path(ca)))
 
 
 @dataclass(frozen=True, slots=True)
 class Credentials:
-    """The job's shared key (b"": none). `job` names the job in every handshake."""
+    """The job's shared key (b"": none) and TLS (None: plain TCP). `job` names the job in
+    every handshake."""
 
     key: bytes = b""
+    tls: Tls | None = None
 
     @property
     def job(self) -> str:
-        return job_id(self.key)
+        if self.key:
+            return job_id(self.key)
+        return self.tls.ca_fingerprint[:16] if self.tls is not None else ""
 
     @property
     def secured(self) -> bool:
-        return bool(self.key)
+        return bool(self.key) or self.tls is not None
+
+    def with_tls(self, tls: Tls | None) -> Credentials:
+        return Credentials(key=self.key, tls=tls)
 
     @classmethod
     def from_key(cls, key: bytes) -> Credentials:

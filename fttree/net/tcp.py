@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import socket
+import ssl
 import struct
 import time
 import weakref
@@ -31,7 +32,7 @@ from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Message, decode_h
 from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address
-from .credentials import Credentials
+from .credentials import Credentials, rank_of
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import POLL_MIN_S, UplinkMeter, retransmit_timeout_s, tcp_counters, unacked_bytes
 
@@ -232,9 +233,18 @@ class _Channel:
             self.unreachable = True
             return False
         try:
+            tls = t.credentials.tls
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0), limit=STREAM_LIMIT),
+                asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0), limit=STREAM_LIMIT,
+                                        ssl=None if tls is None else tls.client,
+                                        ssl_handshake_timeout=None if tls is None else t.handshake_timeout_s),
                 t.connect_timeout_s)
+        except ssl.SSLError as exc:  # its certificate is not of the job's CA, or it speaks no TLS
+            why = f"TLS handshake with {addr}: {exc.reason or exc}"
+            t.stats[self.peer].last_error = why
+            t.refused(f"dial {addr}", why)
+            self.unreachable = True
+            return False
         except (OSError, TimeoutError) as exc:
             t.stats[self.peer].last_error = f"connect to {addr}: {exc or type(exc).__name__}"
             self.unreachable = True
@@ -287,6 +297,10 @@ class _Channel:
             return f"handshake with {addr}: {exc}"
         if not isinstance(answer, hs.Challenge) or (answer.src != self.peer and self.peer != hs.CONTACT):
             return f"{addr} did not answer as rank {self.peer} does"
+        if t.credentials.tls is not None:
+            shown = rank_of(writer.get_extra_info("peercert"))
+            if shown != answer.src:
+                return f"{addr} answered as rank {answer.src} with a certificate of {_cert_rank(shown)}"
         if not hs.verify(hs.accept_mac(t.credentials.key, hello, answer.nonce), answer.mac):
             return f"rank {self.peer} at {addr} did not prove the job's key"
         writer.write(hs.encode(hs.Proof(src=t.rank, mac=hs.dial_mac(t.credentials.key, hello, answer.nonce))))
@@ -645,8 +659,11 @@ class TcpTransport:
     async def start(self) -> None:
         try:
             loop = asyncio.get_running_loop()
+            tls = self.credentials.tls
             self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
-                                                    reuse_address=True)
+                                                    reuse_address=True, ssl=None if tls is None else tls.server,
+                                                    ssl_handshake_timeout=None if tls is None
+                                                    else self.handshake_timeout_s)
             _LIVE.add(self)
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
@@ -820,6 +837,16 @@ class TcpTransport:
         log.error("rank %d: %s; closing that connection", self.rank, self.last_frame_error)
 
 
+def _tls_refused(owner: weakref.ref[TcpTransport], made: list[bool]) -> None:
+    transport = owner()
+    if not made[0] and transport is not None and not transport.closed:
+        transport.refused("a connection", "its TLS handshake failed (no certificate of the job's CA, or not TLS)")
+
+
+def _cert_rank(rank: int | None) -> str:
+    return "no rank" if rank is None else f"rank {rank}"
+
+
 class _Inbound(asyncio.BufferedProtocol):
     """Reads frames from one accepted connection. Payloads are read by the kernel straight
     into a buffer of their exact size (no stream-buffer copies); prefixes and headers go
@@ -841,8 +868,15 @@ class _Inbound(asyncio.BufferedProtocol):
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
         self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
+        self._made_flag = [False]
+        if owner.credentials.tls is not None:
+            # with TLS this protocol is made at accept, but hears of the connection only once the
+            # TLS handshake succeeds: one that failed (no certificate of the job's CA, or not TLS)
+            # is seen only as this object going away unused
+            weakref.finalize(self, _tls_refused, weakref.ref(owner), self._made_flag)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._made_flag[0] = True
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         peername = transport.get_extra_info("peername")
         self.peer = (str(peername[0]), int(peername[1])) if peername else ("?", 0)
@@ -947,6 +981,11 @@ class _Inbound(asyncio.BufferedProtocol):
             if not isinstance(frame, hs.Hello):
                 raise FrameError("the first frame is not a HELLO")
             t.check_hello(frame, self.peer[0])
+            if t.credentials.tls is not None:
+                assert self.transport is not None
+                shown = rank_of(self.transport.get_extra_info("peercert"))
+                if shown != frame.src:
+                    raise FrameError(f"a peer claims rank {frame.src} with a certificate of {_cert_rank(shown)}")
             self.hello, self.nonce = frame, hs.new_nonce()
             assert self.transport is not None
             self.transport.write(hs.encode(hs.Challenge(src=t.rank, nonce=self.nonce,

@@ -36,6 +36,10 @@ def _auth_options(f: F) -> F:
                      envvar="FTTREE_AUTH_KEY_FILE",
                      help="The job's shared key (the same file on every worker; `fttree key --out FILE` makes "
                           "one): every connection proves it. Env FTTREE_AUTH_KEY_FILE.")(f)
+    f = click.option("--tls-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     envvar="FTTREE_TLS_DIR",
+                     help="Encrypt every connection (mutual TLS): a folder from `fttree certs` with ca.pem, "
+                          "rank-R.pem and rank-R.key for this rank. Env FTTREE_TLS_DIR.")(f)
     f = click.option("--insecure", is_flag=True,
                      help="Run without a credential on addresses other machines can reach (a trusted network).")(f)
     return f
@@ -121,7 +125,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
            on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None,
-           auth_key_file: Path | None, insecure: bool) -> None:
+           auth_key_file: Path | None, tls_dir: Path | None, insecure: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
@@ -135,6 +139,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
                              on_node_failure=on_node_failure, join=join or False, trees=trees,
                              chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
                              auth_key_file=None if auth_key_file is None else str(auth_key_file),
+                             tls_dir=None if tls_dir is None else str(tls_dir),
                              insecure=insecure, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
@@ -194,19 +199,23 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
               help="Apply --faults with iptables (netem/ scripts) in a network namespace, not in-process. Needs root.")
 @click.option("--netns", default=None, metavar="NAME",
               help="Namespace for --real-faults (default: a new fttree-PID, deleted afterwards).")
+@click.option("--tls", is_flag=True,
+              help="Encrypt every connection: make a job CA and a certificate per rank (tls/ in the launch "
+                   "directory), or use --tls-dir's.")
 @_job_options
 @_auth_options
 @launch_options
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
-           trees: str, uplink: str | None, auth_key_file: Path | None, insecure: bool) -> None:
+           trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None, insecure: bool,
+           tls: bool) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
     SIGCONT); the other faults in-process, or with iptables under --real-faults. The workers
     prove a key made for this job (job.key in the launch directory) unless --auth-key-file
-    names one."""
+    names one; --tls also encrypts their connections."""
     from .nodefaults import link_schedule_text, node_faults
 
     try:
@@ -234,6 +243,13 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
     key = auth_key_file or write_key(launch_dir / "job.key")
     args += ["--auth-key-file", str(key)] + (["--insecure"] if insecure else [])
+    if tls and tls_dir is None:
+        from ..net.certs import make
+
+        tls_dir = launch_dir / "tls"
+        make(tls_dir, range(world))
+    if tls_dir is not None:
+        args += ["--tls-dir", str(tls_dir)]
     args += launch_worker_args(world, host_base, port, launch_dir)
     if real_faults:
         from .realfaults import run_launch_cli
@@ -264,6 +280,29 @@ def key(out: Path) -> None:
     """Write a fresh shared key for a job: give the same file to every worker (--auth-key-file)."""
     click.echo(f"wrote a new job key to {write_key(out)}: copy it to every worker of the job, over a channel "
                f"you trust")
+
+
+@main.command()
+@click.option("-n", "world", type=click.IntRange(min=1), default=None,
+              help="Make a new job CA and certificates for ranks 0..N-1.")
+@click.option("--add", "add", type=click.IntRange(min=0), multiple=True, metavar="RANK",
+              help="Sign a certificate for RANK with the CA already in --out (a rank that joins later); repeatable.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The job's certificate folder: ca.pem, ca.key, rank-R.pem, rank-R.key.")
+def certs(world: int | None, add: tuple[int, ...], out: Path) -> None:
+    """Make a job's TLS certificates: a CA of its own and one certificate per rank, naming the
+    rank. Worker R needs ca.pem, rank-R.pem and rank-R.key (--tls-dir); keep ca.key where new
+    ranks are signed."""
+    from ..net.certs import make
+
+    if (world is None) == (not add):
+        raise click.UsageError("give either -n N (a new job CA) or --add RANK (a rank signed by the CA in --out)")
+    try:
+        made = make(out, range(world) if world is not None else list(add), add=bool(add))
+    except FTTreeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {len(made)} rank certificate(s) to {out}: give worker R ca.pem, rank-R.pem and rank-R.key; "
+               f"keep ca.key where ranks are added")
 
 
 # Subcommands that live in their own modules (bench, status, ...) register here, so each

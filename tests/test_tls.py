@@ -1,0 +1,159 @@
+"""Mutual TLS (README "Security"): every connection encrypted, every peer's rank read from a
+certificate of the job's own CA. An outsider, another job's worker or a member claiming
+another rank is refused at the handshake while the job's steps stay exact."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fttree import ConfigError, FTTreeAllreduce
+from fttree.net import certs
+from fttree.net.credentials import Credentials, Tls, rank_of, write_key
+from fttree.tools.cli import main as cli
+
+from .conftest import cluster, local_peers
+
+PROBER = Path(__file__).resolve().parent / "tls_prober.py"
+
+
+def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 50_000) -> None:
+    for step in range(steps):
+        data = [np.full(size, float(step + r), np.float32) for r in range(len(handles))]
+        futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
+        for h, fut in zip(handles, futures, strict=True):
+            assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
+            assert h.last is not None
+            assert h.last.contributors == tuple(range(len(handles)))
+
+
+def test_certificates_name_their_rank_and_a_ca_signs_more_later(tmp_path: Path) -> None:
+    made = certs.make(tmp_path, range(2))
+    assert [p.name for p in made] == ["rank-0.pem", "rank-1.pem"]
+    certs.make(tmp_path, [5], add=True)
+    tls = Tls.from_dir(tmp_path, 5)
+    assert tls.server.verify_mode.name == "CERT_REQUIRED"
+    assert tls.client.verify_mode.name == "CERT_REQUIRED"
+    assert rank_of({"subjectAltName": (("URI", "urn:fttree:rank:5"),)}) == 5
+    assert rank_of({"subjectAltName": (("DNS", "rank5"),)}) is None
+    assert rank_of(None) is None
+    with pytest.raises(ConfigError, match="a job CA is there already"):
+        certs.make(tmp_path, range(2))
+    with pytest.raises(ConfigError, match=r"lacks rank-3\.pem, rank-3\.key for rank 3"):
+        Tls.from_dir(tmp_path, 3)
+    with pytest.raises(ConfigError, match="cannot read the job CA"):
+        certs.make(tmp_path / "none", [1], add=True)
+
+
+def test_certs_cli(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = runner.invoke(cli, ["certs", "-n", "3", "--out", str(tmp_path / "job")])
+    assert out.exit_code == 0, out.output
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == [
+        "ca.key", "ca.pem", "rank-0.key", "rank-0.pem", "rank-1.key", "rank-1.pem", "rank-2.key", "rank-2.pem"]
+    assert (tmp_path / "job" / "ca.key").stat().st_mode & 0o077 == 0
+    added = runner.invoke(cli, ["certs", "--add", "7", "--out", str(tmp_path / "job")])
+    assert added.exit_code == 0, added.output
+    assert (tmp_path / "job" / "rank-7.pem").exists()
+    both = runner.invoke(cli, ["certs", "-n", "2", "--add", "3", "--out", str(tmp_path / "x")])
+    assert both.exit_code != 0
+    assert "either -n N" in both.output
+
+
+def test_a_tls_job_sums_exactly_and_names_its_job_by_its_ca(tmp_path: Path) -> None:
+    certs.make(tmp_path / "tls", range(3))
+    with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 10)
+        assert {h.credentials.job for h in handles} == {Tls.from_dir(tmp_path / "tls", 0).ca_fingerprint[:16]}
+        assert all(h.transport is not None and h.transport.status().refusals == 0 for h in handles)
+    key = write_key(tmp_path / "job.key")  # a key and TLS together: the key names the job
+    with cluster(3, tls_dir=str(tmp_path / "tls"), auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 3)
+        assert handles[0].credentials.job == Credentials.from_key_file(key).job
+
+
+def test_outsiders_and_a_member_claiming_another_rank_are_refused(tmp_path: Path) -> None:
+    certs.make(tmp_path / "tls", range(3))
+    certs.make(tmp_path / "other", range(3))
+    with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20,
+                 handshake_timeout_s=2.0) as handles:
+        exact_steps(handles, 3)
+        prober = subprocess.Popen([sys.executable, str(PROBER), "--target", str(handles[0].peers[0]), "--job-dir",
+                                   str(tmp_path / "tls"), "--other-dir", str(tmp_path / "other"), "--job",
+                                   handles[0].credentials.job], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        while prober.poll() is None:  # the job runs while it is probed
+            exact_steps(handles, 1)
+        out, err = prober.communicate(timeout=60)
+        assert prober.returncode == 0, err
+        report = json.loads(out)
+        assert report == {"clear": "refused", "no_certificate": "refused", "other_job": "refused",
+                          "rank1_as_rank2": "refused", "rank1_as_itself": "answered"}, report
+        exact_steps(handles, 3)
+        transport = handles[0].transport
+        assert transport is not None
+        # the lie about the rank, and three failed TLS handshakes (counted as their
+        # connections are let go, which a collection of cycles may be needed for)
+        deadline = time.monotonic() + 30
+        while transport.status().refusals < 4 and time.monotonic() < deadline:
+            gc.collect()
+            exact_steps(handles, 1)
+        assert transport.status().refusals >= 4, transport.status().refusals
+
+
+def test_a_worker_without_the_job_certificate_cannot_join_the_job(tmp_path: Path) -> None:
+    """The same ports, one worker holding another CA's certificate: it is never let in."""
+    certs.make(tmp_path / "tls", range(3))
+    certs.make(tmp_path / "other", range(3))
+    peers = local_peers(3)
+    good = [FTTreeAllreduce(r, peers, tls_dir=str(tmp_path / "tls"), startup_timeout_s=10, timeout_s=0.3)
+            for r in (0, 1)]
+    stranger = FTTreeAllreduce(2, peers, tls_dir=str(tmp_path / "other"), startup_timeout_s=10, timeout_s=0.3)
+    import threading
+
+    errors: list[str] = []
+
+    def start(h: FTTreeAllreduce) -> None:
+        try:
+            h.start()
+        except Exception as exc:
+            errors.append(f"rank {h.rank}: {exc}")
+
+    threads = [threading.Thread(target=start, args=(h,)) for h in [*good, stranger]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert len(errors) == 3, f"a worker with another job's certificate started with the job: {errors}"
+        assert any("CERTIFICATE_VERIFY_FAILED" in e for e in errors), errors
+    finally:
+        for h in [*good, stranger]:
+            h.close()
+
+
+def test_tls_dir_is_checked_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tls_dir .* lacks ca\.pem, rank-0\.pem, rank-0\.key for rank 0"):
+        FTTreeAllreduce(0, local_peers(2), tls_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="tls_dir must be a path"):
+        FTTreeAllreduce(0, local_peers(2), tls_dir=5)
+
+
+def test_launch_tls_with_a_crash(tmp_path: Path) -> None:
+    """The one-line command: `fttree launch --tls` with a worker killed mid-run."""
+    proc = subprocess.run([sys.executable, "-m", "fttree", "launch", "-n", "5", "--steps", "10", "--size", "20000",
+                           "--tls", "--faults", "crash 3 @4", "--launch-dir", str(tmp_path), "--port",
+                           str(30000 + (hash(str(tmp_path)) % 2000))],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all exact: yes" in proc.stdout
+    assert "survivors [0, 1, 2, 4]" in proc.stdout
+    assert (tmp_path / "tls" / "rank-4.pem").exists()
