@@ -163,6 +163,20 @@ def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_fo
 
 
 def test_a_new_rank_grows_the_group() -> None:
+    grow_the_group()
+
+
+def test_a_new_rank_grows_a_tls_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under mutual TLS, the joiners hold certificates the job's CA signed after the start."""
+    from fttree.net import certs
+
+    certs.make(tmp_path, range(4))
+    certs.make(tmp_path, [4, 5], add=True)
+    monkeypatch.setitem(SETTINGS, "tls_dir", str(tmp_path))
+    grow_the_group()
+
+
+def grow_the_group() -> None:
     peers = local_peers(6)
     runs = {r: Run() for r in range(6)}
     grow = threading.Event()
