@@ -190,6 +190,8 @@ class FTTreeAllreduce:
         env = os.environ
         if env.get("FTTREE_AUTH_KEY_FILE") and "auth_key_file" not in kwargs:
             kwargs["auth_key_file"] = env["FTTREE_AUTH_KEY_FILE"]
+        if env.get("FTTREE_TLS_DIR") and "tls_dir" not in kwargs:
+            kwargs["tls_dir"] = env["FTTREE_TLS_DIR"]
         rank_text = env.get("FTTREE_RANK", env.get("RANK"))
         if rank_text is None or not rank_text.strip().lstrip("-").isdigit():
             raise ConfigError(f"set FTTREE_RANK (or torchrun's RANK) to this worker's rank, got {rank_text!r}")

@@ -157,3 +157,13 @@ def test_launch_tls_with_a_crash(tmp_path: Path) -> None:
     assert "all exact: yes" in proc.stdout
     assert "survivors [0, 1, 2, 4]" in proc.stdout
     assert (tmp_path / "tls" / "rank-4.pem").exists()
+
+
+def test_from_env_reads_the_tls_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTTREE_RANK", "0")
+    monkeypatch.setenv("FTTREE_PEERS", ",".join(local_peers(2)))
+    monkeypatch.setenv("FTTREE_TLS_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"lacks ca\.pem"):
+        FTTreeAllreduce.from_env()
+    certs.make(tmp_path, range(2))
+    assert FTTreeAllreduce.from_env().credentials.tls is not None

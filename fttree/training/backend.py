@@ -20,7 +20,7 @@ Settings come from the environment so that torchrun scripts need no change: FTTR
 (backup-link watch, s), FTTREE_STEP_TIMEOUT (s), FTTREE_FAULTS (in-process fault schedule),
 FTTREE_CHUNK_BYTES, FTTREE_NONFINITE (skip, abort or allow), FTTREE_HOST, FTTREE_PORT,
 FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a fresh one in the store, which is
-torchrun's trust boundary already).
+torchrun's trust boundary already), FTTREE_TLS_DIR (encrypt: a folder from `fttree certs`).
 """
 
 from __future__ import annotations
@@ -331,6 +331,8 @@ def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> 
         settings["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
     if os.environ.get("FTTREE_NONFINITE"):  # skip (default), abort or allow
         settings["nonfinite"] = os.environ["FTTREE_NONFINITE"]
+    if os.environ.get("FTTREE_TLS_DIR"):
+        settings["tls_dir"] = os.environ["FTTREE_TLS_DIR"]
     return FTTreeAllreduce(rank, peers, faults=os.environ.get("FTTREE_FAULTS") or None, **settings).start()
 
 
