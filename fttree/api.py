@@ -146,8 +146,12 @@ class FTTreeAllreduce:
         self.config = Config.build(config, **settings)
         self.credentials = (Credentials.from_key(auth_key) if auth_key is not None else
                             Credentials.from_key_file(self.config.auth_key_file))
-        if self.config.tls_dir is not None:
-            self.credentials = self.credentials.with_tls(Tls.from_dir(self.config.tls_dir, rank))
+        cfg = self.config
+        if cfg.tls_dir is not None:
+            self.credentials = self.credentials.with_tls(Tls.from_dir(cfg.tls_dir, rank))
+        elif cfg.tls_cert_file is not None and cfg.tls_key_file is not None and cfg.tls_ca_file is not None:
+            self.credentials = self.credentials.with_tls(Tls.from_files(cfg.tls_cert_file, cfg.tls_key_file,
+                                                                        cfg.tls_ca_file))
         check_exposure(self.credentials, known.values(), self.config.insecure)
         if not isinstance(faults, FaultSchedule):
             faults = FaultSchedule(faults, world=len(addresses), seed=rank)

@@ -8,6 +8,7 @@ import gc
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fttree.net import certs
 from fttree.net.credentials import Credentials, Tls, rank_of, write_key
 from fttree.tools.cli import main as cli
 
-from .conftest import cluster, local_peers
+from .conftest import cluster, free_port, local_peers
 
 PROBER = Path(__file__).resolve().parent / "tls_prober.py"
 
@@ -151,7 +152,7 @@ def test_launch_tls_with_a_crash(tmp_path: Path) -> None:
     """The one-line command: `fttree launch --tls` with a worker killed mid-run."""
     proc = subprocess.run([sys.executable, "-m", "fttree", "launch", "-n", "5", "--steps", "10", "--size", "20000",
                            "--tls", "--faults", "crash 3 @4", "--launch-dir", str(tmp_path), "--port",
-                           str(30000 + (hash(str(tmp_path)) % 2000))],
+                           str(free_port())],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all exact: yes" in proc.stdout
@@ -167,3 +168,40 @@ def test_from_env_reads_the_tls_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         FTTreeAllreduce.from_env()
     certs.make(tmp_path, range(2))
     assert FTTreeAllreduce.from_env().credentials.tls is not None
+
+
+def test_tls_from_three_files_and_their_checks(tmp_path: Path) -> None:
+    certs.make(tmp_path, range(2))
+    peers = local_peers(2)
+
+    def files(rank: int) -> dict[str, str]:
+        return {"tls_cert_file": str(tmp_path / f"rank-{rank}.pem"), "tls_key_file": str(tmp_path / f"rank-{rank}.key"),
+                "tls_ca_file": str(tmp_path / "ca.pem")}
+
+    handles = [FTTreeAllreduce(r, peers, timeout_s=0.3, step_timeout_s=20, **files(r)) for r in range(2)]
+    starts = [threading.Thread(target=h.start) for h in handles]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join(timeout=60)
+    try:
+        exact_steps(handles, 2)
+        assert all(h.credentials.tls is not None for h in handles)
+    finally:
+        for h in handles:
+            h.close()
+    with pytest.raises(ConfigError, match="only tls_cert_file, tls_ca_file given"):
+        FTTreeAllreduce(0, peers, tls_cert_file=files(0)["tls_cert_file"], tls_ca_file=files(0)["tls_ca_file"])
+    with pytest.raises(ConfigError, match="not both"):
+        FTTreeAllreduce(0, peers, tls_dir=str(tmp_path), **files(0))
+    with pytest.raises(ConfigError, match="TLS files"):  # a key that is not the certificate's
+        FTTreeAllreduce(0, peers, **{**files(0), "tls_key_file": str(tmp_path / "rank-1.key")})
+
+
+def test_launch_without_a_key_is_the_loopback_baseline(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "fttree", "launch", "-n", "3", "--steps", "3", "--size", "1000",
+                           "--no-key", "--launch-dir", str(tmp_path), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all exact: yes" in proc.stdout
+    assert not (tmp_path / "job.key").exists()

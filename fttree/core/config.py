@@ -102,8 +102,12 @@ class Config:
     # worker; without one, only loopback addresses unless `insecure`
     auth_key_file: str | os.PathLike[str] | None = None
     insecure: bool = False  # run without a credential on addresses others can reach
-    # mutual TLS: a folder made by `fttree certs` holding ca.pem, rank-N.pem and rank-N.key for
-    # this worker's rank N (ca.key need not be there); with it every connection is encrypted
+    # mutual TLS, every connection encrypted: this rank's certificate and key and the job CA's
+    # certificate (all three), or a folder made by `fttree certs` holding ca.pem, rank-N.pem and
+    # rank-N.key for this worker's rank N (ca.key need not be there)
+    tls_cert_file: str | os.PathLike[str] | None = None
+    tls_key_file: str | os.PathLike[str] | None = None
+    tls_ca_file: str | os.PathLike[str] | None = None
     tls_dir: str | os.PathLike[str] | None = None
     handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
     max_pending_handshakes: int = 64  # connections not proven yet, at most (a flood is refused beyond)
@@ -144,8 +148,17 @@ class Config:
                               f"({self.chunk_bytes}): a chunk could not be received")
         if self.auth_key_file is not None and not isinstance(self.auth_key_file, str | os.PathLike):
             raise ConfigError(f"auth_key_file must be a path, got {self.auth_key_file!r}")
-        if self.tls_dir is not None and not isinstance(self.tls_dir, str | os.PathLike):
-            raise ConfigError(f"tls_dir must be a path, got {self.tls_dir!r}")
+        tls_files = {"tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file,
+                     "tls_ca_file": self.tls_ca_file}
+        for name, value in [*tls_files.items(), ("tls_dir", self.tls_dir)]:
+            if value is not None and not isinstance(value, str | os.PathLike):
+                raise ConfigError(f"{name} must be a path, got {value!r}")
+        given = [name for name, value in tls_files.items() if value is not None]
+        if given and len(given) < 3:
+            raise ConfigError(f"TLS needs tls_cert_file, tls_key_file and tls_ca_file together; only "
+                              f"{', '.join(given)} given")
+        if given and self.tls_dir is not None:
+            raise ConfigError("give tls_dir or the three tls_*_file settings, not both")
         if not isinstance(self.insecure, bool):
             raise ConfigError(f"insecure must be True or False, got {self.insecure!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:

@@ -40,9 +40,18 @@ def _auth_options(f: F) -> F:
                      envvar="FTTREE_TLS_DIR",
                      help="Encrypt every connection (mutual TLS): a folder from `fttree certs` with ca.pem, "
                           "rank-R.pem and rank-R.key for this rank. Env FTTREE_TLS_DIR.")(f)
+    for flag, what in (("--tls-cert", "This rank's TLS certificate (its rank in a URI SAN, urn:fttree:rank:R)."),
+                       ("--tls-key", "This rank's TLS private key."),
+                       ("--tls-ca", "The job CA's certificate: peers must show one it signed.")):
+        f = click.option(flag, type=click.Path(dir_okay=False, path_type=Path), default=None,
+                         help=what + " With --tls-cert, --tls-key and --tls-ca together instead of --tls-dir.")(f)
     f = click.option("--insecure", is_flag=True,
                      help="Run without a credential on addresses other machines can reach (a trusted network).")(f)
     return f
+
+
+def _path(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _job_options(f: F) -> F:
@@ -125,7 +134,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
            on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None,
-           auth_key_file: Path | None, tls_dir: Path | None, insecure: bool) -> None:
+           auth_key_file: Path | None, tls_dir: Path | None, tls_cert: Path | None, tls_key: Path | None,
+           tls_ca: Path | None, insecure: bool) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
@@ -140,6 +150,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
                              chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
                              auth_key_file=None if auth_key_file is None else str(auth_key_file),
                              tls_dir=None if tls_dir is None else str(tls_dir),
+                             tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_ca_file=_path(tls_ca),
                              insecure=insecure, **http_kwargs(rank, peers))
         ar.start()
     except FTTreeError as exc:
@@ -199,6 +210,9 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
               help="Apply --faults with iptables (netem/ scripts) in a network namespace, not in-process. Needs root.")
 @click.option("--netns", default=None, metavar="NAME",
               help="Namespace for --real-faults (default: a new fttree-PID, deleted afterwards).")
+@click.option("--no-key", is_flag=True,
+              help="Make no job key: the workers prove nothing (loopback only, unless --insecure; a baseline "
+                   "for what the key costs).")
 @click.option("--tls", is_flag=True,
               help="Encrypt every connection: make a job CA and a certificate per rank (tls/ in the launch "
                    "directory), or use --tls-dir's.")
@@ -208,8 +222,9 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
-           trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None, insecure: bool,
-           tls: bool) -> None:
+           trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None,
+           tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, tls: bool,
+           no_key: bool) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -241,8 +256,13 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     if no_ft:
         args.append("--no-ft")
     launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
-    key = auth_key_file or write_key(launch_dir / "job.key")
-    args += ["--auth-key-file", str(key)] + (["--insecure"] if insecure else [])
+    if tls_cert or tls_key or tls_ca:
+        raise click.UsageError("launch gives each worker its own certificate: use --tls or --tls-dir")
+    if not no_key:
+        args += ["--auth-key-file", str(auth_key_file or write_key(launch_dir / "job.key"))]
+    elif auth_key_file is not None:
+        raise click.UsageError("--no-key and --auth-key-file contradict each other")
+    args += ["--insecure"] if insecure else []
     if tls and tls_dir is None:
         from ..net.certs import make
 
