@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -205,3 +206,93 @@ def test_launch_without_a_key_is_the_loopback_baseline(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all exact: yes" in proc.stdout
     assert not (tmp_path / "job.key").exists()
+
+
+class Output:
+    """Every line a worker process writes (stdout and stderr together), read as it comes so
+    that the pipe never fills; `wait_for` waits for a line with a deadline, not a sleep."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines = proc, list[str]()
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of output
+            self.changed.notify_all()
+
+    def wait_for(self, needle: str, count: int = 1, limit_s: float = 120) -> None:
+        """Until `count` lines hold `needle`."""
+        deadline = time.monotonic() + limit_s
+        seen = found = 0
+        with self.changed:
+            while True:
+                for line in self.lines[seen:]:
+                    found += needle in line
+                    if found >= count:
+                        return
+                    if line == "":
+                        raise AssertionError(f"the worker ended without {needle!r}: {''.join(self.lines[-10:])}")
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {needle!r} from the worker within {limit_s} s")
+                self.changed.wait(left)
+
+    def text_now(self) -> str:
+        with self.changed:
+            return "".join(self.lines)
+
+    def text(self) -> str:
+        self.reader.join(60)
+        return "".join(self.lines)
+
+
+@pytest.mark.parametrize("credential", ["tls", "key"])
+def test_worker_processes_survive_a_kill_and_the_restarted_rank_rejoins(tmp_path: Path, credential: str) -> None:
+    """Real processes (`fttree worker`): rank 3 is SIGKILLed, started again with the same
+    command, and admitted back; every step of every worker is exact. It then leaves on SIGTERM
+    and the others go on."""
+    if credential == "tls":
+        certs.make(tmp_path / "tls", range(4))
+        extra = ["--tls-dir", str(tmp_path / "tls")]
+    else:
+        extra = ["--auth-key-file", str(write_key(tmp_path / "job.key"))]
+    peers = tmp_path / "peers.txt"
+    peers.write_text("\n".join(local_peers(4)) + "\n")
+
+    def worker(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "fttree", "worker", "--rank", str(rank), "--peers", str(peers),
+                                 "--steps", "1000000", "--size", "64", "--timeout", "0.2", *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = [worker(r) for r in range(4)]
+    outs = [Output(p) for p in procs]
+    try:
+        outs[0].wait_for("step  20 ")
+        procs[3].kill()
+        procs[3].wait()
+        outs[0].wait_for("evicted [3]")
+        procs[3] = worker(3)
+        outs[3] = Output(procs[3])
+        outs[3].wait_for(" exact", count=20)  # admitted: it runs the group's steps with the group's sums
+        outs[0].wait_for("ranks [3] joined")
+        procs[3].send_signal(signal.SIGTERM)  # and leaves again, gracefully
+        assert procs[3].wait(timeout=120) == 0, outs[3].text()[-2000:]
+        outs[0].wait_for(" exact", count=outs[0].text_now().count(" exact") + 20)  # the others go on
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, out in enumerate(outs):
+        text = out.text()
+        assert "FAILED" not in text, f"rank {rank}: {text[-2000:]}"
+    assert "rank 3 left the group after step" in outs[3].text()
