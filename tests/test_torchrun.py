@@ -78,7 +78,8 @@ WORKER = textwrap.dedent('''
         def exact(v):
             r = ar.allreduce(torch.tensor([v], dtype=torch.float64))
             return float(r.item()), sorted(ar.last.contributors)
-    info = {"rank": rank, "pid": os.getpid(), "peers": [str(p) for p in ar.peers], "sums": [], "contributors": []}
+    info = {"rank": rank, "pid": os.getpid(), "peers": [str(p) for p in ar.peers], "sums": [], "contributors": [],
+            "job": ar.credentials.job}  # the job id the store-provided key gives
     (out / f"peers-{rank}.json").write_text(json.dumps(info))
     gate = StepGate(out, [gate_at], rank, timeout_s=60)
     for step in range(steps):
@@ -392,6 +393,9 @@ def test_ddp_on_the_fttree_backend_across_two_hosts_with_a_link_cut_mid_run(host
     for r, info in ranks.items():
         assert info["sums"] == [exact_sum(s, list(range(6))) for s in range(steps)], (r, info["sums"])
     assert len({tuple(info["bits"]) for info in ranks.values()}) == 1  # every rank the same bits
+    jobs = {info["job"] for info in ranks.values()}
+    assert len(jobs) == 1, jobs  # every rank proved the key rank 0 put in the store
+    assert "" not in jobs
     want = single_process(steps, 6)
     import torch
 
@@ -426,3 +430,6 @@ def test_from_env_across_two_hosts_survives_a_killed_worker_under_the_guard(host
             assert who == (list(range(6)) if s < gate else survivors), (r, s, who)
             assert info["sums"][s] == exact_sum(s, who), (r, s)
     assert len({tuple(info["bits"]) for info in ranks.values()}) == 1
+    jobs = {info["job"] for info in ranks.values()}
+    assert len(jobs) == 1, jobs  # every rank proved the key rank 0 put in the store
+    assert "" not in jobs
