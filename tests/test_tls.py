@@ -111,6 +111,37 @@ def test_outsiders_and_a_member_claiming_another_rank_are_refused(tmp_path: Path
         assert transport.status().refusals >= 4, transport.status().refusals
 
 
+def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) -> None:
+    """2,000 connections that start a TLS handshake and stall: at most max_pending_handshakes
+    are accepted at a time (the rest wait in the kernel's backlog), each dropped at the
+    handshake deadline; the job's steps stay exact and the worker's memory bounded."""
+    certs.make(tmp_path / "tls", range(3))
+    with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20,
+                 handshake_timeout_s=2.0) as handles:
+        exact_steps(handles, 10, size=1000)
+        before = rss_mb()
+        prober = subprocess.Popen([sys.executable, str(PROBER), "--target", str(handles[0].peers[0]), "--job-dir",
+                                   str(tmp_path / "tls"), "--other-dir", str(tmp_path / "tls"), "--job", "x",
+                                   "--flood", "2000", "--hold", "5"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        peak = before
+        while prober.poll() is None:
+            exact_steps(handles, 1, size=1000)
+            peak = max(peak, rss_mb())
+        _out, err = prober.communicate(timeout=60)
+        assert prober.returncode == 0, err
+        transport = handles[0].transport
+        assert transport is not None
+        assert transport.status().refusals > 0  # the stalled handshakes, at their deadline
+        assert peak - before < 50, (before, peak)
+        exact_steps(handles, 3, size=1000)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
 def test_a_worker_without_the_job_certificate_cannot_join_the_job(tmp_path: Path) -> None:
     """The same ports, one worker holding another CA's certificate: it is never let in."""
     certs.make(tmp_path / "tls", range(3))

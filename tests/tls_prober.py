@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import socket
 import ssl
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,14 +54,44 @@ def try_clear(host: str, port: int) -> str:
         sock.close()
 
 
+def flood(host: str, port: int, count: int, hold_s: float) -> dict[str, int]:
+    """`count` connections opened at once (non-blocking), each sending the first bytes of a
+    TLS ClientHello and then nothing, held for `hold_s`: what a worker answers is its memory."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count + 256, count + 256))
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.bind(("127.0.0.100", 0))
+        sock.connect_ex((host, port))
+        socks.append(sock)
+    time.sleep(1.0)  # the attacker's own pace: let the kernel finish what connects it will
+    sent = 0
+    for sock in socks:
+        try:
+            sock.send(b"\x16\x03\x01\x00")
+            sent += 1
+        except OSError:
+            pass
+    time.sleep(hold_s)
+    for sock in socks:
+        sock.close()
+    return {"opened": count, "sent": sent}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)  # host:port of rank 0
     ap.add_argument("--job-dir", type=Path, required=True)  # the job's certificates (ca.pem, rank-1.*)
     ap.add_argument("--other-dir", type=Path, required=True)  # another job's certificates
     ap.add_argument("--job", required=True)  # the job id its HELLOs name (not a secret)
+    ap.add_argument("--flood", type=int, default=0)  # instead: this many idle TLS connections
+    ap.add_argument("--hold", type=float, default=5.0)
     args = ap.parse_args()
     host, port = args.target.rsplit(":", 1)
+    if args.flood:
+        print(json.dumps(flood(host, int(port), args.flood, args.hold)))
+        return 0
     job, other, port_n = args.job_dir, args.other_dir, int(port)
     member = tls_client(job / "ca.pem", job / "rank-1.pem", job / "rank-1.key")
     report = {

@@ -110,7 +110,9 @@ class Config:
     tls_ca_file: str | os.PathLike[str] | None = None
     tls_dir: str | os.PathLike[str] | None = None
     handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
-    max_pending_handshakes: int = 64  # connections not proven yet, at most (a flood is refused beyond)
+    # connections not proven yet, at most (a flood is refused beyond; with TLS a quarter of it are
+    # in their TLS handshake at once, and more wait in the kernel's backlog)
+    max_pending_handshakes: int = 64
 
     # transport
     startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start

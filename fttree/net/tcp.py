@@ -88,6 +88,7 @@ STALL_RETRANSMITS = 3
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
 HELLO_TIMEOUT_S = 10.0  # a connection must finish the handshake this soon (Config.handshake_timeout_s)
+LISTEN_BACKLOG = 128  # connections the kernel holds for a TLS listener that is at its handshake cap
 MAX_PENDING_HANDSHAKES = 64  # connections not proven yet, at most (Config.max_pending_handshakes)
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
@@ -565,7 +566,8 @@ class TcpTransport:
         self._refusals_logged: set[tuple[str, str]] = set()
         self._events: TransportEvents | None = None
         self._out: dict[int, _OutLink] = {}
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.Server | None = None  # plain TCP
+        self._tls_listener: _TlsListener | None = None  # or TLS
         self._inbound: set[asyncio.Transport] = set()
         self.pool = BufferPool(keep=RECEIVE_BUFFERS, keep_bytes=receive_pool_bytes)
         self.meter = UplinkMeter()
@@ -660,10 +662,11 @@ class TcpTransport:
         try:
             loop = asyncio.get_running_loop()
             tls = self.credentials.tls
-            self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
-                                                    reuse_address=True, ssl=None if tls is None else tls.server,
-                                                    ssl_handshake_timeout=None if tls is None
-                                                    else self.handshake_timeout_s)
+            if tls is None:
+                self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
+                                                        reuse_address=True)
+            else:
+                self._tls_listener = _TlsListener(self, tls.server)
             _LIVE.add(self)
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
@@ -675,6 +678,8 @@ class TcpTransport:
         found = []
         if self._server is not None and self._server.is_serving():
             found += list(self._server.sockets)
+        if self._tls_listener is not None and self._tls_listener.sock.fileno() >= 0:
+            found.append(self._tls_listener.sock)
         found += [t.get_extra_info("socket") for t in self._inbound if not t.is_closing()]
         found += [ch.writer.get_extra_info("socket") for link in self._out.values() for ch in link.channels
                   if ch.writer is not None and not ch.writer.transport.is_closing()]
@@ -758,6 +763,8 @@ class TcpTransport:
         self.closed = True
         if self._server is not None:
             self._server.close()
+        if self._tls_listener is not None:
+            self._tls_listener.close()
         channels = self._channels()
         for ch in channels:
             ch.task.cancel()
@@ -837,10 +844,74 @@ class TcpTransport:
         log.error("rank %d: %s; closing that connection", self.rank, self.last_frame_error)
 
 
-def _tls_refused(owner: weakref.ref[TcpTransport], made: list[bool]) -> None:
-    transport = owner()
-    if not made[0] and transport is not None and not transport.closed:
-        transport.refused("a connection", "its TLS handshake failed (no certificate of the job's CA, or not TLS)")
+class _TlsListener:
+    """Accepts connections for TLS. The TLS handshake runs before a protocol hears of its
+    connection, and each costs buffers, so the cap on connections in their handshake sits
+    here, at accept: beyond it, a flood waits in the kernel's backlog and costs this process
+    nothing. A failed TLS handshake is a refusal, counted and
+    logged once per peer and reason like any other."""
+
+    def __init__(self, owner: TcpTransport, context: ssl.SSLContext) -> None:
+        self.t, self.context = owner, context
+        me = owner.me
+        family, _, _, _, address = socket.getaddrinfo(me.host, me.port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        self.sock = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
+        self.sock.setblocking(False)
+        self.loop = asyncio.get_running_loop()
+        self.handshaking = 0
+        self.reading = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._resume()
+
+    def _resume(self) -> None:
+        if not self.reading and self.sock.fileno() >= 0:
+            self.loop.add_reader(self.sock.fileno(), self._accept)
+            self.reading = True
+
+    @property
+    def limit(self) -> int:
+        """TLS handshakes at once: a quarter of max_pending_handshakes, as each holds about
+        0.5 MB of TLS buffers until it ends (a plain handshake holds a 256 KB scratch buffer)."""
+        return max(1, self.t.max_pending_handshakes // 4)
+
+    def _accept(self) -> None:
+        while self.handshaking < self.limit:
+            try:
+                conn, peer = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: try again when a handshake ends
+                self.t.refused("a connection", f"accept failed: {exc.strerror or exc}")
+                break
+            conn.setblocking(False)
+            self.handshaking += 1
+            task = self.loop.create_task(self._handshake(conn, f"{peer[0]}:{peer[1]}"))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        self.loop.remove_reader(self.sock.fileno())
+        self.reading = False
+
+    async def _handshake(self, conn: socket.socket, who: str) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: _Inbound(self.t), conn, ssl=self.context,
+                                                    ssl_handshake_timeout=self.t.handshake_timeout_s)
+        except (OSError, TimeoutError, ConnectionError) as exc:  # ssl.SSLError is an OSError
+            conn.close()
+            if not self.t.closed:
+                reason = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else str(exc) or type(exc).__name__
+                self.t.refused(who, f"TLS handshake failed: {reason} (no certificate of the job's CA, or not TLS)")
+        finally:
+            self.handshaking -= 1
+            self._resume()
+
+    def close(self) -> None:
+        if self.reading:
+            self.loop.remove_reader(self.sock.fileno())
+            self.reading = False
+        self.sock.close()
+        for task in self.tasks:
+            task.cancel()
 
 
 def _cert_rank(rank: int | None) -> str:
@@ -868,21 +939,14 @@ class _Inbound(asyncio.BufferedProtocol):
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
         self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
-        self._made_flag = [False]
-        if owner.credentials.tls is not None:
-            # with TLS this protocol is made at accept, but hears of the connection only once the
-            # TLS handshake succeeds: one that failed (no certificate of the job's CA, or not TLS)
-            # is seen only as this object going away unused
-            weakref.finalize(self, _tls_refused, weakref.ref(owner), self._made_flag)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._made_flag[0] = True
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         peername = transport.get_extra_info("peername")
         self.peer = (str(peername[0]), int(peername[1])) if peername else ("?", 0)
         t = self.t
         t._inbound.add(self.transport)
-        if len(t._pending) >= t.max_pending_handshakes:  # a flood of connections: each costs a scratch buffer
+        if len(t._pending) >= t.max_pending_handshakes:  # a flood of connections: each costs buffers
             t.refused(f"{self.peer[0]}:{self.peer[1]}", f"{len(t._pending)} connections are still in their "
                                                         f"handshake (at most {t.max_pending_handshakes})")
             self.transport.abort()
