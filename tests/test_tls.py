@@ -327,3 +327,20 @@ def test_worker_processes_survive_a_kill_and_the_restarted_rank_rejoins(tmp_path
         text = out.text()
         assert "FAILED" not in text, f"rank {rank}: {text[-2000:]}"
     assert "rank 3 left the group after step" in outs[3].text()
+
+
+def test_cli_tls_flags_are_checked(tmp_path: Path) -> None:
+    peers = tmp_path / "peers.txt"
+    peers.write_text("\n".join(local_peers(2)) + "\n")
+    (tmp_path / "cert.pem").write_text("")
+    runner = CliRunner()
+    worker = runner.invoke(cli, ["worker", "--rank", "0", "--peers", str(peers), "--tls-cert",
+                                 str(tmp_path / "cert.pem")])
+    assert worker.exit_code != 0
+    assert "TLS needs tls_cert_file, tls_key_file and tls_ca_file together" in worker.output
+    launch = runner.invoke(cli, ["launch", "-n", "2", "--tls-cert", str(tmp_path / "cert.pem")])
+    assert launch.exit_code != 0
+    assert "use --tls or --tls-dir" in launch.output
+    both = runner.invoke(cli, ["launch", "-n", "2", "--no-key", "--auth-key-file", str(tmp_path / "cert.pem")])
+    assert both.exit_code != 0
+    assert "contradict" in both.output
