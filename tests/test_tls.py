@@ -23,6 +23,7 @@ from fttree.net.credentials import Credentials, Tls, rank_of, write_key
 from fttree.tools.cli import main as cli
 
 from .conftest import cluster, free_port, local_peers
+from .procs import Output
 
 PROBER = Path(__file__).resolve().parent / "tls_prober.py"
 
@@ -237,53 +238,6 @@ def test_launch_without_a_key_is_the_loopback_baseline(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all exact: yes" in proc.stdout
     assert not (tmp_path / "job.key").exists()
-
-
-class Output:
-    """Every line a worker process writes (stdout and stderr together), read as it comes so
-    that the pipe never fills; `wait_for` waits for a line with a deadline, not a sleep."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc, self.lines = proc, list[str]()
-        self.changed = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-        with self.changed:
-            self.lines.append("")  # end of output
-            self.changed.notify_all()
-
-    def wait_for(self, needle: str, count: int = 1, limit_s: float = 120) -> None:
-        """Until `count` lines hold `needle`."""
-        deadline = time.monotonic() + limit_s
-        seen = found = 0
-        with self.changed:
-            while True:
-                for line in self.lines[seen:]:
-                    found += needle in line
-                    if found >= count:
-                        return
-                    if line == "":
-                        raise AssertionError(f"the worker ended without {needle!r}: {''.join(self.lines[-10:])}")
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no {needle!r} from the worker within {limit_s} s")
-                self.changed.wait(left)
-
-    def text_now(self) -> str:
-        with self.changed:
-            return "".join(self.lines)
-
-    def text(self) -> str:
-        self.reader.join(60)
-        return "".join(self.lines)
 
 
 @pytest.mark.parametrize("credential", ["tls", "key"])

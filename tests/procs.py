@@ -1,0 +1,54 @@
+"""Worker processes in tests: their output read as it comes, waited for with deadlines."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+
+class Output:
+    """Every line a worker process writes (stdout and stderr together), read as it comes so
+    that the pipe never fills; `wait_for` waits for a line with a deadline, not a sleep."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines = proc, list[str]()
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of output
+            self.changed.notify_all()
+
+    def wait_for(self, needle: str, count: int = 1, limit_s: float = 120) -> None:
+        """Until `count` lines hold `needle`."""
+        deadline = time.monotonic() + limit_s
+        seen = found = 0
+        with self.changed:
+            while True:
+                for line in self.lines[seen:]:
+                    found += needle in line
+                    if found >= count:
+                        return
+                    if line == "":
+                        raise AssertionError(f"the worker ended without {needle!r}: {''.join(self.lines[-10:])}")
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {needle!r} from the worker within {limit_s} s")
+                self.changed.wait(left)
+
+    def text_now(self) -> str:
+        with self.changed:
+            return "".join(self.lines)
+
+    def text(self) -> str:
+        self.reader.join(60)
+        return "".join(self.lines)
