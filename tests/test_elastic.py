@@ -296,6 +296,18 @@ def test_a_joiner_configuration_that_cannot_work_is_named() -> None:
         fttree.FTTreeAllreduce(2, {2: "127.0.0.3:29500"}, join="no-port-here")
 
 
+def test_a_joiner_names_a_contact_that_refuses_at_once() -> None:
+    """Nobody listens at the contact's address: the joiner says so after its dials, naming the
+    address and the refusal, not at the 60 s admission deadline with "asked ranks []"."""
+    me, nobody = local_peers(4)[3], local_peers(1)[0]  # two free ports: nothing listens at `nobody`
+    ar = fttree.FTTreeAllreduce(3, {3: me}, join=nobody, startup_timeout_s=60).start()
+    try:
+        with pytest.raises(fttree.PeerError, match=rf"cannot reach its contact {nobody} within 5 s: .*refused"):
+            ar.allreduce(np.ones(4, np.float32))
+    finally:
+        ar.close()
+
+
 def _worker(rank: int, peers_file: str, *extra: str) -> subprocess.Popen[str]:
     """`fttree worker` with more steps than any test waits for: a test ends it, so how long
     the group lasts never depends on how fast a process starts."""

@@ -81,6 +81,7 @@ from .transport import Transport, TransportStatus
 log = logging.getLogger("fttree.net.node")
 
 CONTACT = hs.CONTACT  # the transport's key for a joiner's contact, whose rank it does not know yet
+CONTACT_WAIT_S = 5.0  # a joiner's contact must take its connection this soon (the dials retry meanwhile)
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK, NoteKind.NONFINITE)
 PROTOCOL_NOTES_LOGGED = 20  # protocol violations logged one by one; later ones are counted
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
@@ -252,6 +253,15 @@ class Node:
 
     async def _join(self, end: float) -> None:
         """Ask the members to admit this rank until one says from which step (JOIN_REPLY 1)."""
+        if self.contact is not None and self._group is None:
+            # a contact that refuses or never answers is named now, not at the admission deadline
+            wait_s = max(0.5, min(end - self.scheduler.now(), CONTACT_WAIT_S))
+            try:
+                await self.transport.wait_for_peers([CONTACT], wait_s)
+            except PeerError:
+                why = self.transport.link_health(CONTACT).last_error or "no answer"
+                raise PeerError(f"rank {self.rank} cannot reach its contact {self.contact} within {wait_s:g} s: "
+                                f"{why} (is a worker of the job listening there?)", peers=()) from None
         while self.joined_at is None:
             if self.scheduler.now() >= end:
                 asked = [] if self._group is None else list(self._group[1])
