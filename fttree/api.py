@@ -183,7 +183,8 @@ class FTTreeAllreduce:
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> FTTreeAllreduce:
-        """Build from FTTREE_RANK/FTTREE_PEERS, or torchrun's RANK/WORLD_SIZE.
+        """Build from FTTREE_RANK/FTTREE_PEERS, or torchrun's RANK/WORLD_SIZE; every setting
+        from its own variable (Config.env_name: FTTREE_STEP_TIMEOUT, FTTREE_TLS_DIR, ...).
 
         FTTREE_PEERS is a comma-separated host:port list or a file with one per line. Without
         it, under torchrun (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) each rank publishes its own
@@ -192,10 +193,7 @@ class FTTreeAllreduce:
         and ports FTTREE_BASE_PORT + rank.
         """
         env = os.environ
-        if env.get("FTTREE_AUTH_KEY_FILE") and "auth_key_file" not in kwargs:
-            kwargs["auth_key_file"] = env["FTTREE_AUTH_KEY_FILE"]
-        if env.get("FTTREE_TLS_DIR") and "tls_dir" not in kwargs:
-            kwargs["tls_dir"] = env["FTTREE_TLS_DIR"]
+        kwargs = {**Config.from_env(env), **kwargs}  # any setting by its FTTREE_ variable; arguments win
         rank_text = env.get("FTTREE_RANK", env.get("RANK"))
         if rank_text is None or not rank_text.strip().lstrip("-").isdigit():
             raise ConfigError(f"set FTTREE_RANK (or torchrun's RANK) to this worker's rank, got {rank_text!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,13 @@ TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 COMPRESSIONS = (None, "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "abort", "allow")
+
+# Settings that must be the same on every worker of a job: they decide how a step is cut into
+# chunks and trees, what travels on the wire, or what a failure does to the steps in flight
+# (a difference fails steps, or ends them differently on different ranks). The credentials
+# must match in content: the same key, certificates of the same CA.
+SAME_ON_EVERY_WORKER = frozenset({"trees", "chunk_bytes", "uplink_bytes_per_s", "compression", "fault_tolerant",
+                                  "on_node_failure", "auth_key_file", "tls_ca_file", "tls_dir"})
 
 
 SPLIT_CHUNKS = 16  # a step larger than one chunk travels in at least this many ...
@@ -47,35 +55,41 @@ class Config:
     """Every tunable of a worker. Defaults suit a LAN or loopback; see the README's tuning
     section before changing the timeouts."""
 
-    # backup watches: how long an observer waits for a confirmation before it acts
+    # Each setting's comment (beside it, or the block just above) is its line in the generated
+    # docs/configuration.md; a "--" comment heads a group and belongs to no setting.
+
+    # -- backup watches: how long an observer waits for a confirmation before it acts
     timeout_s: float = 0.5  # the fixed watch (static), or the first guess before samples (adaptive)
     timeout_policy: str = "adaptive"  # "adaptive": learnt per link and phase (timeouts.py); "static"
-    adaptive_floor_s: float = 0.08
-    adaptive_ceiling_s: float = 2.0
+    adaptive_floor_s: float = 0.08  # the shortest watch the adaptive policy learns
+    adaptive_ceiling_s: float = 2.0  # the longest watch the adaptive policy learns
     watch_retries: int = 2  # re-arm a watch this many times after acting on it
     fault_tolerant: bool = True  # False: a plain tree without metadata or backups (a baseline)
 
-    # deadlines: nothing waits forever
+    # -- deadlines: nothing waits forever
     step_timeout_s: float = 30.0  # a rank gives up on a step this long after submitting it
     root_timeout_s: float | None = None  # the root gives up on contributions (default: step_timeout_s / 2)
 
-    # link memory: route later steps around a primary link found broken, until it heals
+    # -- link memory
+    # route later steps around a primary link found broken, until it heals (False: every step
+    # detects the broken link anew, as in the thesis)
     link_memory: bool = True
-    probe_interval_s: float = 0.1
+    probe_interval_s: float = 0.1  # how often a link routed around is probed
     heal_after_s: float = 0.5  # answered probes for this long before reuse; doubled per relapse
-    max_heal_after_s: float = 30.0
+    max_heal_after_s: float = 30.0  # the longest heal_after_s grows to
 
-    # node failures (membership.py): a silent or unreachable worker is evicted and the group goes on
+    # -- node failures (membership.py): a silent or unreachable worker is evicted and the group goes on
     on_node_failure: str = "forward"  # steps in flight: "forward" (finish on the survivors), "abort", "rollback"
     node_deadline_s: float = 1.0  # least silence that suspects a neighbour (more when watches learnt longer)
     confirm_wait_s: float = 0.25  # a suspicion must stand this long, unrefuted, before an eviction
 
-    # data path
-    chunk_bytes: int = 4 * 1024 * 1024  # a step travels as chunks of this size, pipelined through the tree
-    # (a step larger than one chunk: in at least SPLIT_CHUNKS pieces, see chunk_bytes_for)
+    # -- data path
+    # a step travels as chunks of at most this size, pipelined through the tree (a step larger
+    # than one chunk: in at least SPLIT_CHUNKS pieces, see chunk_bytes_for)
+    chunk_bytes: int = 4 * 1024 * 1024
     # which trees a step of two or more chunks spreads them over (trees.py): "rotated" (p trees,
     # each rank sends the ring's 2N(p-1)/p), "double" (the double binary tree, 2N) or "single"
-    # (3N on interior ranks); a one-chunk step always runs on tree 0. The same on every worker
+    # (3N on interior ranks); a one-chunk step always runs on tree 0
     trees: str = "rotated"
     max_payload_bytes: int = 256 * 1024 * 1024  # a frame announcing more is refused (at least chunk_bytes)
     # a contribution holding NaN or Inf: "skip" (this rank contributes nothing to that step, which
@@ -87,36 +101,38 @@ class Config:
     compression: str | None = None
     # a hint, never needed: the uplink speed a worker assumes, in bytes per second, until it has
     # measured its own (backup watches) and the group has agreed on a pace (how steps are cut
-    # into chunks, membership.py); the same on every worker
+    # into chunks, membership.py)
     uplink_bytes_per_s: float = 50e6
 
-    # bookkeeping bounds (nothing grows with the number of steps run)
+    # -- bookkeeping bounds (nothing grows with the number of steps run)
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
     retired_memory: int = 8192  # ids of finished ops remembered to drop their late messages
-    # bounds that bad input from a peer cannot push memory past (none is hit by a 100 MB model)
+    # -- bounds that bad input from a peer cannot push memory past (none is hit by a 100 MB model)
     max_step_chunks: int = 65536  # a frame naming a step of more chunks is refused
     max_live_ops: int = 65536  # (step, chunk) ops kept at once; a frame that would make more is dropped
     receive_pool_bytes: int = 512 * 1024 * 1024  # received payload buffers kept for reuse, at most
 
-    # trust boundary (README "Security"): the job's shared key, read from this file by every
-    # worker; without one, only loopback addresses unless `insecure`
+    # -- trust boundary (README, "Security")
+    # the job's shared key, read from this file by every worker (`fttree key --out FILE`);
+    # without a key or TLS, only loopback addresses unless `insecure`
     auth_key_file: str | os.PathLike[str] | None = None
     insecure: bool = False  # run without a credential on addresses others can reach
-    # mutual TLS, every connection encrypted: this rank's certificate and key and the job CA's
-    # certificate (all three), or a folder made by `fttree certs` holding ca.pem, rank-N.pem and
-    # rank-N.key for this worker's rank N (ca.key need not be there)
+    # mutual TLS, every connection encrypted: this rank's certificate (its rank in a URI SAN,
+    # urn:fttree:rank:R), with tls_key_file and tls_ca_file
     tls_cert_file: str | os.PathLike[str] | None = None
-    tls_key_file: str | os.PathLike[str] | None = None
-    tls_ca_file: str | os.PathLike[str] | None = None
+    tls_key_file: str | os.PathLike[str] | None = None  # this rank's TLS private key
+    tls_ca_file: str | os.PathLike[str] | None = None  # the job CA's certificate: peers must show one it signed
+    # instead of the three files: a folder made by `fttree certs` holding ca.pem, rank-N.pem and
+    # rank-N.key for this worker's rank N (ca.key need not be there)
     tls_dir: str | os.PathLike[str] | None = None
     handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
     # connections not proven yet, at most (a flood is refused beyond; with TLS a quarter of it are
     # in their TLS handshake at once, and more wait in the kernel's backlog)
     max_pending_handshakes: int = 64
 
-    # transport
+    # -- transport
     startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 2.0  # one attempt to connect to a peer gives up after this long
     stall_timeout_s: float = 5.0  # a link whose writes stall this long is dropped and reconnected
 
     def __post_init__(self) -> None:
@@ -219,6 +235,53 @@ class Config:
             hop = max(MIN_SLOW_CHUNK_BYTES, int(rate * PIPELINE_CHUNK_S), -(-nbytes // MAX_STEP_CHUNKS))
             size = min(size, hop)
         return size
+
+    @classmethod
+    def env_name(cls, field_name: str) -> str:
+        """The environment variable of a field: FTTREE_ and its name in capitals, without the
+        `_s` of seconds (step_timeout_s: FTTREE_STEP_TIMEOUT)."""
+        seconds = field_name.endswith("_s") and not field_name.endswith("_per_s")
+        base = field_name[:-2] if seconds else field_name
+        return f"FTTREE_{base.upper()}"
+
+    @classmethod
+    def parse(cls, field_name: str, text: str) -> Any:
+        """A field's value from text (a command line's NAME=VALUE, an environment variable),
+        by the field's type: numbers, true/false, "none" for an optional field."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        found = fields.get(field_name)
+        if found is None:
+            raise ConfigError(f"unknown setting {field_name}; known: {', '.join(sorted(fields))}")
+        kind = str(found.type)
+        word = text.strip()
+        if "None" in kind and word.lower() in ("", "none"):
+            return None
+        try:
+            if kind.startswith("bool"):
+                if word.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(word)
+                return word.lower() in ("1", "true", "yes")
+            if kind.startswith("int"):
+                return int(word)
+            if kind.startswith("float"):
+                return float(word)
+        except ValueError:
+            raise ConfigError(f"{field_name} must be {kind.split(' |')[0]}, got {text!r}") from None
+        return word
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> dict[str, Any]:
+        """The fields the environment sets (each field's env_name), parsed; a bad value is a
+        ConfigError naming the variable."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            text = environ.get(cls.env_name(f.name))
+            if text:
+                try:
+                    out[f.name] = cls.parse(f.name, text)
+                except ConfigError as exc:
+                    raise ConfigError(f"{cls.env_name(f.name)}: {exc}") from None
+        return out
 
     def make_timeouts(self) -> TimeoutPolicy:
         if self.timeout_policy == "adaptive":

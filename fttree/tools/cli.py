@@ -54,6 +54,25 @@ def _path(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
+def _settings_option(f: F) -> F:
+    return click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+                        help="Any setting by its Config name (docs/configuration.md), e.g. --set node_deadline_s=2; "
+                             "repeatable.")(f)
+
+
+def _parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}", param_hint="--set")
+        try:
+            out[name.strip()] = Config.parse(name.strip(), text)
+        except FTTreeError as exc:
+            raise click.BadParameter(str(exc), param_hint="--set") from None
+    return out
+
+
 def _job_options(f: F) -> F:
     f = click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
                      help="Allreduce steps to run.")(f)
@@ -129,29 +148,30 @@ def topology(world: int) -> None:
                    "A restarted worker needs no flag: it finds the running group by itself.")
 @_job_options
 @_auth_options
+@_settings_option
 @worker_options
 def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, timeout: float, step_timeout: float,
            startup_timeout: float, no_ft: bool, faults: str, gate_dir: Path | None, gate_steps: str,
            node_gate_steps: str, join: str | None, timeout_policy: str, no_link_memory: bool,
            on_node_failure: str, chunk_bytes: int | None, trees: str, uplink: str | None,
            auth_key_file: Path | None, tls_dir: Path | None, tls_cert: Path | None, tls_key: Path | None,
-           tls_ca: Path | None, insecure: bool) -> None:
+           tls_ca: Path | None, insecure: bool, settings: tuple[str, ...]) -> None:
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
 
+    extra = _parse_settings(settings)
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
         pace = Config().uplink_bytes_per_s if uplink is None else uplink_bytes_per_s(uplink)
-        ar = FTTreeAllreduce(rank, peers, timeout_s=timeout, step_timeout_s=step_timeout,
-                             startup_timeout_s=startup_timeout, faults=faults, fault_tolerant=not no_ft,
-                             timeout_policy=timeout_policy, link_memory=not no_link_memory,
-                             on_node_failure=on_node_failure, join=join or False, trees=trees,
-                             chunk_bytes=chunk_bytes or Config().chunk_bytes, uplink_bytes_per_s=pace,
-                             auth_key_file=None if auth_key_file is None else str(auth_key_file),
-                             tls_dir=None if tls_dir is None else str(tls_dir),
-                             tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_ca_file=_path(tls_ca),
-                             insecure=insecure, **http_kwargs(rank, peers))
+        fields: dict[str, Any] = dict(
+            timeout_s=timeout, step_timeout_s=step_timeout, startup_timeout_s=startup_timeout,
+            fault_tolerant=not no_ft, timeout_policy=timeout_policy, link_memory=not no_link_memory,
+            on_node_failure=on_node_failure, trees=trees, chunk_bytes=chunk_bytes or Config().chunk_bytes,
+            uplink_bytes_per_s=pace, auth_key_file=_path(auth_key_file), tls_dir=_path(tls_dir),
+            tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_ca_file=_path(tls_ca), insecure=insecure)
+        fields.update(extra)  # --set NAME=VALUE wins over a flag of the same setting
+        ar = FTTreeAllreduce(rank, peers, faults=faults, join=join or False, **http_kwargs(rank, peers), **fields)
         ar.start()
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
@@ -218,13 +238,14 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
                    "directory), or use --tls-dir's.")
 @_job_options
 @_auth_options
+@_settings_option
 @launch_options
 def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_faults: bool, netns: str | None,
            steps: int, size: int, timeout: float, step_timeout: float, startup_timeout: float, no_ft: bool,
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
            trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None,
            tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, tls: bool,
-           no_key: bool) -> None:
+           no_key: bool, settings: tuple[str, ...]) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -240,6 +261,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     if uplink is not None:
         uplink_bytes_per_s(uplink)  # a bad rate fails here, not in every worker
+    _parse_settings(settings)  # likewise a bad setting
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
             str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,
             "--on-node-failure", on_node_failure]
@@ -255,6 +277,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         args += ["--faults", in_process]
     if no_ft:
         args.append("--no-ft")
+    for item in settings:
+        args += ["--set", item]
     launch_dir = launch_dir or Path(tempfile.mkdtemp(prefix="fttree-launch-"))
     if tls_cert or tls_key or tls_ca:
         raise click.UsageError("launch gives each worker its own certificate: use --tls or --tls-dir")

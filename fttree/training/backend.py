@@ -16,11 +16,12 @@ one-element step); scatter, all_to_all, send and recv raise NotImplementedError.
 is exact, so broadcast and allgather return the bits that were sent (except that -0.0 arrives
 as +0.0).
 
-Settings come from the environment so that torchrun scripts need no change: FTTREE_TIMEOUT
-(backup-link watch, s), FTTREE_STEP_TIMEOUT (s), FTTREE_FAULTS (in-process fault schedule),
-FTTREE_CHUNK_BYTES, FTTREE_NONFINITE (skip, abort or allow), FTTREE_HOST, FTTREE_PORT,
-FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a fresh one in the store, which is
-torchrun's trust boundary already), FTTREE_TLS_DIR (encrypt: a folder from `fttree certs`).
+Settings come from the environment so that torchrun scripts need no change: every Config
+field by its own variable (FTTREE_ and its name in capitals, without the `_s` of seconds:
+FTTREE_TIMEOUT, FTTREE_STEP_TIMEOUT, FTTREE_CHUNK_BYTES, FTTREE_NONFINITE, FTTREE_TLS_DIR, ...;
+docs/configuration.md lists them), FTTREE_FAULTS (in-process fault schedule), FTTREE_HOST,
+FTTREE_PORT, and FTTREE_AUTH_KEY_FILE (the job's key; by default rank 0 puts a fresh one in the
+store, which is torchrun's trust boundary already).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from ..api import FTTreeAllreduce
+from ..core.config import Config
 from ..errors import ConfigError
 from ..net.node import StepResult
 from .buckets import copy_divided, digest, wire_dtype
@@ -303,16 +305,6 @@ class FTTreeProcessGroup(dist.ProcessGroup):
 # ---- setup --------------------------------------------------------------------------------
 
 
-def _env_seconds(name: str) -> float | None:
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number of seconds, got {text!r}") from None
-
-
 def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> FTTreeAllreduce:
     host = local_host()
     startup = timeout.total_seconds() if timeout is not None else 300.0
@@ -323,16 +315,7 @@ def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> 
         settings["auth_key_file"] = os.environ["FTTREE_AUTH_KEY_FILE"]
     else:
         settings["auth_key"] = key
-    for env, field in (("FTTREE_TIMEOUT", "timeout_s"), ("FTTREE_STEP_TIMEOUT", "step_timeout_s")):
-        seconds = _env_seconds(env)
-        if seconds is not None:  # else Config's default
-            settings[field] = seconds
-    if os.environ.get("FTTREE_CHUNK_BYTES"):
-        settings["chunk_bytes"] = int(os.environ["FTTREE_CHUNK_BYTES"])
-    if os.environ.get("FTTREE_NONFINITE"):  # skip (default), abort or allow
-        settings["nonfinite"] = os.environ["FTTREE_NONFINITE"]
-    if os.environ.get("FTTREE_TLS_DIR"):
-        settings["tls_dir"] = os.environ["FTTREE_TLS_DIR"]
+    settings.update(Config.from_env(os.environ))  # any setting by its FTTREE_ variable (Config.env_name)
     return FTTreeAllreduce(rank, peers, faults=os.environ.get("FTTREE_FAULTS") or None, **settings).start()
 
 
