@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fttree.net.address import local_peers
 from fttree.status.cli import HTTP_PORT_OFFSET
-from fttree.tools.launch import launch, local_peers
+from fttree.tools.launch import launch
 
 _STEP_LINE = re.compile(r"^step\s+(\d+)\s")
 

@@ -96,7 +96,7 @@ def hook_worker(args: argparse.Namespace) -> int:
 
 
 def run_hook_part(args: argparse.Namespace) -> int:
-    from fttree.tools.launch import local_peers
+    from fttree.net.address import local_peers
 
     peers = ",".join(local_peers(args.workers, port=free_port(args.workers)))
     envs = {r: {"FTTREE_RANK": str(r), "FTTREE_PEERS": peers} for r in range(args.workers)}

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fttree.net import address
 from fttree.net.credentials import write_key
-from fttree.tools import launch
 
 BATCH = 100  # per worker, as in the thesis
 
@@ -104,7 +104,7 @@ def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = B
 def free_port(workers: int = 16) -> int:
     """A port free on 127.0.0.1 up to 127.0.0.(workers), where local workers listen, all on
     the same port (at least 16 addresses: the default suits a master port as well)."""
-    return launch.free_port(launch.local_hosts(max(16, workers)))
+    return address.free_port(address.local_hosts(max(16, workers)))
 
 
 def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],

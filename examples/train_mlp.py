@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from fttree.tools.launch import local_peers
+    from fttree.net.address import local_peers
 
     n = args.workers
     if args.comm == "fttree":

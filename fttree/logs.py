@@ -29,7 +29,7 @@ class _Context:
 
 
 _threads: dict[int, _Context] = {}
-_default = _Context(None, None)
+_NO_CONTEXT = _Context(None, None)
 
 
 def bind_thread(rank: int, step: StepGetter | None = None) -> None:
@@ -41,18 +41,10 @@ def unbind_thread() -> None:
     _threads.pop(threading.get_ident(), None)
 
 
-def bind_process(rank: int | None, step: StepGetter | None = None) -> None:
-    """The rank and step of records from threads no node is bound to (a worker's main thread)."""
-    global _default
-    _default = _Context(rank, step)
-
-
 def _fallback() -> _Context:
-    """Threads with no node of their own: the process default, else the process's only node."""
-    if _default.rank is not None:
-        return _default
+    """Threads with no node of their own: the process's only node, if it has one."""
     bound = list(_threads.values())
-    return bound[0] if len(bound) == 1 else _default
+    return bound[0] if len(bound) == 1 else _NO_CONTEXT
 
 
 class ContextFilter(logging.Filter):

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 import pytest
 
 from fttree import FTTreeAllreduce
-from fttree.tools import launch
+from fttree.net import address
 
 
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1 to 127.0.0.16: workers bind 127.0.0.(r+1) with
     the same port, and one free on 127.0.0.1 alone could be held on 127.0.0.3 by an earlier
     test's rank 2 (a connection it bound there, still closing), failing this test's rank 2."""
-    return launch.free_port(launch.local_hosts(16))
+    return address.free_port(address.local_hosts(16))
 
 
 def local_peers(n: int, port: int | None = None) -> list[str]:

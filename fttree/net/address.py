@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -43,3 +45,40 @@ def is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ---- local jobs: rank r on 127.0.0.(r+1), one port for all -------------------------------
+
+
+def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list[str]:
+    """Rank r at host_base + r (127.0.0.1, 127.0.0.2, ...), all on the same port."""
+    parts = host_base.split(".")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--host-base must be an IPv4 address like 127.0.0.1, got {host_base!r}")
+    last = int(parts[3])
+    if last + n - 1 > 254:
+        raise ConfigError(f"{n} workers from {host_base} run past .254: pick a lower --host-base")
+    return [".".join([*parts[:3], str(last + r)]) + f":{port}" for r in range(n)]
+
+
+def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
+    """A port free on every one of `hosts` right now. Local workers listen on 127.0.0.(r+1)
+    with one port, so a port free only on the first address is not enough: an earlier run's
+    rank 2, say, may still hold it on 127.0.0.3 (a connection it bound there, closing)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((hosts[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise ConfigError(f"no TCP port free on all of {hosts[0]}..{hosts[-1]}")
+
+
+def local_hosts(n: int, host_base: str = "127.0.0.1") -> list[str]:
+    """The addresses of `local_peers(n, host_base)`, without ports."""
+    return [peer.rsplit(":", 1)[0] for peer in local_peers(n, host_base)]

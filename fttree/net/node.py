@@ -862,8 +862,9 @@ class Node:
                     log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
 
     def _install(self, inst: Installed) -> None:
-        log.warning("rank %d: view %d installed: %s; evicted %s (%s)", self.rank, inst.view.epoch,
-                    list(inst.view.members), list(inst.evicted), inst.reason)
+        # what changed, not the member list (a line of 255 numbers on every rank of a big job)
+        log.warning("rank %d: view %d installed: %d members; evicted %s (%s)", self.rank, inst.view.epoch,
+                    inst.view.size, list(inst.evicted), inst.reason)
         self._evicted = inst.evicted
         if self._pending:
             # Decided joins not yet in effect are superseded: this view was formed from the

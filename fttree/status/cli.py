@@ -105,7 +105,7 @@ def launch_linger_s() -> float:
 
 def launch_worker_args(world: int, host_base: str, port: int, launch_dir: Path) -> list[str]:
     """Worker flags for `fttree launch`; writes the control addresses to launch_dir/http.txt."""
-    from ..tools.launch import local_peers
+    from ..net.address import local_peers
 
     o = _opts()
     args = ["--log-json"] if o.get("log_json") else []

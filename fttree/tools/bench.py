@@ -43,10 +43,10 @@ from ..core.config import Config
 from ..core.faults import FaultKind, FaultSchedule
 from ..core.trees import TREE_FAMILIES
 from ..errors import ConfigError
+from ..net.address import free_port, local_peers
 from . import SOURCE_ROOT
 from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
-from .launch import free_port, local_peers
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
 
 DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .launch import free_port, local_hosts, local_peers
+from ..net.address import free_port, local_hosts, local_peers
 
 START_AT = 12  # rank 0's step at which the killed rank's new process starts
 CRASH_AT = 10

@@ -131,12 +131,6 @@ def changes_for(rule: FaultRule, world: int) -> list[Change]:
     raise AssertionError(rule.kind)
 
 
-def change_for(rule: FaultRule) -> Change:
-    """The one firewall change of a single-link or single-rank rule (kept for callers of old)."""
-    (change,) = changes_for(rule, world=max(rule.ranks()) + 1)
-    return change
-
-
 def desired(rules: Sequence[FaultRule], step: int, world: int = 0) -> frozenset[Change]:
     world = world or 1 + max((r for rule in rules for r in rule.ranks()), default=0)
     return frozenset(c for r in rules if r.active(step) for c in changes_for(r, world))
