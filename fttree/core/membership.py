@@ -636,11 +636,13 @@ class Membership:
 
     def _send(self, dst: int, msg: Message, out: list[MemberAction]) -> None:
         """Send; a message of the agreement also goes a second way, through a relay, so that one
-        silent link between the coordinator and a member does not leave the member out."""
+        silent link between the coordinator and a member does not leave the member out. Never
+        through a rank that anyone reported: relaying through a crashed rank got every member's
+        connection refused, and each refusal became a suspicion sent to every member (n^2)."""
         out.append(Send(dst=dst, msg=msg))
         if msg.kind in RELAYED_KINDS:
             relay = next((m for m in self.view.members if m not in (self.rank, dst) and m not in self._suspects
-                          and m not in self._gone), None)
+                          and m not in self._gone and not self._reports.get(m)), None)
             if relay is not None:
                 out.append(Send(dst=relay, msg=msg.but(target=dst)))
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..core.messages import Message, decode, encode
+from ..core.messages import Kind, Message, decode, encode
 from ..net.address import Address
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .clock import SimClock
@@ -34,6 +34,7 @@ class WireStats:
     dropped: int = 0
     duplicated: int = 0
     data_bytes: int = 0
+    by_kind: Counter[Kind] = field(default_factory=Counter)  # frames sent, by message kind
 
 
 @dataclass
@@ -173,6 +174,7 @@ class MemoryNetwork:
 
     def transmit(self, src: int, dst: int, msg: Message) -> None:
         self.stats.sent += 1
+        self.stats.by_kind[msg.kind] += 1
         if src in self.crashed:
             return
         if dst in self.crashed:
