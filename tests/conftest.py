@@ -24,13 +24,8 @@ def local_peers(n: int, port: int | None = None) -> list[str]:
     return [f"127.0.0.{r + 1}:{port}" for r in range(n)]
 
 
-@contextlib.contextmanager
-def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
-    """n started FTTreeAllreduce handles in this process, closed on exit. Static timeouts
-    unless asked otherwise: tests that assert which steps recover need them predictable."""
-    kwargs.setdefault("timeout_policy", "static")
-    peers = local_peers(n)
-    handles = [FTTreeAllreduce(r, peers, **kwargs) for r in range(n)]  # type: ignore[arg-type]
+def start_all(handles: list[FTTreeAllreduce], limit_s: float | None = None) -> list[BaseException]:
+    """Start every handle at once (each waits for its neighbours); what each start raised."""
     errors: list[BaseException] = []
 
     def start(h: FTTreeAllreduce) -> None:
@@ -43,7 +38,18 @@ def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(limit_s)
+    return errors
+
+
+@contextlib.contextmanager
+def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
+    """n started FTTreeAllreduce handles in this process, closed on exit. Static timeouts
+    unless asked otherwise: tests that assert which steps recover need them predictable."""
+    kwargs.setdefault("timeout_policy", "static")
+    peers = local_peers(n)
+    handles = [FTTreeAllreduce(r, peers, **kwargs) for r in range(n)]  # type: ignore[arg-type]
+    errors = start_all(handles)
     try:
         if errors:
             raise errors[0]

@@ -22,7 +22,7 @@ from fttree.net import certs
 from fttree.net.credentials import Credentials, Tls, rank_of, write_key
 from fttree.tools.cli import main as cli
 
-from .conftest import cluster, free_port, local_peers
+from .conftest import cluster, free_port, local_peers, start_all
 from .procs import Output
 
 PROBER = Path(__file__).resolve().parent / "tls_prober.py"
@@ -151,21 +151,7 @@ def test_a_worker_without_the_job_certificate_cannot_join_the_job(tmp_path: Path
     good = [FTTreeAllreduce(r, peers, tls_dir=str(tmp_path / "tls"), startup_timeout_s=10, timeout_s=0.3)
             for r in (0, 1)]
     stranger = FTTreeAllreduce(2, peers, tls_dir=str(tmp_path / "other"), startup_timeout_s=10, timeout_s=0.3)
-    import threading
-
-    errors: list[str] = []
-
-    def start(h: FTTreeAllreduce) -> None:
-        try:
-            h.start()
-        except Exception as exc:
-            errors.append(f"rank {h.rank}: {exc}")
-
-    threads = [threading.Thread(target=start, args=(h,)) for h in [*good, stranger]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    errors = [str(e) for e in start_all([*good, stranger], 60)]
     try:
         assert len(errors) == 3, f"a worker with another job's certificate started with the job: {errors}"
         assert any("CERTIFICATE_VERIFY_FAILED" in e for e in errors), errors

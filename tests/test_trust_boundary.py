@@ -19,7 +19,7 @@ import pytest
 from fttree import ConfigError, FTTreeAllreduce
 from fttree.net.credentials import Credentials, write_key
 
-from .conftest import cluster, local_peers
+from .conftest import cluster, local_peers, start_all
 from .rawpeer import closed_by_peer, connect, handshake
 
 ATTACKER = Path(__file__).resolve().parent / "attacker.py"
@@ -97,21 +97,7 @@ def test_a_worker_with_a_wrong_key_cannot_start_and_says_why(tmp_path: Path) -> 
     peers = local_peers(2)
     good = FTTreeAllreduce(0, peers, auth_key_file=str(ours), startup_timeout_s=3)
     bad = FTTreeAllreduce(1, peers, auth_key_file=str(theirs), startup_timeout_s=3)
-    import threading
-
-    errors: list[BaseException] = []
-
-    def start(h: FTTreeAllreduce) -> None:
-        try:
-            h.start()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(h,)) for h in (good, bad)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = start_all([good, bad])
     try:
         assert len(errors) == 2, errors
         assert any("closed the connection during the handshake" in str(e) or "did not prove" in str(e)

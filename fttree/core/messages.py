@@ -311,17 +311,23 @@ _FIELDS: dict[str, tuple[str, str, int]] = {
 }
 
 
+def unpack_map(head: bytes, what: str) -> dict[Any, Any]:
+    """A header's msgpack map, or FrameError naming `what` is wrong with it."""
+    try:
+        header = msgpack.unpackb(head, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"{what} is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise FrameError(f"{what} is not a map")
+    return header
+
+
 def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
     """Build a Message from a header and payload, validating types, kind and sizes.
 
     One pass over the header's keys (unknown keys are ignored): every frame goes through
     here, hundreds per step, so it avoids a lookup and a call per Message field."""
-    try:
-        header = msgpack.unpackb(head, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise FrameError(f"frame header is not valid msgpack ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise FrameError("frame header is not a map")
+    header = unpack_map(head, "frame header")
     raw_kind = _int(header, "k", -1, "kind")
     kind = _KINDS.get(raw_kind)  # a dict: calling Kind(raw_kind) costs a microsecond per frame
     if kind is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..core.messages import MAGIC, PREFIX, VERSION, Kind
+from ..core.messages import MAGIC, PREFIX, VERSION, Kind, unpack_map
 from ..errors import FrameError
 
 PROTOCOL = 1  # of the handshake; the frame format has its own VERSION
@@ -147,12 +147,7 @@ def _str(header: dict[object, object], key: str, name: str) -> str:
 
 def decode(head: bytes) -> Handshake:
     """A handshake frame's header, validated, or FrameError naming what is wrong."""
-    try:
-        header = msgpack.unpackb(head, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise FrameError(f"handshake header is not valid msgpack ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise FrameError("handshake header is not a map")
+    header = unpack_map(head, "handshake header")
     kind = header.get("k")
     if kind == Kind.HELLO:
         return Hello(src=_int(header, "f", "src"), dst=_int(header, "to", "dst"), world=_int(header, "w", "world"),
