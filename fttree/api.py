@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -328,6 +329,8 @@ class FTTreeAllreduce:
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_flat(flat)  # before a step number is used: peers would wait for it
+        if flat.size == 0:
+            return self._empty_step(flat, signature, contribute, nonfinite)
         self.admit()  # a joiner's first step: now it takes part
         future: Future[StepResult] = Future()
         future.add_done_callback(self._remember)  # first, so `last` is set before any user callback runs
@@ -357,6 +360,26 @@ class FTTreeAllreduce:
             node = self.node
             self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
         return future
+
+    def _empty_step(self, flat: np.ndarray, signature: str, contribute: bool,
+                    nonfinite: str | None) -> Future[StepResult]:
+        """A zero-element step (a frozen layer's bucket, a rank with no samples of a class):
+        nothing to add, but every rank still takes part, so steps stay numbered alike, a rank
+        that passes a non-empty array there is named, and the result says who contributed. It
+        runs as one zero element; the caller gets its empty array back."""
+        carried = self.submit_array(np.zeros(1, flat.dtype), f"{signature} (empty)", contribute=contribute,
+                                    nonfinite=nonfinite)
+        outer: Future[StepResult] = Future()
+
+        def done(inner: Future[StepResult]) -> None:
+            exc = inner.exception()
+            if exc is not None:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(dataclasses.replace(inner.result(), data=flat))
+
+        carried.add_done_callback(done)
+        return outer
 
     def _crash_rule(self, step: int) -> str | None:
         """The `crash` rule for this rank that strikes when it reaches allreduce `step`, if any."""

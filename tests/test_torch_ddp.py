@@ -90,6 +90,9 @@ def collectives(rank: int) -> dict[str, Any]:
     rs = torch.zeros(2)
     dist.reduce_scatter_tensor(rs, torch.arange(WORLD * 2, dtype=torch.float32) * (rank + 1))
     out["reduce_scatter"] = rs
+    empty = torch.empty(0, 4)
+    dist.all_reduce(empty)  # a frozen layer's bucket: nothing to add, no wait
+    out["empty_shape"] = tuple(empty.shape)
     dist.barrier()
     try:
         dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX)
@@ -259,6 +262,7 @@ def test_backend_collectives_and_ddp(tmp_path: Path) -> None:
         if rank == 2:
             assert torch.equal(c["reduce"], torch.full((2,), 6.0))
         assert torch.equal(c["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * 6)
+        assert c["empty_shape"] == (0, 4)
         assert "SUM and AVG, not MAX" in c["max_error"]
         assert "all_to_all_single is not implemented" in c["alltoall_error"]
 
