@@ -78,6 +78,9 @@ def collectives(rank: int) -> dict[str, Any]:
             t = torch.tensor([1.5, -2.25, float("inf"), 3e38])
         dist.broadcast(t, src=1)
         out[f"bcast_{dtype}"] = t
+    signed = torch.tensor([-0.0, 0.0, -1.0, float("-inf")]) if rank == 2 else torch.full((4,), 7.0)
+    dist.broadcast(signed, src=2)  # the source's bits, signed zeros included
+    out["bcast_signed_bits"] = signed.view(torch.int32)
     gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(WORLD)]
     dist.all_gather(gathered, torch.tensor([rank, 10 * rank]))
     out["allgather"] = torch.stack(gathered)
@@ -258,7 +261,9 @@ def test_backend_collectives_and_ddp(tmp_path: Path) -> None:
         assert torch.equal(c["bcast_torch.int32"], torch.arange(4, dtype=torch.int32))
         assert torch.equal(c["bcast_torch.bool"], torch.arange(4).bool())
         assert torch.equal(c["allgather"], torch.tensor([[0, 0], [1, 10], [2, 20]]))
-        assert torch.equal(c["allgather_single"], torch.tensor([0.5, -0.0, 1.5, -1.0, 2.5, -2.0]))
+        assert torch.equal(c["allgather_single"].view(torch.int32),  # to the bit: rank 0 sent -0.0
+                           torch.tensor([0.5, -0.0, 1.5, -1.0, 2.5, -2.0]).view(torch.int32))
+        assert torch.equal(c["bcast_signed_bits"], torch.tensor([-0.0, 0.0, -1.0, float("-inf")]).view(torch.int32))
         if rank == 2:
             assert torch.equal(c["reduce"], torch.full((2,), 6.0))
         assert torch.equal(c["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * 6)

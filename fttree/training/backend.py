@@ -10,11 +10,11 @@ used: every collective is one fttree step, submitted in call order (which torch.
 requires to be the same on every rank anyway).
 
 Collectives are sums: allreduce (SUM, AVG), broadcast (the root contributes its tensor, the
-others zeros), allgather and gather (each rank fills its own slot of a zeroed buffer), reduce
+others -0.0), allgather and gather (each rank fills its own slot of a buffer of -0.0), reduce
 and reduce_scatter (SUM, AVG; a full allreduce, each rank keeps its part) and barrier (a
-one-element step); scatter, all_to_all, send and recv raise NotImplementedError. Adding zeros
-is exact, so broadcast and allgather return the bits that were sent (except that -0.0 arrives
-as +0.0).
+one-element step); scatter, all_to_all, send and recv raise NotImplementedError. Adding -0.0
+is exact to the bit (x + -0.0 is x, signed zeros included), so broadcast and allgather return
+the bits that were sent.
 
 Settings come from the environment so that torchrun scripts need no change: every Config
 field by its own variable (FTTREE_ and its name in capitals, without the `_s` of seconds:
@@ -40,7 +40,7 @@ from ..api import FTTreeAllreduce
 from ..core.config import Config
 from ..errors import ConfigError
 from ..net.node import StepResult
-from .buckets import copy_divided, digest, wire_dtype
+from .buckets import blank, copy_divided, digest, wire_dtype
 from .ddp import pending_future
 from .rendezvous import exchange, job_key, local_host, pick_port
 
@@ -198,7 +198,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         what = f"broadcast from rank {root}"
         flat, sig = _pack(tensors, what)
         if self.rank() != root:
-            flat[:] = 0
+            flat[:] = blank(flat.size, flat.dtype)
         is_root = self.rank() == root
 
         def finish(res: StepResult) -> None:
@@ -211,7 +211,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         """Every rank's `inputs` into slots[r] (empty list: not wanted here)."""
         own, sig = _pack(inputs, what)
         world, rank = self.size(), self.rank()
-        flat = np.zeros(own.size * world, dtype=own.dtype)
+        flat = blank(own.size * world, own.dtype)
         flat[rank * own.size:(rank + 1) * own.size] = own
         sig = sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1)
 

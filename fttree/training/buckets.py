@@ -26,6 +26,13 @@ _WIRE: dict[torch.dtype, np.dtype] = {
 }
 
 
+def blank(size: int, dtype: np.dtype) -> np.ndarray:
+    """What a rank that sends nothing contributes to a broadcast or a gather: -0.0 for floats
+    (x + -0.0 is x to the bit, -0.0 and +0.0 included; with +0.0 a broadcast -0.0 arrived as
+    +0.0), 0 for integers."""
+    return np.full(size, -0.0 if dtype.kind == "f" else 0, dtype=dtype)
+
+
 def wire_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype a tensor of `dtype` travels as: floats as themselves (bfloat16 as
     float32, which holds every bfloat16 exactly), int32/int64 as themselves, other integer and

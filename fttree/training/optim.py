@@ -32,7 +32,7 @@ import torch
 from ..api import FTTreeAllreduce
 from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMismatch
 from ..net.node import StepResult
-from .buckets import DEFAULT_BUCKET_MB, BucketSpec, copy_divided, describe, digest, plan_buckets, wire_dtype
+from .buckets import DEFAULT_BUCKET_MB, BucketSpec, blank, copy_divided, describe, digest, plan_buckets, wire_dtype
 from .elastic import StateTransfer
 
 __all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "TrainingStep", "attach", "broadcast_parameters",
@@ -172,8 +172,8 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
     all replicas start identical without seeding by hand.
 
     `target` is a module, a tensor, or an iterable of tensors or (name, tensor) pairs. One
-    allreduce per wire dtype: the root contributes its values, everyone else zeros (x + 0 is
-    x exactly). With `check`, the layouts are compared first so different models fail with
+    allreduce per wire dtype: the root contributes its values, everyone else -0.0 (x + -0.0 is
+    x to the bit). With `check`, the layouts are compared first so different models fail with
     ModelMismatch on every worker instead of a bare size mismatch."""
     ar = allreduce
     if not 0 <= root_rank < ar.world:
@@ -188,7 +188,7 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
     futures, plans = [], []
     for dtype, members in groups.items():
         total = sum(t.numel() for _, t in members)
-        flat = np.zeros(total, dtype=dtype)
+        flat = blank(total, dtype)
         if ar.rank == root_rank:
             view, offset = torch.from_numpy(flat), 0
             for _, t in members:
