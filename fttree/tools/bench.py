@@ -506,9 +506,12 @@ def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambd
         if result.error or interrupted:
             for proc in procs.values():
                 _kill_group(proc, 15)
+        # a closing worker may wait up to its step timeout for a peer's word that it is done
+        # (FTTreeAllreduce.close), then up to 10 s for late peers: let it, rather than kill it
+        closing_s = spec.step_timeout_s + 15
         for rank, proc in procs.items():
             try:
-                result.exit_codes[rank] = proc.wait(timeout=20)
+                result.exit_codes[rank] = proc.wait(timeout=closing_s)
             except subprocess.TimeoutExpired:
                 _kill_group(proc, 9)
                 result.exit_codes[rank] = proc.wait(timeout=10)
