@@ -128,10 +128,12 @@ class Credentials:
         return Credentials(key=self.key, tls=tls)
 
     @classmethod
-    def from_key(cls, key: bytes) -> Credentials:
+    def from_key(cls, key: bytes, source: str = "a job key") -> Credentials:
+        """A key's bytes, whitespace ignored; at least MIN_KEY_BYTES of them."""
         key = b"".join(key.split())
         if len(key) < MIN_KEY_BYTES:
-            raise ConfigError(f"a job key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+            raise ConfigError(f"{source} holds {len(key)} bytes; a key needs at least {MIN_KEY_BYTES} "
+                              f"(make one with `fttree key --out FILE`)")
         return cls(key=key)
 
     @classmethod
@@ -142,11 +144,7 @@ class Credentials:
             raw = Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"auth_key_file {str(path)!r}: {exc.strerror or exc}") from None
-        key = b"".join(raw.split())
-        if len(key) < MIN_KEY_BYTES:
-            raise ConfigError(f"auth_key_file {str(path)!r} holds {len(key)} bytes; a key needs at least "
-                              f"{MIN_KEY_BYTES} (make one with `fttree key --out FILE`)")
-        return cls(key=key)
+        return cls.from_key(raw, f"auth_key_file {str(path)!r}")
 
 
 def http_token(key: bytes) -> str | None:

@@ -241,7 +241,7 @@ class _Channel:
                                         ssl_handshake_timeout=None if tls is None else t.handshake_timeout_s),
                 t.connect_timeout_s)
         except ssl.SSLError as exc:  # its certificate is not of the job's CA, or it speaks no TLS
-            why = f"TLS handshake with {addr}: {exc.reason or exc}"
+            why = f"TLS handshake with {addr}: {_tls_reason(exc)}"
             t.stats[self.peer].last_error = why
             t.refused(f"dial {addr}", why)
             self.unreachable = True
@@ -899,8 +899,8 @@ class _TlsListener:
         except (OSError, TimeoutError, ConnectionError) as exc:  # ssl.SSLError is an OSError
             conn.close()
             if not self.t.closed:
-                reason = exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else str(exc) or type(exc).__name__
-                self.t.refused(who, f"TLS handshake failed: {reason} (no certificate of the job's CA, or not TLS)")
+                self.t.refused(who, f"TLS handshake failed: {_tls_reason(exc)} (no certificate of the job's CA, "
+                                    f"or not TLS)")
         finally:
             self.handshaking -= 1
             self._resume()
@@ -912,6 +912,12 @@ class _TlsListener:
         self.sock.close()
         for task in self.tasks:
             task.cancel()
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """An SSL error's short reason (CERTIFICATE_VERIFY_FAILED), else the error or its type."""
+    reason = getattr(exc, "reason", None) if isinstance(exc, ssl.SSLError) else None
+    return str(reason or exc or type(exc).__name__)
 
 
 def _cert_rank(rank: int | None) -> str:
