@@ -24,6 +24,7 @@ import uvloop
 from .core.buffers import BufferPool
 from .core.config import NONFINITE_POLICIES, Config
 from .core.faults import FaultKind, FaultSchedule
+from .core.reduce_ops import check_reduce, fill_identity
 from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
@@ -319,18 +320,25 @@ class FTTreeAllreduce:
     # ---- allreduce ---------------------------------------------------------------------
 
     def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True,
-                     nonfinite: str | None = None) -> Future[StepResult]:
+                     nonfinite: str | None = None, reduce: str = "sum") -> Future[StepResult]:
         """Low-level: start a step on a flat array the caller hands over (not copied).
-        `contribute=False`: take part with zeros that are not counted among the contributors
-        (a joiner still receiving its state does). `nonfinite` overrides Config.nonfinite for
-        this step ("allow" for a broadcast or a gather, which move values, not sum gradients)."""
+        `contribute=False`: take part with the op's identity (zeros for a sum), not counted
+        among the contributors (a joiner still receiving its state does). `nonfinite` overrides
+        Config.nonfinite for this step ("allow" for a broadcast or a gather, which move values,
+        not sum gradients; the default for every `reduce` but "sum"). `reduce`: how the
+        contributions meet, "sum" or one of core/reduce_ops.REDUCE_OPS (max, min, product,
+        band, bor, bxor); every rank must pass the same, or the step fails as a mismatch."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_flat(flat)  # before a step number is used: peers would wait for it
+        check_reduce(reduce, flat.dtype)
+        if reduce != "sum":
+            signature = f"{reduce} of {signature}"  # a rank that reduces otherwise fails the step as a mismatch
+            nonfinite = nonfinite or "allow"
         if flat.size == 0:
-            return self._empty_step(flat, signature, contribute, nonfinite)
+            return self._empty_step(flat, signature, contribute, nonfinite, reduce)
         self.admit()  # a joiner's first step: now it takes part
         future: Future[StepResult] = Future()
         future.add_done_callback(self._remember)  # first, so `last` is set before any user callback runs
@@ -346,29 +354,31 @@ class FTTreeAllreduce:
         policy = nonfinite or self.config.nonfinite
         if contribute and policy != "allow" and not finite(flat):
             if policy == "skip":  # as a mixed-precision optimizer skips a step
-                flat[:] = 0
-                self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
+                fill_identity(flat, reduce)
+                self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False,
+                                                                    reduce=reduce))
                 self._loop.call_soon_threadsafe(node.skipped_nonfinite, step)
                 return future
             reason = f"rank {self.rank}'s contribution to step {step} holds NaN or Inf (nonfinite='abort')"
-            self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, abort=reason))
+            self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, abort=reason,
+                                                                reduce=reduce))
             return future
-        if contribute:
-            self._loop.call_soon_threadsafe(self.node.submit, step, flat, signature, future)
-        else:
-            flat[:] = 0
-            node = self.node
-            self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False))
+        if not contribute:
+            fill_identity(flat, reduce)
+        self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=contribute,
+                                                            reduce=reduce))
         return future
 
     def _empty_step(self, flat: np.ndarray, signature: str, contribute: bool,
-                    nonfinite: str | None) -> Future[StepResult]:
+                    nonfinite: str | None, reduce: str) -> Future[StepResult]:
         """A zero-element step (a frozen layer's bucket, a rank with no samples of a class):
         nothing to add, but every rank still takes part, so steps stay numbered alike, a rank
         that passes a non-empty array there is named, and the result says who contributed. It
         runs as one zero element; the caller gets its empty array back."""
-        carried = self.submit_array(np.zeros(1, flat.dtype), f"{signature} (empty)", contribute=contribute,
-                                    nonfinite=nonfinite)
+        one = np.zeros(1, flat.dtype)
+        fill_identity(one, reduce)
+        carried = self.submit_array(one, f"{signature} (empty)", contribute=contribute, nonfinite=nonfinite,
+                                    reduce=reduce)
         outer: Future[StepResult] = Future()
 
         def done(inner: Future[StepResult]) -> None:
@@ -486,12 +496,14 @@ class FTTreeAllreduce:
             if self.last is None or res.step > self.last.step:
                 self.last = res
 
-    def allreduce_async(self, tensor: Any, *, average: bool = False) -> Future[Any]:
-        """Start an allreduce; the Future gives the summed (or averaged) tensor."""
+    def allreduce_async(self, tensor: Any, *, average: bool = False, reduce: str = "sum") -> Future[Any]:
+        """Start an allreduce; the Future gives the summed (or averaged) tensor, or with
+        `reduce` its elementwise max, min, product, band, bor or bxor over the contributors."""
         flat, signature, how = _as_flat_array(tensor, self.staging)
-        if average and flat.dtype.kind != "f":
-            raise TypeError("average=True needs a floating-point tensor")
-        inner = self.submit_array(flat, signature)
+        if average and (flat.dtype.kind != "f" or reduce != "sum"):
+            raise TypeError(f"average=True needs a floating-point tensor and reduce='sum' (got {flat.dtype}, "
+                            f"{reduce!r})")
+        inner = self.submit_array(flat, signature, reduce=reduce)
         outer: Future[Any] = Future()
 
         def finish(done: Future[StepResult]) -> None:
@@ -509,9 +521,9 @@ class FTTreeAllreduce:
         inner.add_done_callback(finish)
         return outer
 
-    def allreduce(self, tensor: Any, *, average: bool = False) -> Any:
+    def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum") -> Any:
         """Blocking allreduce. Raises StepAborted (naming peers) if the step cannot finish."""
-        future = self.allreduce_async(tensor, average=average)
+        future = self.allreduce_async(tensor, average=average, reduce=reduce)
         limit = self.config.step_timeout_s + 10
         try:
             return future.result(timeout=limit)

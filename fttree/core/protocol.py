@@ -62,6 +62,7 @@ import numpy as np
 from .buffers import BufferPool
 from .config import Config
 from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
+from .reduce_ops import REDUCE_OPS
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
@@ -176,6 +177,7 @@ class Submit:
     signature: str  # dtype and shape of the whole tensor, compared across workers
     contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
     abort: str = ""  # fail this step everywhere for this reason, naming this rank (a NaN, Config.nonfinite)
+    reduce: str = "sum"  # how contributions meet (reduce_ops.py); named in the signature, so ranks agree
 
 
 class LinkState(NamedTuple):
@@ -395,7 +397,9 @@ class _Op:
     acc: np.ndarray | None = None  # own contribution plus children's subtree sums (a buffer of its own)
     contributors: set[int] = field(default_factory=set)
     got_children: set[int] = field(default_factory=set)
-    early: list[Message] = field(default_factory=list)  # child data before our submit
+    held: dict[int, Message] = field(default_factory=dict)  # child -> its data, not added yet (see _take)
+    added: int = 0  # how many children, in slot order, are in `acc`
+    combine: np.ufunc = np.add  # how contributions meet (Submit.reduce)
     reduce_sent: bool = False
     result: np.ndarray | None = None
     result_wire: tuple[np.ndarray, str] | None = None  # the result as it travels, when encoded
@@ -591,7 +595,7 @@ class TreeMachine:
         """Sizes of everything this machine keeps between events: none may grow with the
         number of ops run (tests check it over many thousands of ops)."""
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
-                "retired": len(self._retired), "early": sum(len(op.early) for op in self._ops.values())}
+                "retired": len(self._retired), "held": sum(len(op.held) for op in self._ops.values())}
 
     # ---- the trees (trees.py) ---------------------------------------------------------
 
@@ -753,6 +757,7 @@ class TreeMachine:
         op.submitted, op.signature, op.dtype, op.started = True, ev.signature, ev.data.dtype.str, now
         op.nbytes = ev.data.nbytes
         op.own = op.acc = ev.data
+        op.combine = REDUCE_OPS[ev.reduce]
         if ev.contribute:
             op.contributors.add(self.rank)
         if op.failure is not None:  # an ABORT arrived before our submit
@@ -768,11 +773,10 @@ class TreeMachine:
         if ev.abort:
             self._abort(op, AbortCode.NONFINITE, ev.abort, (self.rank,), now, out)
             return
-        early, op.early = op.early, []
-        for msg in early:
+        for msg in list(op.held.values()):  # data that came before our submit
             if not self._matches(op, msg, now, out):
                 return
-            self._add(op, msg)
+        self._add_in_order(op)
         self._maybe_send_up(op, now, out)
 
     def _matches(self, op: _Op, msg: Message, now: float, out: list[Action]) -> bool:
@@ -792,6 +796,16 @@ class TreeMachine:
         self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out)
         return False
 
+    def _add_in_order(self, op: _Op) -> None:
+        """Add the children's subtree sums that can be added now: always in slot order, after
+        our own contribution, holding one that comes early until those before it are in. Float
+        addition is not associative, so this is what makes a sum the same bits on every run,
+        whatever order the data arrives in and whichever way a relay took it."""
+        children = self._t(op).me.children
+        while op.added < len(children) and children[op.added] in op.held:
+            self._add(op, op.held.pop(children[op.added]))
+            op.added += 1
+
     def _add(self, op: _Op, msg: Message) -> None:
         assert op.acc is not None
         assert msg.payload is not None
@@ -802,9 +816,9 @@ class TreeMachine:
         else:
             incoming = from_wire(msg.payload, msg.dtype, op.dtype)
         if op.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
-            op.acc = np.add(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
+            op.acc = op.combine(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
         else:
-            np.add(op.acc, incoming, out=op.acc)
+            op.combine(op.acc, incoming, out=op.acc)
         op.contributors.update(msg.contributors)
 
     def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
@@ -993,10 +1007,9 @@ class TreeMachine:
         if not self._matches(op, msg, now, out):
             return
         op.got_children.add(origin)
+        op.held[origin] = msg
         if op.submitted:
-            self._add(op, msg)
-        else:
-            op.early.append(msg)
+            self._add_in_order(op)
         if msg.src != origin:
             if msg.planned:
                 out.append(Note(step=op.step, cause=Cause.DETOUR, peer=origin, link=(origin, self.rank),
@@ -1362,7 +1375,7 @@ class TreeMachine:
                 if not op.done and not op.reduce_sent and not self._extended(op, event, self.cfg.root_give_up_s, now,
                                                                                  out):
                     missing = tuple(sorted(set(self.view.members) - op.contributors
-                                           - {r for m in op.early for r in m.contributors}))
+                                           - {r for m in op.held.values() for r in m.contributors}))
                     waiting = sorted(set(self._t(op).me.children) - op.got_children)
                     reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
                               f"(root still waiting for the subtree sums of children {waiting})")

@@ -131,6 +131,7 @@ class _Step:
     epoch: int = 0
     contribute: bool = True  # False: zeros that take part without counting (a joiner awaiting its state)
     abort: str = ""  # fail the step everywhere for this reason (a NaN in our contribution, nonfinite="abort")
+    reduce: str = "sum"  # how contributions meet (core/reduce_ops.py)
 
 
 class Node:
@@ -148,7 +149,8 @@ class Node:
         self._watches: set[TimerKey] = set()  # the backup watches among them (owes_peers, per event)
         self._stamped: tuple[Message, Message] | None = None  # the last metadata frame stamped (_stamp_backlog)
         self._steps: dict[int, _Step] = {}
-        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool, str]] = []  # during a view change
+        # steps submitted during a view change, run once it is agreed
+        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool, str, str]] = []
         self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
         self.stopped: str | None = None  # why this rank produces no more results
         self.reruns = 0
@@ -342,7 +344,7 @@ class Node:
         for st in steps.values():
             if not st.future.done():
                 st.future.set_exception(error(st.step))
-        for step, _data, _sig, future, _contribute, _abort in held:
+        for step, _data, _sig, future, _contribute, _abort, _reduce in held:
             if not future.done():
                 future.set_exception(error(step))
 
@@ -360,13 +362,13 @@ class Node:
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult], *,
-               contribute: bool = True, abort: str = "") -> None:
+               contribute: bool = True, abort: str = "", reduce: str = "sum") -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again).
         `abort`: fail the step on every rank for this reason, naming this one."""
         if self._holding:  # a join is being agreed: this step may be the one it starts at
             self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute,
-                                                        abort=abort))
+                                                        abort=abort, reduce=reduce))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
             self._at_boundary(step, step)
@@ -376,17 +378,17 @@ class Node:
             future.set_exception(GroupLeft(step, self.stopped))
             return
         if self.membership.state is MemberState.CHANGING:
-            self._held_back.append((step, data, signature, future, contribute, abort))  # runs in the view agreed
+            self._held_back.append((step, data, signature, future, contribute, abort, reduce))  # in the view agreed
             return
         try:
-            self._submit(step, data, signature, future, contribute, abort)
+            self._submit(step, data, signature, future, contribute, abort, reduce)
         except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
             self._steps.pop(step, None)
             if not future.done():
                 future.set_exception(exc)
 
     def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
-                contribute: bool = True, abort: str = "") -> None:
+                contribute: bool = True, abort: str = "", reduce: str = "sum") -> None:
         # cut as every member cuts it: at the view's pace (view.py)
         # (never by the number of members: a step re-run after an eviction keeps its chunks)
         per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, self.view.pace) // max(1, data.itemsize))
@@ -394,7 +396,7 @@ class Node:
         idle = not self._steps
         st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
                    per_chunk=per_chunk, started=self.scheduler.monotonic(), began=self.scheduler.now(),
-                   contribute=contribute, abort=abort)
+                   contribute=contribute, abort=abort, reduce=reduce)
         self._steps[step] = st
         self._last_submitted = max(self._last_submitted, step)
         if idle:
@@ -411,7 +413,7 @@ class Node:
         for chunk, start in st.offsets.items():
             piece = st.submitted[start:start + st.per_chunk]
             self._handle(Submit(step=st.step, chunk=chunk, chunks=len(st.offsets), data=piece, signature=st.signature,
-                                contribute=st.contribute, abort=st.abort), raise_errors=True)
+                                contribute=st.contribute, abort=st.abort, reduce=st.reduce), raise_errors=True)
 
     def skipped_nonfinite(self, step: int) -> None:
         """Our contribution to `step` held NaN or Inf and was left out (nonfinite="skip"): a
@@ -885,9 +887,9 @@ class Node:
                 for dst in plan.lacking:
                     self._send(dst, msg)
         held, self._held_back = self._held_back, []
-        for step, data, signature, future, contribute, abort in held:
+        for step, data, signature, future, contribute, abort, reduce in held:
             try:
-                self._submit(step, data, signature, future, contribute, abort)
+                self._submit(step, data, signature, future, contribute, abort, reduce)
             except Exception as exc:
                 self._steps.pop(step, None)
                 future.set_exception(exc)

@@ -110,6 +110,24 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "op", op)).rpartition(".")[2]
 
 
+_REDUCE = {"SUM": "sum", "AVG": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max",
+           "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+
+def _reduce_of(name: str, what: str, tensors: Sequence[torch.Tensor]) -> str:
+    """The fttree reduction for torch's ReduceOp `name`, or an error naming the op at once."""
+    reduce = _REDUCE.get(name)
+    if reduce is None:
+        raise NotImplementedError(f"fttree backend: {what} does not support ReduceOp.{name} (supported: "
+                                  f"{', '.join(_REDUCE)}); for PREMUL_SUM scale the tensor, then use SUM")
+    dtypes = [str(t.dtype) for t in tensors]
+    if name == "AVG" and not all(t.is_floating_point() for t in tensors):
+        raise TypeError(f"fttree backend: ReduceOp.AVG needs floating-point tensors, got {dtypes}")
+    if reduce in ("band", "bor", "bxor") and any(t.is_floating_point() or t.is_complex() for t in tensors):
+        raise TypeError(f"fttree backend: ReduceOp.{name} needs integer or bool tensors, got {dtypes}")
+    return reduce
+
+
 class FTTreeProcessGroup(dist.ProcessGroup):
     """A ProcessGroup whose collectives run as fttree steps (see the module docstring)."""
 
@@ -134,7 +152,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
     # ---- plumbing --------------------------------------------------------------------
 
     def _run(self, what: str, flat: np.ndarray, signature: str, outputs: list[torch.Tensor],
-             finish: Callable[[StepResult], None], *, moves_values: bool = False) -> FTTreeWork:
+             finish: Callable[[StepResult], None], *, moves_values: bool = False, reduce: str = "sum") -> FTTreeWork:
         """Submit one step; `finish` (on the loop thread) writes the result into `outputs`.
         `moves_values`: a broadcast or a gather, whose NaN and Inf are data, not a bad gradient
         (Config.nonfinite applies to sums)."""
@@ -147,7 +165,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
             inner.set_result(exc)
 
         try:
-            submitted = self.allreduce_handle.submit_array(flat, signature,
+            submitted = self.allreduce_handle.submit_array(flat, signature, reduce=reduce,
                                                            nonfinite="allow" if moves_values else None)
         except Exception as exc:
             fail(exc)
@@ -165,18 +183,16 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         return work
 
     def _sum(self, what: str, tensors: list[torch.Tensor], op: Any) -> FTTreeWork:
+        """A reduction of `tensors` in place (every ReduceOp but PREMUL_SUM; AVG divides the
+        sum by the number of contributors)."""
         name = _op_name(op)
-        if name not in ("SUM", "AVG"):
-            raise NotImplementedError(f"fttree backend: {what} supports ReduceOp.SUM and AVG, not {name}")
-        if name == "AVG" and not all(t.is_floating_point() for t in tensors):
-            raise TypeError(f"fttree backend: ReduceOp.AVG needs floating-point tensors, got "
-                            f"{[str(t.dtype) for t in tensors]}")
+        reduce = _reduce_of(name, what, tensors)
         flat, sig = _pack(tensors, what)
 
         def finish(res: StepResult) -> None:
             _unpack(res.data, tensors, len(res.contributors) if name == "AVG" else 1)
 
-        return self._run(f"{what} of {flat.size} x {flat.dtype}", flat, sig, tensors, finish)
+        return self._run(f"{what} ({name}) of {flat.size} x {flat.dtype}", flat, sig, tensors, finish, reduce=reduce)
 
     # ---- collectives -------------------------------------------------------------------
 
@@ -251,8 +267,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         if len(inputs) != self.size():
             raise ValueError(f"fttree backend: reduce_scatter needs {self.size()} inputs, got {len(inputs)}")
         name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if name not in ("SUM", "AVG"):
-            raise NotImplementedError(f"fttree backend: reduce_scatter supports ReduceOp.SUM and AVG, not {name}")
+        reduce = _reduce_of(name, "reduce_scatter", inputs)
         flat, sig = _pack(inputs, "reduce_scatter")
         start = sum(t.numel() for t in inputs[:self.rank()])
         end = start + inputs[self.rank()].numel()
@@ -260,7 +275,8 @@ class FTTreeProcessGroup(dist.ProcessGroup):
         def finish(res: StepResult) -> None:
             _unpack(res.data[start:end], [output], len(res.contributors) if name == "AVG" else 1)
 
-        return self._run(f"reduce_scatter of {flat.size} x {flat.dtype}", flat, sig, [output], finish)
+        return self._run(f"reduce_scatter ({name}) of {flat.size} x {flat.dtype}", flat, sig, [output], finish,
+                         reduce=reduce)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> FTTreeWork:
@@ -276,24 +292,81 @@ class FTTreeProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> FTTreeWork:
         return self._sum("barrier", [torch.zeros(1)], dist.ReduceOp.SUM)
 
-    def _unsupported(self, name: str) -> FTTreeWork:
-        raise NotImplementedError(f"fttree backend: {name} is not implemented (fttree does sums: all_reduce SUM/AVG, "
-                                  f"broadcast, all_gather, gather, reduce, reduce_scatter, barrier)")
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> FTTreeWork:
+        """A broadcast of the root's whole list; each rank keeps its part (every rank receives
+        world times its share: fine for the small tensors scatter is used for)."""
+        root = opts.rootRank if opts is not None else 0
+        if len(output_tensors) != 1:
+            raise ValueError("fttree backend: scatter takes one output tensor")
+        out, world, rank = output_tensors[0], self.size(), self.rank()
+        what = f"scatter from rank {root}"
+        if rank == root:
+            parts = input_tensors[0] if input_tensors else []
+            if len(parts) != world or any(p.numel() != out.numel() for p in parts):
+                raise ValueError(f"fttree backend: {what} needs {world} inputs of {out.numel()} elements at the root")
+            flat, sig = _pack(parts, what)
+        else:
+            flat, sig = _pack([out] * world, what)
+            flat[:] = blank(flat.size, flat.dtype)
+        start = rank * out.numel()
 
-    def scatter(self, *args: Any, **kwargs: Any) -> FTTreeWork:
-        return self._unsupported("scatter")
+        def finish(res: StepResult) -> None:
+            _unpack(res.data[start:start + out.numel()], [out])
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> FTTreeWork:
-        return self._unsupported("all_to_all")
+        return self._run(f"{what} of {world} x {out.numel()} x {flat.dtype}", flat, sig, [out], finish,
+                         moves_values=True)
 
-    def alltoall_base(self, *args: Any, **kwargs: Any) -> FTTreeWork:
-        return self._unsupported("all_to_all_single")
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> FTTreeWork:
+        """Equal parts only: a gather of every rank's whole input to every rank, each keeping
+        the parts addressed to it (world times the bytes a direct exchange would move; fttree
+        has no links between every pair of ranks)."""
+        world, rank = self.size(), self.rank()
+        sizes = {t.numel() for t in (*outputs, *inputs)}
+        if len(inputs) != world or len(outputs) != world or len(sizes) != 1:
+            raise NotImplementedError(f"fttree backend: all_to_all supports {world} equal parts only (got input "
+                                      f"sizes {[t.numel() for t in inputs]}, outputs {[t.numel() for t in outputs]}); "
+                                      f"for uneven parts pad them to one size")
+        part = sizes.pop()
+        own, sig = _pack(inputs, "all_to_all")
+        flat = blank(own.size * world, own.dtype)
+        flat[rank * own.size:(rank + 1) * own.size] = own
+
+        def finish(res: StepResult) -> None:
+            for src, out in enumerate(outputs):
+                at = src * own.size + rank * part
+                _unpack(res.data[at:at + part], [out])
+
+        return self._run(f"all_to_all of {world} x {world} x {part} x {own.dtype}", flat,
+                         sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1), outputs, finish, moves_values=True)
+
+    def alltoall(self, output_tensors: list[torch.Tensor],
+                 input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:
+        return self._all_to_all(output_tensors, input_tensors)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> FTTreeWork:
+        world = self.size()
+        if output_split_sizes or input_split_sizes or input.numel() % world or output.numel() != input.numel():
+            raise NotImplementedError(f"fttree backend: all_to_all_single supports equal splits only (input of "
+                                      f"{input.numel()} elements into {world} parts, splits {input_split_sizes}, "
+                                      f"output splits {output_split_sizes}); for uneven parts pad them to one size")
+        return self._all_to_all(list(output.view(world, -1)), list(input.reshape(world, -1)))
+
+    def _point_to_point(self, name: str) -> FTTreeWork:
+        raise NotImplementedError(
+            f"fttree backend: {name} is not supported: fttree connects a rank to its tree neighbours only and "
+            f"makes collectives survive failures as whole steps, which a lone send or recv cannot; use broadcast, "
+            f"scatter or all_gather (or a gloo group from dist.new_group(backend='gloo') for point-to-point)")
 
     def send(self, *args: Any, **kwargs: Any) -> FTTreeWork:
-        return self._unsupported("send")
+        return self._point_to_point("send")
 
     def recv(self, *args: Any, **kwargs: Any) -> FTTreeWork:
-        return self._unsupported("recv")
+        return self._point_to_point("recv")
+
+    def recvAnysource(self, *args: Any, **kwargs: Any) -> FTTreeWork:
+        return self._point_to_point("recv from any source")
 
     def shutdown(self) -> None:
         self.allreduce_handle.close()  # waits (bounded) for peers that may still need this rank
