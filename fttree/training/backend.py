@@ -381,8 +381,11 @@ class FTTreeProcessGroup(dist.ProcessGroup):
 def _connect(store: Store, rank: int, world: int, timeout: timedelta | None) -> FTTreeAllreduce:
     host = local_host()
     startup = timeout.total_seconds() if timeout is not None else 300.0
-    peers = exchange(store, rank, world, f"{host}:{pick_port(host)}", max(1.0, min(startup, 600.0)))
-    key = job_key(store)  # rank 0 put one in the store, unless FTTREE_AUTH_KEY_FILE names one
+    # A group made again on the same store (destroy_process_group, then init_process_group:
+    # torch names it as before) must not read the addresses of the one before.
+    prefix = f"fttree/{store.add(f'fttree/generation/{rank}', 1)}/peer"
+    peers = exchange(store, rank, world, f"{host}:{pick_port(host)}", max(1.0, min(startup, 600.0)), prefix=prefix)
+    key = job_key(store, prefix)  # rank 0 put one in the store, unless FTTREE_AUTH_KEY_FILE names one
     settings: dict[str, Any] = {"startup_timeout_s": max(1.0, min(startup, 600.0))}
     if key is None:
         settings["auth_key_file"] = os.environ["FTTREE_AUTH_KEY_FILE"]
