@@ -116,7 +116,7 @@ class FTTreeAllreduce:
     `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.status.control).
     `join=True` asks the running group named by `peers` to admit this rank (a restarted worker
     finds the group by itself); `join="HOST:PORT"` asks through that member, and then `peers`
-    needs only this rank's own address, as `{rank: "host:port"}` (README: "Elastic jobs").
+    needs only this rank's own address, as `{rank: "host:port"}` (docs/failures.md, "Elastic jobs").
     """
 
     def __init__(self, rank: int, peers: Sequence[str | Address] | Mapping[int, str | Address], *,

@@ -31,10 +31,11 @@ def test_these_contributions_give_other_bits_in_another_order() -> None:
 
 
 def run_sim(world: int, seed: int, steps: int, faults: str | None = None,
-            trees: str = "rotated") -> dict[tuple[int, int], StepResult]:
+            trees: str = "rotated", ordered_sums: bool = True) -> dict[tuple[int, int], StepResult]:
     """Every rank's results, steps of 5,000 float32 in 5 chunks; `seed` draws each frame's
     latency (1 ms plus up to 4 ms), so the subtree sums arrive in another order."""
-    sim = SimNetwork(world, seed=seed, jitter_s=0.004, faults=faults, chunk_bytes=4096, trees=trees)
+    sim = SimNetwork(world, seed=seed, jitter_s=0.004, faults=faults, chunk_bytes=4096, trees=trees,
+                     ordered_sums=ordered_sums)
     for step in range(steps):
         sim.submit_all(step, contributions(world, 5000, step))
         sim.run_until_finished(step)
@@ -47,6 +48,12 @@ def test_every_arrival_order_gives_the_same_bits(world: int, trees: str) -> None
     for key in runs[0]:
         bits = {run[key].data.tobytes() for run in runs} | {runs[0][(r, key[1])].data.tobytes() for r in range(world)}
         assert len(bits) == 1, f"step {key[1]} rank {key[0]}: {len(bits)} different results"
+
+
+def test_sums_added_as_they_come_differ_from_run_to_run() -> None:
+    """ordered_sums=False (each subtree sum added as it arrives): what the fixed order buys."""
+    runs = [run_sim(7, seed, steps=2, ordered_sums=False) for seed in (1, 2, 3)]
+    assert any(len({run[key].data.tobytes() for run in runs}) > 1 for key in runs[0])
 
 
 def test_relays_around_a_cut_link_give_the_same_bits() -> None:

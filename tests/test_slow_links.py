@@ -1,6 +1,6 @@
 """Slow is not broken: at default settings, behind healthy uplinks of 1 Mbit/s to 1 Gbit/s, with
 loss and delay, nobody is suspected, detoured around or evicted and every step is exact; real
-failures are still found, within the bounds the README states. All in the simulator's shaped
+failures are still found, within the bounds docs/bandwidth.md states. All in the simulator's shaped
 network (fttree.testing.shaped): every rank behind its own uplink, TCP's segments, losses and
 retransmissions, and the transport's in-flight budget, deterministic and in seconds."""
 

@@ -1,4 +1,4 @@
-"""Mutual TLS (README "Security"): every connection encrypted, every peer's rank read from a
+"""Mutual TLS (docs/security.md): every connection encrypted, every peer's rank read from a
 certificate of the job's own CA. An outsider, another job's worker or a member claiming
 another rank is refused at the handshake while the job's steps stay exact."""
 

@@ -52,8 +52,8 @@ MAX_STEP_CHUNKS = 512  # ... but a step travels in no more chunks than this (eac
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """Every tunable of a worker. Defaults suit a LAN or loopback; see the README's tuning
-    section before changing the timeouts."""
+    """Every tunable of a worker. Defaults suit a LAN or loopback and slow edge links alike;
+    read docs/bandwidth.md before changing the timeouts (docs/configuration.md lists them all)."""
 
     # Each setting's comment (beside it, or the block just above) is its line in the generated
     # docs/configuration.md; a "--" comment heads a group and belongs to no setting.
@@ -96,6 +96,9 @@ class Config:
     # the result's contributors show, and a note names it), "abort" (the step fails on every rank,
     # naming this one) or "allow" (added as it is: every rank's result is NaN)
     nonfinite: str = "skip"
+    # add the children's subtree sums in slot order, holding one that comes early (True: the same
+    # bits on every run; False: each as it comes, which can change the last bits from run to run)
+    ordered_sums: bool = True
     # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
     # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
     compression: str | None = None
@@ -112,7 +115,7 @@ class Config:
     max_live_ops: int = 65536  # (step, chunk) ops kept at once; a frame that would make more is dropped
     receive_pool_bytes: int = 512 * 1024 * 1024  # received payload buffers kept for reuse, at most
 
-    # -- trust boundary (README, "Security")
+    # -- trust boundary (docs/security.md)
     # the job's shared key, read from this file by every worker (`fttree key --out FILE`);
     # without a key or TLS, only loopback addresses unless `insecure`
     auth_key_file: str | os.PathLike[str] | None = None

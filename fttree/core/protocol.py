@@ -801,6 +801,11 @@ class TreeMachine:
         our own contribution, holding one that comes early until those before it are in. Float
         addition is not associative, so this is what makes a sum the same bits on every run,
         whatever order the data arrives in and whichever way a relay took it."""
+        if not self.cfg.ordered_sums:  # as they came
+            for origin in list(op.held):
+                self._add(op, op.held.pop(origin))
+                op.added += 1
+            return
         children = self._t(op).me.children
         while op.added < len(children) and children[op.added] in op.held:
             self._add(op, op.held.pop(children[op.added]))

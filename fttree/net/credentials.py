@@ -6,7 +6,7 @@ whitespace is ignored so that a hex or base64 line works too. Every member of a 
 the same key. With TLS (`fttree certs`), every connection is encrypted and each side shows a
 certificate of the job's CA that names its rank. Without either, a job may only use loopback
 addresses, unless the user says `insecure=True`: any process that reaches a worker's port
-could otherwise join, forge frames or take the model (README, "Security").
+could otherwise join, forge frames or take the model (docs/security.md).
 """
 
 from __future__ import annotations

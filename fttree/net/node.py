@@ -163,7 +163,7 @@ class Node:
         self.view_listeners: list[Callable[[Installed], None]] = []
         self.started = False  # hard failures before this are peers still starting up
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
-        # joins and leaves (see elastic.md in the README: "Elastic jobs")
+        # joins and leaves (docs/failures.md, "Elastic jobs")
         self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
         self.joining = join or contact is not None  # this process asks a running group to admit it
         self.contact = contact  # a member's address to ask first (a joiner that knows no other rank)

@@ -151,6 +151,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from ..api import FTTreeAllreduce
+    from ..core.config import Config
     from ..errors import FTTreeError
     from ..net.address import parse_peers
     from .demo import StepNotes
@@ -169,14 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["trees"] = args.trees
     for item in args.settings:
         field, _, text = item.partition("=")
-        value: Any = text
-        for convert in (int, float):
-            try:
-                value = convert(text)
-                break
-            except ValueError:
-                pass
-        kwargs[field] = value
+        kwargs[field] = Config.parse(field, text)  # by the field's type: "false" is False, not a string
     try:
         ar = FTTreeAllreduce(args.rank, peers, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
                              startup_timeout_s=args.startup_timeout, faults=args.faults,

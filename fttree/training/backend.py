@@ -9,12 +9,13 @@ backend, reads everyone else's, and starts an FTTreeAllreduce. From then on the 
 used: every collective is one fttree step, submitted in call order (which torch.distributed
 requires to be the same on every rank anyway).
 
-Collectives are sums: allreduce (SUM, AVG), broadcast (the root contributes its tensor, the
-others -0.0), allgather and gather (each rank fills its own slot of a buffer of -0.0), reduce
-and reduce_scatter (SUM, AVG; a full allreduce, each rank keeps its part) and barrier (a
-one-element step); scatter, all_to_all, send and recv raise NotImplementedError. Adding -0.0
-is exact to the bit (x + -0.0 is x, signed zeros included), so broadcast and allgather return
-the bits that were sent.
+Every collective is one fttree step, so it has the tree's exactly-once and contributor rules:
+allreduce and reduce (SUM, AVG, PRODUCT, MIN, MAX; BAND/BOR/BXOR on integers), broadcast (the
+root contributes its tensor, the others -0.0, and x + -0.0 is x to the bit), allgather, gather
+and all_to_all (each rank fills its own slot of a buffer of -0.0), scatter (a broadcast of the
+root's list), reduce_scatter (a full allreduce, each rank keeps its part) and barrier (a
+one-element step). send and recv raise NotImplementedError at once: a rank is linked to its
+tree neighbours only. docs/pytorch.md has the table of ops, dtypes and results.
 
 Settings come from the environment so that torchrun scripts need no change: every Config
 field by its own variable (FTTREE_ and its name in capitals, without the `_s` of seconds:

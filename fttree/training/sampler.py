@@ -94,7 +94,7 @@ died during backward may be in the first buckets and not the last: its batch is 
 committed and goes to the survivors); the view for the next step is those contributors, not
 `ar.view` read after the step, which a concurrent view change could make differ between ranks.
 A step that fails (`StepAborted` from `opt.step()`) commits nothing: see "limits" in the
-README. With one plain `ar.allreduce` per step, `commit_from(ar)` reads `ar.last` instead.
+docs/failures.md. With one plain `ar.allreduce` per step, `commit_from(ar)` reads `ar.last` instead.
 """
 
 from __future__ import annotations
