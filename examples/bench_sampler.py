@@ -34,9 +34,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_common import BATCH, thesis_mlp
 
+from fttree.data.hash_ring import HashRing, item_positions
+from fttree.data.sampler import ElasticSampler, MoveEvent, loader_horizon
 from fttree.training.optim import TrainingStep
-from fttree.training.ring import HashRing, item_positions
-from fttree.training.sampler import ElasticSampler, MoveEvent, loader_horizon
 
 SIZE = 60_000
 HORIZON = loader_horizon(2, 2)

@@ -24,6 +24,7 @@ asked for); under torchrun a real SIGKILL of a worker does the same to the other
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -102,7 +103,8 @@ def train(args: argparse.Namespace) -> int:
         print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     extra: dict[str, object] = {"backend": args.backend, "workers": world,
-                                "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
+                                "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
+                                "params_digest": params_digest(model)}
     if args.backend == "fttree":
         ar = fttree.allreduce_of()
         node = ar.node
@@ -112,6 +114,15 @@ def train(args: argparse.Namespace) -> int:
     progress.summary(args.warmup, extra)
     dist.destroy_process_group()
     return 0
+
+
+def params_digest(model: nn.Module) -> str:
+    """A digest of the parameters' bits: two runs with the same seeds and data print the same
+    one when their sums are bit-reproducible."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def injected_crash() -> str:

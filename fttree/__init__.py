@@ -25,12 +25,12 @@ from .errors import (
 if TYPE_CHECKING:
     from .api import FTTreeAllreduce
     from .core.config import Config
+    from .data.cache import CachedDataset
+    from .data.sampler import CollateOrNone, ElasticSampler, loader_horizon
     from .net.node import StepResult
     from .training.backend import allreduce_of
-    from .training.cache import CachedDataset
     from .training.ddp import comm_hook
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
-    from .training.sampler import CollateOrNone, ElasticSampler, loader_horizon
     from .training.state import sync_state
 
 __version__ = "0.1.0"
@@ -50,10 +50,10 @@ _LAZY = {
     "allreduce_of": "fttree.training.backend",
     "Config": "fttree.core.config",
     "broadcast_parameters": "fttree.training.optim",
-    "ElasticSampler": "fttree.training.sampler",
-    "CollateOrNone": "fttree.training.sampler",
-    "loader_horizon": "fttree.training.sampler",
-    "CachedDataset": "fttree.training.cache",
+    "ElasticSampler": "fttree.data.sampler",
+    "CollateOrNone": "fttree.data.sampler",
+    "loader_horizon": "fttree.data.sampler",
+    "CachedDataset": "fttree.data.cache",
     "sync_state": "fttree.training.state",
 }
 

@@ -23,6 +23,7 @@ import uvloop
 
 from .core.buffers import BufferPool
 from .core.config import NONFINITE_POLICIES, Config
+from .core.dtypes import STEP_DTYPES, step_dtype
 from .core.faults import FaultKind, FaultSchedule
 from .core.reduce_ops import check_reduce, fill_identity
 from .core.topology import check_rank
@@ -39,7 +40,6 @@ from .status.monitor import Monitor
 if TYPE_CHECKING:
     from .status.control import ControlServer
 
-_WIRE_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")}
 # Staging buffers tracked for reuse: a step's while it runs, the newest result (`last`) and the
 # result the caller still holds. Few: each is as large as a submitted tensor, and one nobody
 # holds stays allocated until the pool drops it.
@@ -58,19 +58,18 @@ def _as_flat_array(tensor: Any, staging: BufferPool) -> tuple[np.ndarray, str, A
     """A private flat copy in a wire dtype, the signature workers compare, and how to convert
     the result back. torch is imported only when a torch tensor is passed."""
     if isinstance(tensor, np.ndarray):
-        if tensor.dtype not in _WIRE_DTYPES:
-            raise TypeError(f"allreduce supports float16/32/64 and int32/64 arrays, not {tensor.dtype}")
-        return _private_copy(tensor, staging), f"{tensor.dtype.name}{list(tensor.shape)}", \
-            ("numpy", tensor.shape, tensor.dtype)
+        wire = step_dtype(tensor.dtype.name)  # the one table (core/dtypes.py): bool and small ints as int64
+        flat = staging.array(tensor.size, wire)
+        np.copyto(flat.reshape(tensor.shape), tensor, casting="unsafe")
+        return flat, f"{tensor.dtype.name}{list(tensor.shape)}", ("numpy", tensor.shape, tensor.dtype)
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
     src = tensor.detach()
-    host = src.to("cpu", torch.float32 if src.dtype == torch.bfloat16 else src.dtype).contiguous()
+    wire = step_dtype(str(src.dtype).removeprefix("torch."))
+    host = src.to("cpu", torch.from_numpy(np.empty(0, wire)).dtype).contiguous()
     flat = host.numpy().reshape(-1)
-    if flat.dtype not in _WIRE_DTYPES:
-        raise TypeError(f"allreduce supports float16/bfloat16/32/64 and int32/64 tensors, not {src.dtype}")
     if host.data_ptr() == src.data_ptr():  # no conversion made a copy: make our own
         flat = _private_copy(flat, staging)
     sig = f"{str(src.dtype).removeprefix('torch.')}{list(src.shape)}"
@@ -84,8 +83,9 @@ def check_flat(flat: Any) -> None:
         raise TypeError(f"submit_array takes a numpy array, not {type(flat).__name__} (allreduce() takes tensors)")
     if flat.ndim != 1:
         raise ValueError(f"submit_array takes a 1-D array, got shape {flat.shape}: pass array.reshape(-1)")
-    if flat.dtype.newbyteorder("<") not in _WIRE_DTYPES or flat.dtype.byteorder == ">":
-        raise TypeError(f"submit_array supports little-endian float16/32/64 and int32/64, not {flat.dtype}")
+    if flat.dtype.newbyteorder("<") not in STEP_DTYPES or flat.dtype.byteorder == ">":
+        raise TypeError(f"submit_array supports little-endian float16/32/64 and int32/64, not {flat.dtype} "
+                        f"(allreduce() converts other types: core/dtypes.py)")
     if not flat.flags.c_contiguous:
         raise ValueError("submit_array needs a contiguous array: pass np.ascontiguousarray(array)")
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fttree import ConfigError
-from fttree.training.cache import CachedDataset, CacheStats
-from fttree.training.sampler import CollateOrNone, ElasticSampler, loader_horizon
+from fttree.data.cache import CachedDataset, CacheStats
+from fttree.data.sampler import CollateOrNone, ElasticSampler, loader_horizon
 
 torch = pytest.importorskip("torch")
 

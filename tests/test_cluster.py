@@ -53,6 +53,25 @@ def test_torch_tensors_keep_shape_dtype_and_average() -> None:
         assert handles[0].last.contributors == (0, 1, 2)
 
 
+def test_bool_and_small_integer_types_travel_as_int64_and_come_back_as_they_were() -> None:
+    """One wire-dtype table (core/dtypes.py) for the API, the buckets and the backend: a bool
+    or int8 tensor, a uint8 array, reduced and returned in its own type; uint64 is refused."""
+    with cluster(3, timeout_s=0.3) as handles:
+        flags = [torch.tensor([r == 1, False, True]) for r in range(3)]
+        outs = [f.result(timeout=30) for f in [h.allreduce_async(t, reduce="max") for h, t in zip(handles, flags,
+                                                                                                     strict=True)]]
+        assert all(out.dtype == torch.bool and out.tolist() == [True, False, True] for out in outs)
+        small = [torch.full((2,), -(r + 1), dtype=torch.int8) for r in range(3)]
+        outs = [f.result(timeout=30) for f in [h.allreduce_async(t) for h, t in zip(handles, small, strict=True)]]
+        assert all(out.dtype == torch.int8 and out.tolist() == [-6, -6] for out in outs)
+        arrays = [np.full(3, 100 + r, np.uint8) for r in range(3)]
+        outs = [f.result(timeout=30) for f in [h.allreduce_async(a, reduce="min") for h, a in zip(handles, arrays,
+                                                                                                     strict=True)]]
+        assert all(out.dtype == np.uint8 and out.tolist() == [100, 100, 100] for out in outs)
+        with pytest.raises(TypeError, match="cannot carry uint64"):
+            handles[0].allreduce_async(np.zeros(2, np.uint64))
+
+
 def test_large_tensor_is_chunked_and_exact() -> None:
     size = 300_000
     with cluster(3, timeout_s=0.5, chunk_bytes=256 * 1024) as handles:

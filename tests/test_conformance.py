@@ -101,6 +101,46 @@ def record(out: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
         out[key] = ("error", type(exc).__name__, str(exc).splitlines()[0][:300], time.monotonic() - started)
 
 
+def empty_ops(out: dict[str, Any], rank: int, world: int, dtype: torch.dtype) -> None:
+    """Every op on zero-element tensors (a frozen layer's bucket, an empty shard)."""
+    import torch.distributed as dist
+
+    def empty() -> torch.Tensor:
+        return torch.empty((0, 3), dtype=dtype)
+
+    def reduce_with(op: str) -> Callable[[], Any]:
+        def run() -> Any:
+            t = empty()
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            return t
+        return run
+
+    def into(collective: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            t = empty()
+            collective(t)
+            return t
+        return run
+
+    def into_list(collective: Callable[[list[torch.Tensor] | None], Any], at: int | None = None) -> Callable[[], Any]:
+        def run() -> Any:
+            outs = [empty() for _ in range(world)] if at is None or rank == at else None
+            collective(outs)
+            return outs
+        return run
+
+    ops: dict[str, Callable[[], Any]] = {f"all_reduce {op}": reduce_with(op) for op in ("SUM", "MAX", "MIN", "PRODUCT")}
+    ops["broadcast"] = into(lambda t: dist.broadcast(t, src=0))
+    ops["all_gather_into_tensor"] = into(lambda t: dist.all_gather_into_tensor(t, empty()))
+    ops["reduce_scatter_tensor"] = into(lambda t: dist.reduce_scatter_tensor(t, empty()))
+    ops["all_to_all_single"] = into(lambda t: dist.all_to_all_single(t, empty()))
+    ops["scatter"] = into(lambda t: dist.scatter(t, [empty()] * world if rank == 0 else None, src=0))
+    ops["all_gather"] = into_list(lambda outs: dist.all_gather(outs, empty()))
+    ops["gather"] = into_list(lambda outs: dist.gather(empty(), outs, dst=1), at=1)
+    for op_name, run in ops.items():
+        record(out, f"empty {op_name} {name(dtype)}", run)
+
+
 def run_ops(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -169,6 +209,9 @@ def run_ops(rank: int, world: int) -> dict[str, Any]:
             dist.all_to_all(outs, [values(rank, dtype, salt=r) for r in range(world)])
             return torch.stack(outs)
         record(out, f"all_to_all {name(dtype)}", all_to_all)
+
+    for dtype in (torch.float32, torch.int64):
+        empty_ops(out, rank, world, dtype)
 
     def asynchronous() -> Any:
         a, b = values(rank, torch.float32), values(rank, torch.int64)
@@ -265,6 +308,11 @@ def expected(key: str, rank: int, world: int) -> Any:
     words = key.split()
     kind = words[0]
     dtype = getattr(torch, words[-1]) if words[-1] in map(name, DTYPES) else None
+    if kind == "empty":  # every op on zero elements: empty results of the input's shape
+        empty = torch.empty((0, 3), dtype=dtype)
+        if words[1] in ("all_gather", "gather"):
+            return None if words[1] == "gather" and rank != 1 else [empty] * world
+        return empty
     if kind == "all_reduce":
         op, dtype, layout = words[1], getattr(torch, words[2]), words[3]
         want = combine(op, [values(r, dtype) for r in range(world)], dtype)
@@ -277,6 +325,7 @@ def expected(key: str, rank: int, world: int) -> Any:
         t.copy_(values(world - 1, dtype))
         return t, base
     assert dtype is not None or kind in ("async_op", "barrier", "new_group", "objects", "send/recv"), key
+    assert dtype is not None or kind != "empty", key
     if kind in ("all_gather", "all_gather_into_tensor"):
         return torch.stack([values(r, dtype) for r in range(world)])
     if kind == "gather":

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fttree import ConfigError
-from fttree.training.sampler import (
+from fttree.data.sampler import (
     CollateOrNone,
     ElasticSampler,
     EpochHistory,
@@ -269,7 +269,7 @@ def test_a_joiner_computes_the_same_assignment_from_the_history() -> None:
 
 _SAMPLER_DIGEST = """
 import hashlib, numpy as np
-from fttree.training.sampler import ElasticSampler
+from fttree.data.sampler import ElasticSampler
 s = ElasticSampler(5000, 16, rank=0, members=range(7), seed=3, epoch=2, horizon=2)
 for step in range(5):
     s.commit(step, range(7))

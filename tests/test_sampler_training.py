@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 
 import fttree
 from fttree import ConfigError, FTTreeAllreduce, StepAborted
+from fttree.data.sampler import CollateOrNone, ElasticSampler, loader_horizon
 from fttree.training.optim import TrainingStep
-from fttree.training.sampler import CollateOrNone, ElasticSampler, loader_horizon
 
 from .conftest import local_peers
 from .test_torch_optim import assert_params_close, mlp, ok, run_ranks

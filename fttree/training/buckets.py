@@ -16,15 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.dtypes import step_dtype
 from ..errors import ConfigError
 
 DEFAULT_BUCKET_MB = 25.0
-
-_WIRE: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype("<f2"), torch.float32: np.dtype("<f4"), torch.float64: np.dtype("<f8"),
-    torch.bfloat16: np.dtype("<f4"), torch.int32: np.dtype("<i4"), torch.int64: np.dtype("<i8"),
-}
-
 
 def blank(size: int, dtype: np.dtype) -> np.ndarray:
     """What a rank that sends nothing contributes to a broadcast or a gather: -0.0 for floats
@@ -34,15 +29,9 @@ def blank(size: int, dtype: np.dtype) -> np.ndarray:
 
 
 def wire_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype a tensor of `dtype` travels as: floats as themselves (bfloat16 as
-    float32, which holds every bfloat16 exactly), int32/int64 as themselves, other integer and
-    bool types as int64."""
-    wire = _WIRE.get(dtype)
-    if wire is not None:
-        return wire
-    if dtype.is_floating_point or dtype.is_complex:
-        raise TypeError(f"fttree cannot send {dtype} tensors: use float16/bfloat16/float32/float64")
-    return np.dtype("<i8")
+    """The numpy dtype a tensor of `dtype` travels as (core/dtypes.py: floats as themselves,
+    bfloat16 as float32, bool and other integers as int64)."""
+    return step_dtype(str(dtype).removeprefix("torch."))
 
 
 def copy_divided(dst: torch.Tensor, src: torch.Tensor, divisor: int) -> None:

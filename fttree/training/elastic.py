@@ -12,14 +12,14 @@ through the same optimizer code path the others ran, so it ends bit for bit wher
 contributes from the next step. If the donor does not deliver in time (it died, or left), the
 joiner asks the next member; a state of a later step only means fewer gradients to replay.
 
-The state is in fttree.training.state's format (msgpack and raw tensor bytes, no pickle): the
+The state is in fttree.training.state's format and digest (msgpack and raw tensor bytes, no
+pickle; blake2b-256), as sync_state sends it: the
 model's state_dict, the optimizer's, a registered LR scheduler's, the group's optimizer step
 count, and registered extra state.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -31,7 +31,7 @@ import torch
 
 from ..core.messages import STATE_DTYPE, Kind, Message
 from ..errors import PeerError
-from .state import StateError, pack_value, unpack_value
+from .state import StateError, new_hasher, pack_value, state_digest, unpack_value
 
 if TYPE_CHECKING:
     from ..api import FTTreeAllreduce
@@ -67,10 +67,6 @@ def frozen_copy(value: Any) -> Any:
     return value
 
 
-def state_digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 @dataclass
 class _Incoming:
     """The pieces of one state being received."""
@@ -80,7 +76,7 @@ class _Incoming:
     total: int
     digest: str
     pieces: dict[int, bytes] = field(default_factory=dict)
-    hasher: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+    hasher: Any = field(default_factory=new_hasher)
     hashed: int = 0  # pieces 0..hashed-1 are in the hasher; all of them, still incoming: checked
 
 

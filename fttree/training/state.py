@@ -53,8 +53,23 @@ class StateMismatch(StateError):
     """A snapshot that does not fit the model/optimizer/scheduler it is restored into."""
 
 
+DIGEST_BYTES = 32  # blake2b; the one digest of a state, whichever path moves it (sync_state, a joiner's transfer)
+
+
+def new_hasher() -> Any:
+    """A hasher of the state digest, for a state that arrives in pieces."""
+    return hashlib.blake2b(digest_size=DIGEST_BYTES)
+
+
 def _digest(data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=32).digest()
+    hasher = new_hasher()
+    hasher.update(data)
+    return bytes(hasher.digest())
+
+
+def state_digest(data: bytes | memoryview) -> str:
+    """The state digest of serialised state, as hex."""
+    return _digest(data).hex()
 
 
 @dataclass(frozen=True)

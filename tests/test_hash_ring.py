@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fttree import ConfigError
-from fttree.training.ring import (
+from fttree.data.hash_ring import (
     HashRing,
     drain,
     fill_up,
@@ -195,7 +195,7 @@ def test_drain_takes_from_the_highest_within_their_free_units(pairs: list[tuple[
 
 _DIGEST = """
 import hashlib, numpy as np
-from fttree.training.ring import HashRing, item_positions, permute_index, rebalance
+from fttree.data.hash_ring import HashRing, item_positions, permute_index, rebalance
 pos = item_positions(20000, seed=7, salt=3)
 owners = HashRing(range(9), seed=7).place(pos)
 moves = rebalance(HashRing([0, 1, 2, 3, 5, 6, 7, 8, 12], seed=7), pos, owners, pool=owners == 4,
@@ -242,7 +242,7 @@ def test_bad_input_is_named(call, needle: str) -> None:  # type: ignore[no-untyp
 
 def test_the_data_layer_imports_without_torch() -> None:
     """ring and sampler are pure numpy; the cache imports torch only where it stores samples."""
-    code = ("import sys, fttree.training.ring, fttree.training.sampler, fttree.training.cache; "
+    code = ("import sys, fttree.data.hash_ring, fttree.data.sampler, fttree.data.cache; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'asyncio', 'socket'}))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)

@@ -110,7 +110,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError
-from .ring import (
+from .hash_ring import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_VNODES,
     HashRing,
