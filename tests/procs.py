@@ -52,3 +52,21 @@ class Output:
     def text(self) -> str:
         self.reader.join(60)
         return "".join(self.lines)
+
+
+def run_all(commands: list[list[str]], env: dict[str, str], deadline_s: float) -> list[str]:
+    """Start one process per command, wait for all of them until `deadline_s` from now, and
+    return each one's output (stdout and stderr together); any still running then is killed."""
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    end = time.monotonic() + deadline_s
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return logs

@@ -10,7 +10,6 @@ outcome, and the parent compares them with values it computes itself."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -277,24 +276,14 @@ def worker(backend: str, rank: int, world: int, port: int, outdir: Path) -> None
 
 def run(backend: str, world: int, tmp: Path) -> list[dict[str, Any]]:
     from .conftest import free_port
+    from .procs import run_all
 
     outdir = tmp / f"{backend}{world}"
     outdir.mkdir()
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60"}
-    procs = [subprocess.Popen([sys.executable, __file__, backend, str(rank), str(world), str(port), str(outdir)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    logs = []
-    try:
-        end = time.monotonic() + 240
-        for proc in procs:
-            logs.append(proc.communicate(timeout=max(1.0, end - time.monotonic()))[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    logs = run_all([[sys.executable, __file__, backend, str(rank), str(world), str(port), str(outdir)]
+                    for rank in range(world)], env, deadline_s=240)
     results = []
     for rank in range(world):
         path = outdir / f"rank{rank}.pt"

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -193,24 +191,13 @@ def exit_together(store: Any, rank: int) -> None:
 def run_workers(scenario: str, tmp_path: Path, env: dict[str, str] | None = None,
                 deadline_s: float = 150) -> list[dict[str, Any]]:
     from .conftest import free_port, local_peers
+    from .procs import run_all
 
     peers = local_peers(WORLD)
     args = [scenario, str(free_port()), json.dumps(peers), str(tmp_path)]
     # a generous step timeout: on a loaded machine ranks can reach the first step seconds apart
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), *args], env=full_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
-    end = time.monotonic() + deadline_s
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-            logs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    logs = run_all([[sys.executable, __file__, str(rank), *args] for rank in range(WORLD)], full_env, deadline_s)
     results = []
     for rank in range(WORLD):
         path = tmp_path / f"rank{rank}.pt"
