@@ -46,11 +46,12 @@ if TYPE_CHECKING:
 STAGING_BUFFERS = 4
 
 
-def _private_copy(array: np.ndarray, staging: BufferPool) -> np.ndarray:
-    """`array` as a flat little-endian copy of our own, in a staging buffer the last steps'
-    callers have let go of where there is one (a fresh 100 MB array costs its pages' zeroing)."""
-    flat = staging.array(array.size, array.dtype.newbyteorder("<"))
-    np.copyto(flat.reshape(array.shape), array)
+def _private_copy(array: np.ndarray, staging: BufferPool, dtype: np.dtype | None = None) -> np.ndarray:
+    """`array` as a flat little-endian copy of our own (converted to `dtype`, if given), in a
+    staging buffer the last steps' callers have let go of where there is one (a fresh 100 MB
+    array costs its pages' zeroing)."""
+    flat = staging.array(array.size, dtype if dtype is not None else array.dtype.newbyteorder("<"))
+    np.copyto(flat.reshape(array.shape), array, casting="unsafe")
     return flat
 
 
@@ -59,9 +60,8 @@ def _as_flat_array(tensor: Any, staging: BufferPool) -> tuple[np.ndarray, str, A
     the result back. torch is imported only when a torch tensor is passed."""
     if isinstance(tensor, np.ndarray):
         wire = step_dtype(tensor.dtype.name)  # the one table (core/dtypes.py): bool and small ints as int64
-        flat = staging.array(tensor.size, wire)
-        np.copyto(flat.reshape(tensor.shape), tensor, casting="unsafe")
-        return flat, f"{tensor.dtype.name}{list(tensor.shape)}", ("numpy", tensor.shape, tensor.dtype)
+        return _private_copy(tensor, staging, wire), f"{tensor.dtype.name}{list(tensor.shape)}", \
+            ("numpy", tensor.shape, tensor.dtype)
     import torch
 
     if not isinstance(tensor, torch.Tensor):

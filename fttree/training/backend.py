@@ -39,6 +39,7 @@ from torch._C._distributed_c10d import Store
 
 from ..api import FTTreeAllreduce
 from ..core.config import Config
+from ..core.reduce_ops import BITWISE
 from ..errors import ConfigError
 from ..net.node import StepResult
 from .buckets import blank, copy_divided, digest, wire_dtype
@@ -124,7 +125,7 @@ def _reduce_of(name: str, what: str, tensors: Sequence[torch.Tensor]) -> str:
     dtypes = [str(t.dtype) for t in tensors]
     if name == "AVG" and not all(t.is_floating_point() for t in tensors):
         raise TypeError(f"fttree backend: ReduceOp.AVG needs floating-point tensors, got {dtypes}")
-    if reduce in ("band", "bor", "bxor") and any(t.is_floating_point() or t.is_complex() for t in tensors):
+    if reduce in BITWISE and any(t.is_floating_point() or t.is_complex() for t in tensors):
         raise TypeError(f"fttree backend: ReduceOp.{name} needs integer or bool tensors, got {dtypes}")
     return reduce
 
@@ -226,11 +227,7 @@ class FTTreeProcessGroup(dist.ProcessGroup):
 
     def _gather_into(self, what: str, inputs: list[torch.Tensor], slots: list[list[torch.Tensor]]) -> FTTreeWork:
         """Every rank's `inputs` into slots[r] (empty list: not wanted here)."""
-        own, sig = _pack(inputs, what)
-        world, rank = self.size(), self.rank()
-        flat = blank(own.size * world, own.dtype)
-        flat[rank * own.size:(rank + 1) * own.size] = own
-        sig = sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1)
+        own, flat, sig = self._gather_buffer(what, inputs)
 
         def finish(res: StepResult) -> None:
             for r, outs in enumerate(slots):
@@ -238,8 +235,17 @@ class FTTreeProcessGroup(dist.ProcessGroup):
                     _unpack(res.data[r * own.size:(r + 1) * own.size], outs)
 
         outputs = [t for outs in slots for t in outs]
-        return self._run(f"{what} of {world} x {own.size} x {own.dtype}", flat, sig, outputs, finish,
+        return self._run(f"{what} of {self.size()} x {own.size} x {own.dtype}", flat, sig, outputs, finish,
                          moves_values=True)
+
+    def _gather_buffer(self, what: str, inputs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, str]:
+        """(this rank's inputs packed, a buffer of world such slots holding them in this rank's
+        slot and -0.0 elsewhere, the signature): what a gather or an all_to_all submits."""
+        own, sig = _pack(inputs, what)
+        world, rank = self.size(), self.rank()
+        flat = blank(own.size * world, own.dtype)
+        flat[rank * own.size:(rank + 1) * own.size] = own
+        return own, flat, sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:
@@ -329,17 +335,15 @@ class FTTreeProcessGroup(dist.ProcessGroup):
                                       f"sizes {[t.numel() for t in inputs]}, outputs {[t.numel() for t in outputs]}); "
                                       f"for uneven parts pad them to one size")
         part = sizes.pop()
-        own, sig = _pack(inputs, "all_to_all")
-        flat = blank(own.size * world, own.dtype)
-        flat[rank * own.size:(rank + 1) * own.size] = own
+        own, flat, sig = self._gather_buffer("all_to_all", inputs)
 
         def finish(res: StepResult) -> None:
             for src, out in enumerate(outputs):
                 at = src * own.size + rank * part
                 _unpack(res.data[at:at + part], [out])
 
-        return self._run(f"all_to_all of {world} x {world} x {part} x {own.dtype}", flat,
-                         sig.replace(f"[{own.size}]", f"[{world}x{own.size}]", 1), outputs, finish, moves_values=True)
+        return self._run(f"all_to_all of {world} x {world} x {part} x {own.dtype}", flat, sig, outputs, finish,
+                         moves_values=True)
 
     def alltoall(self, output_tensors: list[torch.Tensor],
                  input_tensors: list[torch.Tensor], opts: Any = None) -> FTTreeWork:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.dtypes import step_dtype
+from ..core.reduce_ops import fill_identity
 from ..errors import ConfigError
 
 DEFAULT_BUCKET_MB = 25.0
@@ -24,8 +25,10 @@ DEFAULT_BUCKET_MB = 25.0
 def blank(size: int, dtype: np.dtype) -> np.ndarray:
     """What a rank that sends nothing contributes to a broadcast or a gather: -0.0 for floats
     (x + -0.0 is x to the bit, -0.0 and +0.0 included; with +0.0 a broadcast -0.0 arrived as
-    +0.0), 0 for integers."""
-    return np.full(size, -0.0 if dtype.kind == "f" else 0, dtype=dtype)
+    +0.0), 0 for integers: the sum's identity (core/reduce_ops.py)."""
+    out = np.empty(size, dtype=dtype)
+    fill_identity(out, "sum")
+    return out
 
 
 def wire_dtype(dtype: torch.dtype) -> np.dtype:
