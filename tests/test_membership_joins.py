@@ -87,6 +87,11 @@ def test_a_leave_before_a_join_takes_effect_forms_its_view_without_the_unaware_j
     for action in actions:
         if hasattr(action, "dst") and hasattr(action, "msg"):
             g.deliver(action.dst, action.msg)
-    (left,) = [i for i in g.installed[0] if 2 not in i.view.members]
+    left, *again = [i for i in g.installed[0] if 2 not in i.view.members]
     assert left.activate_at == -1  # at once, as an eviction
     assert set(left.view.members) == {0, 1, 3}
+    # The coordinator admits rank 4 again at once, without waiting for it to ask: a view that
+    # takes effect at the next training step, which rank 4 hears of then.
+    assert [i.joined for i in again] == [(4,)]
+    assert again[0].activate_at == 6
+    assert set(again[0].view.members) == {0, 1, 3, 4}

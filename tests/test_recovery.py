@@ -103,7 +103,7 @@ def test_adaptive_first_faulted_step_costs_far_less_than_the_static_timeout() ->
     base = t_static[9]
     assert t_static[10] - base > 0.5  # the thesis pays a full timeout
     assert t_adaptive[10] - base < 0.1  # learnt deadlines: tens of milliseconds
-    assert t_adaptive[11] < 1.5 * max(t_adaptive[9], 0.01)  # link memory: no second timeout
+    assert t_adaptive[11] < t_adaptive[9] + 0.03  # link memory: no second timeout (one costs the 30 ms floor)
 
 
 def test_link_memory_pays_once_then_probes_bring_the_link_back() -> None:

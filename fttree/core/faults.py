@@ -38,10 +38,17 @@ class FaultKind(Enum):
     PARTITION = "partition"
     CRASH = "crash"
     HANG = "hang"
+    RESTART = "restart"  # simulator only: the rank's process dies and a new one rejoins
+    JOIN = "join"  # simulator only: a new rank joins the running group
+
 
 
 LINK_KINDS = frozenset({FaultKind.CUT, FaultKind.DROP, FaultKind.DELAY})  # name one link A-B
-NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG})  # happen to a worker, not to frames
+# happen to a worker, not to frames
+NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RESTART, FaultKind.JOIN})
+# start processes, which only the simulator does (fttree.testing.simulate); on real workers,
+# start one with `fttree worker --join` (docs/failures.md, "Elastic jobs")
+SIMULATED_KINDS = frozenset({FaultKind.RESTART, FaultKind.JOIN})
 CERTAIN_DROPS = frozenset({FaultKind.CUT, FaultKind.ISOLATE, FaultKind.PARTITION})
 
 USAGE = {
@@ -53,6 +60,8 @@ USAGE = {
     FaultKind.PARTITION: "partition R,R,.. [@S..E]",
     FaultKind.CRASH: "crash R @S",
     FaultKind.HANG: "hang R @S[..E]",
+    FaultKind.RESTART: "restart R @S[..E]",
+    FaultKind.JOIN: "join R @S",
 }
 
 
@@ -142,8 +151,8 @@ def parse_rule(text: str) -> FaultRule:
         raise ConfigError(f"fault {text!r} has the wrong arguments: use {USAGE[kind]}")
     if kind in NODE_KINDS and first_step is None:
         raise ConfigError(f"fault {text!r} needs the step it happens at: use {USAGE[kind]}")
-    if kind is FaultKind.CRASH and last_step != first_step:
-        raise ConfigError(f"fault {text!r}: a crash happens at one step; use {USAGE[kind]}")
+    if kind in (FaultKind.CRASH, FaultKind.JOIN) and last_step != first_step:
+        raise ConfigError(f"fault {text!r}: a {kind.value} happens at one step; use {USAGE[kind]}")
     group: tuple[int, ...] = ()
     if kind in LINK_KINDS:
         m = _LINK.match(args[0])
@@ -197,12 +206,24 @@ class FaultSchedule:
     """Decides, frame by frame, what the in-process fault layer does to traffic of a step."""
 
     def __init__(self, rules: list[FaultRule] | str | None = None, *, world: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, simulated: bool = False) -> None:
+        """`simulated`: the schedule drives a simulation, which alone may start processes
+        (restart, join); elsewhere those are refused, naming what to do instead."""
         self.rules = parse(rules) if isinstance(rules, str) or rules is None else list(rules)
+        for rule in self.rules:
+            if rule.kind in SIMULATED_KINDS and not simulated:
+                raise ConfigError(f"fault {str(rule)!r} starts a process, which only the simulator does "
+                                  "(fttree.testing.simulate); on real workers start one with `fttree worker --join`")
+        joiners = {r.a for r in self.rules if r.kind is FaultKind.JOIN}
         if world is not None:
             for rule in self.rules:
+                if rule.kind is FaultKind.JOIN:
+                    if rule.a < world:
+                        raise ConfigError(f"fault {str(rule)!r} names rank {rule.a}, which is in the world of "
+                                          f"{world} already: a new rank is {world} or more")
+                    continue
                 for r in rule.ranks():
-                    if not 0 <= r < world:
+                    if not (0 <= r < world or r in joiners):
                         raise ConfigError(f"fault {str(rule)!r} names rank {r}, outside the world of {world}")
                 if rule.kind is FaultKind.PARTITION and len(rule.group) >= world:
                     raise ConfigError(f"fault {str(rule)!r} puts every rank on one side: nothing is cut")
@@ -236,7 +257,7 @@ class FaultSchedule:
         return any(r.kind in CERTAIN_DROPS and r.touches(src, dst) and r.active(step) for r in self._link_rules)
 
     def node_faults(self, rank: int | None = None) -> list[FaultRule]:
-        """The crash and hang rules (of one rank, or all), for whoever runs the nodes."""
+        """The crash, hang, restart and join rules (of one rank, or all), for whoever runs the nodes."""
         return [r for r in self.rules if r.kind in NODE_KINDS and (rank is None or r.a == rank)]
 
     def __str__(self) -> str:

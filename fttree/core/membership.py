@@ -79,6 +79,8 @@ MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is s
 # (the timeout, then twice and four times it).
 RETRANSMIT_TRIES = 1 + 2 + 4
 PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
+MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; more ask again later
+JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
 RELAYED_KINDS = frozenset(
@@ -141,7 +143,15 @@ class Fenced:
     held: tuple[int, ...]
 
 
-MemberEvent = PeerDown | Busy | ControlReceived | MemberTimer | Fenced | Uplink
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Boundary:
+    """The caller began training step `user_step`: joins and pace changes take effect at such
+    boundaries, and one that waited for the last to take effect may be agreed now."""
+
+    user_step: int
+
+
+MemberEvent = PeerDown | Busy | ControlReceived | MemberTimer | Fenced | Uplink | Boundary
 
 
 # ---- actions ---------------------------------------------------------------------------------
@@ -341,6 +351,11 @@ class Membership:
         self.user_step = -1  # the training step this rank is in (the node reports each boundary)
         self.holding = False  # promised in a join round: start no training step until it is decided
         self._activating_at = -1  # the training step the last decided join takes effect at
+        # new ranks that asked while another change was agreed or waited to take effect: the
+        # coordinator admits them together once it may (they ask again meanwhile, too)
+        self._waiting_joins: dict[int, bool] = {}  # rank -> a restart whose old process is in the view
+        self._admitting: set[int] = set()  # ranks of a decided join that has not taken effect yet
+        self._passed_on: dict[int, float] = {}  # joiner -> when its request was last passed to the coordinator
         self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
         self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
         self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
@@ -396,6 +411,12 @@ class Membership:
                 self._on_timer(key, now, out)
             case ControlReceived(msg=msg):
                 self._on_message(msg, now, out)
+            case Boundary(user_step=user_step):
+                self.user_step = max(self.user_step, user_step)
+                if self.user_step >= self._activating_at:
+                    self._admitting.clear()
+                self._maybe_admit(now, out)
+                self._maybe_pace_round(now, out)
             case Uplink(rate=rate, retransmit_s=retransmit_s):
                 self.rate = rate
                 self._retransmit_s = retransmit_s
@@ -439,8 +460,11 @@ class Membership:
     def _maybe_pace_round(self, now: float, out: list[MemberAction]) -> None:
         """As coordinator: run a pace round that members asked for, when nothing else is being
         agreed or waits to take effect."""
-        if (not self._pace_wanted or self.state is not MemberState.ACTIVE or self.holding or self._round is not None
-                or self.user_step < self._activating_at or self.view.members[0] != self.rank):
+        pace = self.view.pace or self.cfg.uplink_bytes_per_s
+        for rank, wanted in list(self._pace_wanted.items()):
+            if pace / PACE_FACTOR <= wanted <= pace * PACE_FACTOR:
+                del self._pace_wanted[rank]  # the view's pace is near it now (a round since)
+        if not self._pace_wanted or not self._may_change() or self.view.members[0] != self.rank:
             return
         self._pace_wanted.clear()
         self._start_round(frozenset(), now, out, pace=True)
@@ -605,20 +629,54 @@ class Membership:
         """A rank asks to be admitted (the node has checked it is a new process). Only the
         coordinator acts; the joiner asks every member, again until admitted. A rank still in
         the view is a restarted process: its old one is gone, so it is evicted first."""
-        if self.state is not MemberState.ACTIVE or self.holding or self._round is not None:
-            return
-        if self.user_step < self._activating_at:
-            # A decided join has not taken effect here yet. A second one decided now would give
-            # the first joiner a view it never hears of (its admission names the first view);
-            # the joiner asks again, and is taken once the first join is in effect.
-            return
         if next(r for r in self.view.members if r not in self._leaving) != self.rank:
             return
-        if joiner in self.view:
+        if len(self._waiting_joins) < MAX_WAITING_JOINS or joiner in self._waiting_joins:
+            self._waiting_joins[joiner] = joiner in self.view
+        if not self._may_change():
+            # Another change is being agreed, or a decided join has not taken effect here yet: a
+            # second one decided now would give the first joiner a view it never hears of (its
+            # admission names the first view). The joiner waits here (and asks again).
+            return
+        if joiner in self.view:  # its admission follows once this eviction is installed
             self._gone[joiner] = "restarted: a new process of this rank asked to join"
             self._start_round(frozenset({joiner}), now, out)
         else:
-            self._start_round(frozenset(), now, out, joining=(joiner,))
+            self._maybe_admit(now, out)
+
+    def _pass_on_join(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        """A member that is not the coordinator passes a join request on (at most once a
+        second per joiner): the joiner's own frames to the coordinator may not get through."""
+        coordinator = next((r for r in self.view.members if r not in self._leaving), self.rank)
+        if coordinator == self.rank or self.state is not MemberState.ACTIVE:
+            return
+        if now - self._passed_on.get(msg.src, -1e9) < JOIN_PASS_ON_S:
+            return
+        if msg.src not in self._passed_on and len(self._passed_on) >= MAX_WAITING_JOINS:
+            self._passed_on.clear()
+        self._passed_on[msg.src] = now
+        out.append(Send(dst=coordinator, msg=self._msg(Kind.JOIN_ASK, target=msg.src, incarnation=msg.incarnation,
+                                                       reason=msg.reason)))
+
+    def _may_change(self) -> bool:
+        """May a join or pace change be agreed now (nothing else agreed or waiting to take effect)?"""
+        return (self.state is MemberState.ACTIVE and not self.holding and self._round is None
+                and self.user_step >= self._activating_at)
+
+    def _maybe_admit(self, now: float, out: list[MemberAction]) -> None:
+        """As coordinator, admit the new ranks that wait, in one round, once a change may be agreed."""
+        for rank, restarted in list(self._waiting_joins.items()):
+            if rank in self.view and not restarted:
+                del self._waiting_joins[rank]  # admitted meanwhile
+            elif rank not in self.view:
+                self._waiting_joins[rank] = False  # a restarted rank's old process is out now
+        joining = tuple(sorted(r for r, restarted in self._waiting_joins.items() if not restarted))
+        if (not joining or not self._may_change()
+                or next(r for r in self.view.members if r not in self._leaving) != self.rank):
+            return
+        for rank in joining:
+            del self._waiting_joins[rank]
+        self._start_round(frozenset(), now, out, joining=joining)
 
     def _reason(self, peer: int) -> str:
         if peer in self._gone:
@@ -773,6 +831,13 @@ class Membership:
             self._propose(now, out)
         elif self._majority(set(r.promises) | r.refusals):
             self._retry(now, out)  # alive, but promised elsewhere: another round
+        elif r.joining and not r.dead:
+            # Admitting is not a failure: members that did not promise in time (behind, or
+            # their answers lost) are not shown dead by it. Give up; detection handles the dead,
+            # and the joiners wait for the next chance (the promisers go on at their stall deadline).
+            self._round = None
+            for rank in r.joining:
+                self._waiting_joins.setdefault(rank, False)
         else:
             minority = self._msg(Kind.MINORITY, ballot=r.ballot, members=tuple(sorted(r.promises)),
                                  world=self.view.size)  # the promisers stop with us
@@ -904,6 +969,15 @@ class Membership:
         joined = tuple(r for r in view.members if r not in previous)
         evicted = tuple(sorted(set(previous.members) - set(view.members)))
         for r in evicted:
+            if r in self._admitting:  # admitted, but this view came first: it did not promise
+                self._gone[r] = (f"was admitted in a view that view {view.epoch} superseded before it took effect "
+                                 "(it is admitted again)")
+                if len(self._waiting_joins) < MAX_WAITING_JOINS:
+                    self._waiting_joins[r] = False
+        if self._admitting and self.user_step < self._activating_at:
+            self._activating_at = -1  # that join will never take effect: nothing waits for it now
+        self._admitting = set(joined) if user_step >= 0 else set()
+        for r in evicted:
             first = self._first_suspected.get(r)
             self._evictions.append(Eviction(rank=r, epoch=view.epoch, reason=self._reason(r),
                                             detected_after_s=0.0 if first is None else now - first,
@@ -944,6 +1018,7 @@ class Membership:
             self.holding = False
             out.append(Hold(on=False))
         self._maybe_ask_pace(now, out)
+        self._maybe_admit(now, out)
         self._maybe_pace_round(now, out)
 
     def _stalled(self, now: float, out: list[MemberAction]) -> None:
@@ -961,6 +1036,13 @@ class Membership:
         if self.state is not MemberState.CHANGING:
             return
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
+        if self.busy_since is None:
+            # Fenced with no step in flight (new ones wait for the view): watch the members as
+            # if one were, so that a coordinator that is gone or cut off is found and replaced,
+            # or this side learns it is a minority, instead of waiting for ever.
+            self.busy_since = now
+            if not self._check_armed:
+                self._arm_check(now, out)
         self._retry(now, out)
 
     def _stop(self, state: MemberState, reason: str, out: list[MemberAction]) -> None:
@@ -1001,6 +1083,9 @@ class Membership:
                 self._install(msg, now, out)
             case Kind.JOIN if msg.code == 1:
                 self._on_join(msg.src, now, out)
+                self._pass_on_join(msg, now, out)
+            case Kind.JOIN_ASK if msg.src in self.view and msg.target not in self._gone:
+                self._on_join(msg.target, now, out)
             case Kind.LEAVE if msg.epoch == self.view.epoch and msg.src in self.view:
                 self._leaving.add(msg.src)
                 self._evaluate(now, out)

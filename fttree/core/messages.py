@@ -87,6 +87,9 @@ class Kind(IntEnum):
     # the handshake (net/handshake.py): their frames have headers of their own, never a Message
     CHALLENGE = 35  # the acceptor's nonce and its proof of the job's key
     PROOF = 36  # the dialer's proof of the job's key
+    # a member passes a JOIN on to the coordinator, whose link to the joiner may be down: rank
+    # `target`, process `incarnation`, listening at `reason`, asks to be admitted
+    JOIN_ASK = 37
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
@@ -98,7 +101,7 @@ TREE_OP_KINDS = frozenset({Kind.DATA_REDUCE, Kind.META_REDUCE_SENT, Kind.META_RE
                             Kind.META_BCAST_REQUEST, Kind.META_STALLED})
 VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
                         Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
-                        Kind.JOIN, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
+                        Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
 #: the kinds a backup node sends to ask whether a frame is getting through: the node hands the
 #: machine what its transport knows of the link to the message's `target` with them
 LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST})

@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from ..core.config import Config
 from ..core.membership import (
+    Boundary,
     Busy,
     ControlReceived,
     Fence,
@@ -82,6 +85,9 @@ log = logging.getLogger("fttree.net.node")
 
 CONTACT = hs.CONTACT  # the transport's key for a joiner's contact, whose rank it does not know yet
 CONTACT_WAIT_S = 5.0  # a joiner's contact must take its connection this soon (the dials retry meanwhile)
+FIND_POLL_S = 0.25  # a starting process asks its peers again this often whether a group runs
+FIND_GRACE_S = 2.0  # a start that a majority answered "starting too" waits this long for the rest
+ADMIT_POLL_S = 0.5  # a joiner asks again this often to be admitted
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK, NoteKind.NONFINITE)
 PROTOCOL_NOTES_LOGGED = 20  # protocol violations logged one by one; later ones are counted
 _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
@@ -134,6 +140,21 @@ class _Step:
     reduce: str = "sum"  # how contributions meet (core/reduce_ops.py)
 
 
+T = TypeVar("T")
+
+
+async def _until(begin: Callable[[Callable[[T], None]], None]) -> T:
+    """Await a timer-driven procedure of the node: `begin(done)` starts it, `done(value)` ends it."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    def done(value: T) -> None:
+        if not future.done():
+            future.set_result(value)
+
+    begin(done)
+    return await future
+
+
 class Node:
     """One rank's protocol driver. Every method runs on the scheduler's thread (the node's loop)."""
 
@@ -176,7 +197,9 @@ class Node:
         self._candidates: dict[int, int] = {}  # rank -> the process that asked to join as it
         self._group: tuple[int, tuple[int, ...]] | None = None  # (epoch, members) of a running group found
         self._starting_replies: set[int] = set()  # peers that said they are starting up too
-        self._answered = asyncio.Event()
+        self._on_answer: Callable[[], None] | None = None  # find_group's or ask_admission's next look
+        self._asking_timer: Handle | None = None
+        self._answer_event = asyncio.Event()  # leave() waits for its view on this
         self._early: list[Message] = []  # a joiner's frames from before its admission
         # decided joins, each taking effect at its training step, in order: a second join can be
         # decided here before the first took effect (another member coordinated it)
@@ -207,8 +230,8 @@ class Node:
     async def start(self) -> None:
         await self.transport.start()
         end = self.scheduler.now() + self.cfg.startup_timeout_s  # one deadline for all of the start
-        if not self.joining and await self._group_running(end):
-            self.joining = True
+        if not self.joining:
+            self.joining = await _until(functools.partial(self.find_group, end))
         if self.joining:
             return  # admit() asks to be let in, once the caller is ready to take part (its first step)
         await self._connect_neighbours(end)
@@ -219,8 +242,22 @@ class Node:
         if self.joined_at is not None or not self.joining:
             return
         end = self.scheduler.now() + self.cfg.startup_timeout_s
-        await self._join(end)
+        if self.contact is not None and self._group is None:
+            await self._reach_contact(end)
+        refused: PeerError | None = await _until(functools.partial(self.ask_admission, end))
+        if refused is not None:
+            raise refused
         await self._connect_neighbours(end)
+
+    async def _reach_contact(self, end: float) -> None:
+        """A contact that refuses or never answers is named now, not at the admission deadline."""
+        wait_s = max(0.5, min(end - self.scheduler.now(), CONTACT_WAIT_S))
+        try:
+            await self.transport.wait_for_peers([CONTACT], wait_s)
+        except PeerError:
+            why = self.transport.link_health(CONTACT).last_error or "no answer"
+            raise PeerError(f"rank {self.rank} cannot reach its contact {self.contact} within {wait_s:g} s: "
+                            f"{why} (is a worker of the job listening there?)", peers=()) from None
 
     async def _connect_neighbours(self, end: float) -> None:
         # Tree 0's neighbours, as always; the other trees' too where their address is
@@ -230,6 +267,11 @@ class Node:
         peers = sorted(r for r in self.neighbours if r in tree0 or self.transport.address_of(r))
         log.info("rank %d listening on %s, waiting for peers %s", self.rank, self.transport.status().address, peers)
         await self.transport.wait_for_peers(peers, max(0.5, end - self.scheduler.now()))
+        self.connected()
+
+    def connected(self) -> None:
+        """The tree neighbours are reachable: take part from now on (frames that came early are
+        handled now). The simulator, whose links need no connecting, calls this directly."""
         self.started = True
         early, self._early = self._early, []
         for msg in early:
@@ -242,42 +284,77 @@ class Node:
             if r != self.rank:
                 self.transport.send(r, msg)
 
-    async def _group_running(self, end: float) -> bool:
-        """Ask every peer whether a group is already running (this process is a restart, or
-        came late): True if one says so, False once all say they are starting up too."""
+    def find_group(self, end: float, done: Callable[[bool], None]) -> None:
+        """Ask every peer whether a group is already running (this process is a restart, or came
+        late), again every FIND_POLL_S: `done(True)` once one says so, `done(False)` once all say
+        they are starting up too, or at `end`. Timers, not awaits: the simulator runs it too."""
         peers = [r for r in self.view.members if r != self.rank]
-        while self._group is None and not set(peers) <= self._starting_replies and self.scheduler.now() < end:
-            self._query(0, (r for r in peers if r not in self._starting_replies))
-            self._answered.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._answered.wait(), 0.25)
-        return self._group is not None
+        since = self.scheduler.now()
 
-    async def _join(self, end: float) -> None:
-        """Ask the members to admit this rank until one says from which step (JOIN_REPLY 1)."""
-        if self.contact is not None and self._group is None:
-            # a contact that refuses or never answers is named now, not at the admission deadline
-            wait_s = max(0.5, min(end - self.scheduler.now(), CONTACT_WAIT_S))
-            try:
-                await self.transport.wait_for_peers([CONTACT], wait_s)
-            except PeerError:
-                why = self.transport.link_health(CONTACT).last_error or "no answer"
-                raise PeerError(f"rank {self.rank} cannot reach its contact {self.contact} within {wait_s:g} s: "
-                                f"{why} (is a worker of the job listening there?)", peers=()) from None
-        while self.joined_at is None:
+        def settled() -> bool:
+            # A running group has a majority of members answering "running"; once a majority
+            # of the world said "starting" for a while, a peer that stays silent (its link cut,
+            # or it starts late) cannot be one: go on without waiting for it.
+            now = self.scheduler.now()
+            majority = 2 * (len(self._starting_replies) + 1) > len(peers) + 1
+            return (self._group is not None or set(peers) <= self._starting_replies or now >= end
+                    or (majority and now - since >= FIND_GRACE_S))
+
+        def check() -> None:  # after every answer
+            if settled():
+                self._stop_asking()
+                done(self._group is not None)
+
+        def ask() -> None:
+            if settled():
+                check()
+                return
+            self._query(0, (r for r in peers if r not in self._starting_replies))
+            self._asking_timer = self.scheduler.call_later(FIND_POLL_S, ask)
+
+        self._on_answer = check
+        ask()
+
+    def ask_admission(self, end: float, done: Callable[[PeerError | None], None]) -> None:
+        """Ask the members to admit this rank (again every ADMIT_POLL_S, and at once after each
+        answer) until one says from which step (JOIN_REPLY 1): then `done(None)`; at `end`,
+        `done` with the error that names whom it asked."""
+
+        def ask() -> None:
+            if self.joined_at is not None:
+                self._stop_asking()
+                log.info("rank %d joined view %d from step %d (training step %d)", self.rank, self.view.epoch,
+                         *self.joined_at)
+                done(None)
+                return
             if self.scheduler.now() >= end:
+                self._stop_asking()
                 asked = [] if self._group is None else list(self._group[1])
-                raise PeerError(f"rank {self.rank} was not admitted to the running group within "
-                                f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked))
+                done(PeerError(f"rank {self.rank} was not admitted to the running group within "
+                               f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked)))
+                return
             if self._group is None:  # find the group first: through the contact, or any rank we know
                 self._query(0, [CONTACT] if self.contact is not None else self.view.members)
             else:
                 self._query(1, self._group[1])
-            self._answered.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._answered.wait(), 0.5)
-        log.info("rank %d joined view %d from step %d (training step %d)", self.rank, self.view.epoch,
-                 *self.joined_at)
+            if self._asking_timer is not None:
+                self._asking_timer.cancel()
+            self._asking_timer = self.scheduler.call_later(ADMIT_POLL_S, ask)
+
+        self._on_answer = ask
+        ask()
+
+    def _stop_asking(self) -> None:
+        self._on_answer = None
+        if self._asking_timer is not None:
+            self._asking_timer.cancel()
+            self._asking_timer = None
+
+    def _answered(self) -> None:
+        """A JOIN_REPLY, or the view that ends a leave, came: whoever asks looks again now."""
+        if self._on_answer is not None:
+            self._on_answer()
+        self._answer_event.set()
 
     async def finish(self, limit_s: float) -> None:
         """The job is over here: tell every member (DONE, with the last step submitted), then stay
@@ -468,6 +545,9 @@ class Node:
             self._done_acked[msg.src] = max(self._done_acked.get(msg.src, -1), msg.step)
             self._quiet.set()
             return
+        if msg.kind is Kind.JOIN_ASK:
+            self._on_join_ask(msg)
+            return
         if msg.kind in VIEW_KINDS:
             self._member(ControlReceived(msg=msg))
             if msg.kind is Kind.DONE:
@@ -562,6 +642,21 @@ class Node:
         self._learn_address(msg)
         self._member(ControlReceived(msg=msg))
 
+    def _on_join_ask(self, msg: Message) -> None:
+        """A member passes on rank `target`'s request to be admitted (its own frames to us may be
+        lost): taken as if the joiner had asked us, unless that process is admitted already."""
+        joiner, incarnation = msg.target, msg.incarnation
+        if self.stopped is not None or joiner < 0 or joiner == self.rank:
+            return
+        known = self._incarnations.get(joiner)
+        if joiner in self.membership.view and (known in (None, incarnation)
+                                               or self._candidates.get(joiner) == incarnation):
+            return
+        self._candidates[joiner] = incarnation
+        with contextlib.suppress(ValueError, ConfigError):
+            self.transport.add_peer(joiner, parse_address(msg.reason))
+        self._member(ControlReceived(msg=msg))
+
     def _addresses(self, ranks: Iterable[int]) -> str:
         """Where `ranks` listen, as JOIN_REPLY carries it: "rank=host:port,..." ("" if unknown)."""
         return ",".join(f"{r}={self.transport.address_of(r)}" for r in ranks)
@@ -586,7 +681,7 @@ class Node:
                 self._starting_replies.add(msg.src)
             elif msg.code == 0 and self._group is None and not self.started:
                 self._group = (msg.epoch, msg.members)
-            self._answered.set()
+            self._answered()
             return
         if msg.code == 0:
             self._group = (msg.epoch, msg.members)
@@ -602,7 +697,7 @@ class Node:
             self.joined_at = (msg.step, msg.user_step)
             for r in view.members:
                 self._incarnations.setdefault(r, 0)
-        self._answered.set()
+        self._answered()
 
     def boundary(self, user_step: int | None, first_step: int) -> None:
         """The caller begins training step `user_step` with allreduce step `first_step`: a
@@ -616,11 +711,11 @@ class Node:
             return
         if user_step is None:
             return
-        self.membership.user_step = max(self.membership.user_step, user_step)
         while self._pending and user_step >= self._pending[0].activate_at:
             self._activate(self._pending.popleft(), first_step)
             if self._pending:
                 self._do_all(self.machine.expect(self._pending[0].view, self.scheduler.now()))
+        self._member(Boundary(user_step=user_step))
 
     def _activate(self, inst: Installed, first_step: int) -> None:
         log.warning("rank %d: view %d takes effect at step %d: %s", self.rank, inst.view.epoch, first_step,
@@ -652,9 +747,9 @@ class Node:
             for r in self.membership.view.members:
                 if r != self.rank:
                     self.transport.send(r, msg)
-            self._answered.clear()
+            self._answer_event.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._answered.wait(), 0.25)
+                await asyncio.wait_for(self._answer_event.wait(), 0.25)
 
     # ---- the tree machine's actions --------------------------------------------------------
 
@@ -923,7 +1018,7 @@ class Node:
                                                 peers=evicted))
 
     def _stopped(self, state: MemberState, reason: str) -> None:
-        self._answered.set()  # a leave() waits for this
+        self._answered()  # a leave() waits for this
         if self.leaving:
             reason = f"rank {self.rank} left the group (view {self.membership.view.epoch} goes on without it)"
         log.log(logging.INFO if self.leaving else logging.ERROR, "rank %d: %s", self.rank, reason)

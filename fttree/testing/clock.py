@@ -43,13 +43,19 @@ class SimClock:
         return self.call_at(self.t + delay_s, fn)
 
     @property
+    def busy(self) -> bool:
+        """Is anything but background events (probes, watches a real node keeps up) queued?"""
+        return self._essential > 0
+
+    @property
     def next_at(self) -> float | None:
         return self._queue[0][0] if self._queue else None
 
-    def run(self, until: float | None = None) -> None:
+    def run(self, until: float | None = None, *, while_busy: bool = False) -> None:
         """Run events in order until only background ones are left, or (with `until`) until the
-        clock would pass it; then the clock stands at `until`."""
-        while self._queue and (self._essential or until is not None):
+        clock would pass it; then the clock stands at `until`. With both, whichever comes first
+        (and the clock stays where the last event left it)."""
+        while self._queue and (self._essential or (until is not None and not while_busy)):
             when, _, handle = self._queue[0]
             if until is not None and when > until:
                 break
@@ -58,5 +64,5 @@ class SimClock:
             self.t = max(self.t, when)
             if not handle.cancelled:
                 handle.fn()
-        if until is not None:
+        if until is not None and not while_busy:
             self.t = max(self.t, until)

@@ -103,8 +103,12 @@ class MemoryTransport:
 
 class MemoryNetwork:
     def __init__(self, clock: SimClock, *, latency_s: float = 0.001, jitter_s: float = 0.0,
-                 duplicate_p: float = 0.0, seed: int = 0, wire: bool = True) -> None:
+                 duplicate_p: float = 0.0, seed: int = 0, wire: bool = True, fifo: bool = False) -> None:
+        """`fifo`: frames of one link arrive in the order sent, as over one TCP connection;
+        otherwise jitter may reorder them, which tests the protocol's tolerance of any order."""
         self.clock = clock
+        self.fifo = fifo
+        self._last_at: dict[tuple[int, int], float] = {}
         self.latency_s, self.jitter_s, self.duplicate_p, self.wire = latency_s, jitter_s, duplicate_p, wire
         self.rng = random.Random(seed)
         self.stats = WireStats()
@@ -113,6 +117,7 @@ class MemoryNetwork:
         self._drop: dict[Pair, float] = {}
         self._delay: dict[Pair, float] = {}
         self.crashed: set[int] = set()
+        self.process: defaultdict[int, int] = defaultdict(int)  # rank -> its process (a restart counts up)
         self._hung: dict[int, list[Message]] = {}  # rank -> frames waiting for it
         self.lost_at: dict[tuple[int, int], float] = {}  # (src, dst) -> when a frame was last dropped
         self.in_flight: defaultdict[tuple[int, int], int] = defaultdict(int)  # (src, dst) -> bytes on their way
@@ -163,6 +168,13 @@ class MemoryNetwork:
         self.crashed.add(rank)
         self._hung.pop(rank, None)
 
+    def revive(self, rank: int) -> None:
+        """A new process of `rank` (crashed, or never there): frames of its previous one, and
+        frames sent to it, that are still on their way are lost, as a reset connection loses them."""
+        self.crashed.discard(rank)
+        self._hung.pop(rank, None)
+        self.process[rank] += 1
+
     def hang(self, rank: int) -> None:
         self._hung.setdefault(rank, [])
 
@@ -201,13 +213,19 @@ class MemoryNetwork:
             delay = self.latency_s + self._delay.get(link, 0.0)
             if self.jitter_s:
                 delay += self.rng.uniform(0, self.jitter_s)
-            self.clock.call_later(delay, functools.partial(self._deliver, dst, msg, size if copy == 0 else 0))
+            at = self.clock.now() + delay
+            if self.fifo:  # one TCP connection: what was sent first lands first
+                at = self._last_at[(src, dst)] = max(at, self._last_at.get((src, dst), at))
+            self.clock.call_at(at, functools.partial(self._deliver, dst, msg, size if copy == 0 else 0,
+                                                     (self.process[src], self.process[dst])))
 
-    def _deliver(self, dst: int, msg: Message, acked: int = 0) -> None:
+    def _deliver(self, dst: int, msg: Message, acked: int = 0, processes: tuple[int, int] | None = None) -> None:
         if acked:
             self.in_flight[(msg.src, dst)] -= acked
         if dst in self.crashed or msg.src in self.crashed:  # a killed process's unsent data is lost with it
             return
+        if processes is not None and processes != (self.process[msg.src], self.process[dst]):
+            return  # sent by, or to, a process that has been replaced since
         if dst in self._hung:
             self._hung[dst].append(msg)
             return

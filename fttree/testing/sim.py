@@ -14,6 +14,7 @@ the `loss` rate and sent again, and the fault language speaking of packets, as i
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +25,7 @@ from ..core.config import Config
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..core.protocol import Note, TreeMachine
 from ..core.view import View
+from ..errors import ConfigError, PeerError
 from ..net.faulty import FaultyTransport
 from ..net.node import Node, StepResult
 from ..net.scheduler import Handle
@@ -36,11 +38,12 @@ Outcome = StepResult | BaseException
 
 
 class _RankClock:
-    """The shared clock as one rank sees it: its callbacks wait while it hangs and are dropped
-    once it crashed, like the timers of a stopped or killed process."""
+    """The shared clock as one process of a rank sees it: its callbacks wait while it hangs and
+    are dropped once it crashed or a new process took the rank, like the timers of a stopped or
+    killed process."""
 
-    def __init__(self, sim: SimNetwork, rank: int) -> None:
-        self.sim, self.rank = sim, rank
+    def __init__(self, sim: SimNetwork, rank: int, process: int = 0) -> None:
+        self.sim, self.rank, self.process = sim, rank, process
 
     def now(self) -> float:
         return self.sim.clock.now()
@@ -49,7 +52,8 @@ class _RankClock:
         return self.sim.clock.monotonic()
 
     def call_at(self, when: float, fn: Callable[[], None], *, background: bool = False) -> Handle:
-        return self.sim.clock.call_at(when, lambda: self.sim.run_as(self.rank, fn), background=background)
+        return self.sim.clock.call_at(when, lambda: self.sim.run_as(self.rank, fn, process=self.process),
+                                      background=background)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Handle:
         return self.call_at(self.now() + delay_s, fn)
@@ -61,7 +65,7 @@ class SimNetwork:
     def __init__(self, world: int, *, config: Config | None = None, latency_s: float = 0.001,
                  jitter_s: float = 0.0, duplicate_p: float = 0.0, seed: int = 0, wire: bool = True,
                  faults: FaultSchedule | str | None = None, uplink: float | Mapping[int, float] | None = None,
-                 loss: float = 0.0, **settings: Any) -> None:
+                 loss: float = 0.0, fifo: bool = False, **settings: Any) -> None:
         self.world = world
         self.config = Config.build(config, **settings)
         self.clock = SimClock()
@@ -71,8 +75,9 @@ class SimNetwork:
                                       wire=wire)
         else:
             self.wire = MemoryNetwork(self.clock, latency_s=latency_s, jitter_s=jitter_s, duplicate_p=duplicate_p,
-                                      seed=seed, wire=wire)
-        self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults, world=world, seed=seed)
+                                      seed=seed, wire=wire, fifo=fifo)
+        self.faults = (faults if isinstance(faults, FaultSchedule)
+                       else FaultSchedule(faults, world=world, seed=seed, simulated=True))
         view = View.initial(world)
         self.nodes: list[Node] = []
         self.notes: list[tuple[int, Note]] = []
@@ -81,15 +86,88 @@ class SimNetwork:
         self._futures: dict[tuple[int, int], Future[StepResult]] = {}
         self._hung: dict[int, list[Callable[[], None]]] = {}
         self._resume_after: dict[int, int] = {}  # hung rank -> the step the others must finish first
-        for rank in range(world):
-            clock = _RankClock(self, rank)
-            transport: Transport = self.wire.transport(rank)
-            if self.faults:
-                transport = FaultyTransport(transport, self.faults, clock)
-            node = Node(rank, view, self.config, transport, clock)
-            node.started = True
-            node.note_listeners.append(functools.partial(self._note, rank))
+        self._process: dict[int, int] = {}  # rank -> its current process (a restart counts up)
+        self._restart_after: dict[int, int] = {}  # crashed rank -> the step the others must finish first
+        self._joins = sorted((r for r in self.faults.node_faults() if r.kind is FaultKind.JOIN), key=lambda r: r.a)
+        if [r.a for r in self._joins] != list(range(world, world + len(self._joins))) or any(
+                (a.first_step or 0) > (b.first_step or 0) for a, b in itertools.pairwise(self._joins)):
+            raise ConfigError(f"joins {[str(r) for r in self._joins]}: new ranks are {world}, {world + 1}, ... "
+                              "and join in that order (a later step for a higher rank)")
+        # (rank, its new process, None or the error that kept it out) once a restart or join is settled
+        self.process_listeners: list[Callable[[int, Node, PeerError | None], None]] = []
+        end = self.config.startup_timeout_s
+        for rank in range(world):  # the first start: each asks the others whether a group runs
+            node = self._new_process(rank, view)
+            node.find_group(end, functools.partial(self._first_start, node))
+        # as `fttree launch` does, the first steps come once every worker has started
+        while not all(n.started or n.joining for n in self.nodes) and self.clock.next_at is not None:
+            self.clock.run(until=self.clock.next_at)
+
+    def _first_start(self, node: Node, running: bool) -> None:
+        if running:  # the others' steps ran already: a late start, which joins
+            node.joining = True
+            node.ask_admission(self.clock.now() + self.config.startup_timeout_s,
+                               lambda error: self._admitted(node, error, self._settled))
+        else:
+            node.connected()
+
+    def _new_process(self, rank: int, view: View, *, join: bool = False) -> Node:
+        """A process for `rank`: the first, or one that replaces a crashed one (restart), or a
+        new rank's (join). It starts with a fresh transport, clock and incarnation."""
+        process = self._process[rank] = self._process.get(rank, -1) + 1
+        if process or rank >= self.world:
+            if not isinstance(self.wire, MemoryNetwork):
+                raise ConfigError("restart and join run on the in-memory network (no uplink= shaping)")
+            self.wire.revive(rank)
+            self._hung.pop(rank, None)
+        clock = _RankClock(self, rank, process)
+        transport: Transport = self.wire.transport(rank)
+        if self.faults:
+            transport = FaultyTransport(transport, self.faults, clock)
+        node = Node(rank, view, self.config, transport, clock, join=join)
+        node.note_listeners.append(functools.partial(self._note, rank))
+        if rank < len(self.nodes):
+            self.nodes[rank] = node
+        elif rank == len(self.nodes):
             self.nodes.append(node)
+        else:
+            raise ConfigError(f"rank {rank} cannot join before rank {len(self.nodes)}: new ranks join in order")
+        return node
+
+    @staticmethod
+    def _admitted(node: Node, error: PeerError | None,
+                  on_admitted: Callable[[Node, PeerError | None], None]) -> None:
+        if error is None:
+            node.connected()
+        on_admitted(node, error)
+
+    def process_of(self, rank: int) -> int:
+        """Which process of `rank` runs now: 0 for the first, one more for each restart."""
+        return self._process[rank]
+
+    def start_process(self, rank: int, on_admitted: Callable[[Node, PeerError | None], None]) -> Node:
+        """Start a new process of `rank` as a worker starts (`fttree worker`): a rank of the
+        world asks its peers whether a group runs (a restart finds one), a new rank asks to be
+        admitted; `on_admitted(node, None)` once it is in the group, or with the error that
+        kept it out. Nothing of it is left out: the same Node code as over TCP, on timers."""
+        joining = rank >= self.world
+        node = self._new_process(rank, View.initial(max(self.world, rank + 1)), join=joining)
+        end = self.clock.now() + self.config.startup_timeout_s
+        gen = self._process[rank]
+
+        def found(running: bool) -> None:
+            if running or node.joining:
+                node.joining = True
+                node.ask_admission(end, lambda error: self._admitted(node, error, on_admitted))
+            else:  # every peer is starting too: this is a first start after all
+                node.connected()
+                on_admitted(node, None)
+
+        if joining:
+            self.run_as(rank, lambda: found(True), process=gen)
+        else:
+            self.run_as(rank, lambda: node.find_group(end, found), process=gen)
+        return node
 
     def _note(self, rank: int, note: Note) -> None:
         self.notes.append((rank, note))
@@ -155,9 +233,10 @@ class SimNetwork:
         """Run `fn` (a fault change, a submit) at simulated time `when`."""
         self.clock.call_at(when, fn)
 
-    def run_as(self, rank: int, fn: Callable[[], None]) -> None:
-        """Run `fn` as `rank`'s process would: not at all once it crashed, later if it hangs."""
-        if rank in self.wire.crashed:
+    def run_as(self, rank: int, fn: Callable[[], None], *, process: int | None = None) -> None:
+        """Run `fn` as `rank`'s process (its current one, or `process`) would: not at all once it
+        crashed or was replaced, later if it hangs."""
+        if rank in self.wire.crashed or (process is not None and process != self._process.get(rank)):
             return
         held = self._hung.get(rank)
         if held is not None:
@@ -169,10 +248,14 @@ class SimNetwork:
 
     def submit(self, rank: int, step: int, data: np.ndarray, *, signature: str | None = None) -> Future[StepResult]:
         """Rank `rank` starts `step` with its contribution `data` (copied). Node faults of the
-        schedule (crash R @S, hang R @S..E) strike when the rank reaches their step."""
+        schedule (crash R @S, hang R @S..E, restart R @S[..E]) strike when the rank reaches their
+        step; `join R @S` starts rank R's process when the first member reaches step S."""
         for rule in self.faults.node_faults(rank):
-            if rule.first_step == step:
+            if rule.first_step == step and rule.kind is not FaultKind.JOIN:
                 self._strike(rule)
+        for rule in [r for r in self._joins if r.first_step is not None and r.first_step <= step]:
+            self._joins.remove(rule)
+            self.start_process(rule.a, self._settled)
         sig = signature if signature is not None else f"{data.dtype.name}{list(data.shape)}"
         future: Future[StepResult] = Future()
         key = (rank, step)
@@ -196,6 +279,12 @@ class SimNetwork:
     def _strike(self, rule: FaultRule) -> None:
         if rule.kind is FaultKind.CRASH:
             self.crash(rule.a)
+        elif rule.kind is FaultKind.RESTART:
+            self.crash(rule.a)
+            if rule.last_step is None or rule.last_step == rule.first_step:
+                self.clock.call_later(0.0, functools.partial(self._restart, rule.a))
+            else:
+                self._restart_after[rule.a] = rule.last_step
         elif rule.kind is FaultKind.HANG:
             self.hang(rule.a)
             if rule.last_step is not None:
@@ -210,6 +299,18 @@ class SimNetwork:
             if all((r, step) in self.results for r in others):
                 del self._resume_after[hung]
                 self.resume(hung)
+        for crashed, step in list(self._restart_after.items()):
+            others = [r for r in range(len(self.nodes)) if r != crashed and r not in self.wire.crashed]
+            if all((r, step) in self.results for r in others):
+                del self._restart_after[crashed]
+                self._restart(crashed)
+
+    def _restart(self, rank: int) -> None:
+        self.start_process(rank, self._settled)
+
+    def _settled(self, node: Node, error: PeerError | None) -> None:
+        for listener in self.process_listeners:
+            listener(node.rank, node, error)
 
     def run(self, until: float | None = None) -> None:
         """Process events until only background probes are left (or until simulated time

@@ -1,0 +1,166 @@
+"""simulate(): a whole schedule of faults, restarts and joins, run as training loops on the simulator.
+
+Every rank runs what a training loop does (mark the training step, allreduce its contribution,
+wait for the outcome, go on) on SimNetwork's fake clock, while the schedule strikes: link faults,
+`crash`, `hang`, and the two that start processes, `restart R @S[..E]` (a new process of rank R
+rejoins) and `join R @S` (a new rank asks in). The result holds every process's outcome of every
+step it took part in, and `check()` is the oracle the property tests hold every run to.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import GroupLeft, PeerError
+from ..net.node import Node, StepResult
+from .sim import Outcome, SimNetwork
+
+Contribution = Callable[[int, int], np.ndarray]
+
+STEP_GAP_S = 0.01  # the compute between two steps of a training loop, in simulated seconds
+JOINED_WITHIN = 3  # steps after its admission by which a new process's contribution is in a result
+
+
+def counted(size: int = 8) -> Contribution:
+    """The default contributions: small integers, so any order of adding gives the exact sum, and
+    different for every rank and step, so a contribution added twice or missed shows."""
+
+    def contribution(rank: int, step: int) -> np.ndarray:
+        return np.arange(size, dtype=np.float64) + (rank + 1) * 1000.0 + step * 7.0
+
+    return contribution
+
+
+@dataclass(slots=True)
+class Simulation:
+    """What a simulated run gave. `outcomes[(rank, step)]` is the StepResult or the exception
+    that rank's process got; a process that crashed has none for the step it died in."""
+
+    world: int
+    steps: int
+    contribution: Contribution
+    network: SimNetwork
+    outcomes: dict[tuple[int, int], Outcome] = field(default_factory=dict)
+    admitted: dict[int, int] = field(default_factory=dict)  # restarted or new rank -> its first step
+    refused: dict[int, PeerError] = field(default_factory=dict)  # a process kept out, and why
+    pending: set[tuple[int, int]] = field(default_factory=set)  # submitted, no outcome (yet)
+    _process_of: dict[tuple[int, int], int] = field(default_factory=dict)  # pending step -> its process
+
+    def results(self, step: int) -> dict[int, StepResult]:
+        """Every rank's StepResult of `step` (ranks that failed it are left out)."""
+        return {r: o for (r, s), o in self.outcomes.items() if s == step and isinstance(o, StepResult)}
+
+    def results_held(self) -> list[tuple[int, int]]:
+        """(rank, step) of every StepResult."""
+        return [key for key, o in self.outcomes.items() if isinstance(o, StepResult)]
+
+    def check(self) -> None:
+        """The oracle; raises AssertionError naming the step and ranks. Every result is the sum
+        of the contributions of the ranks it names, each once; every rank that holds a result of
+        a step holds the same one; every step of a live process has an outcome (nothing hangs);
+        while the group runs on, a restarted or new process is admitted and is among the
+        contributors within JOINED_WITHIN steps of its first."""
+        if self.pending:
+            raise AssertionError(f"steps without an outcome (rank, step): {sorted(self.pending)}")
+        for step in sorted({s for _r, s in self.outcomes}):
+            results = self.results(step)
+            first: StepResult | None = None
+            for rank, res in sorted(results.items()):
+                want = sum((self.contribution(c, step) for c in res.contributors),
+                           start=np.zeros_like(res.data))
+                if len(set(res.contributors)) != len(res.contributors) or not np.array_equal(res.data, want):
+                    raise AssertionError(f"step {step}: rank {rank}'s result is not the sum over the "
+                                         f"contributors it names {list(res.contributors)}")
+                if first is None:
+                    first = res
+                elif res.contributors != first.contributors or not np.array_equal(res.data, first.data):
+                    raise AssertionError(f"step {step}: ranks hold different results: contributors "
+                                         f"{list(first.contributors)} and rank {rank}'s {list(res.contributors)}")
+        last = self.steps - 1
+        if self.refused and any(s == last for _r, s in self.results_held()):  # the group ran on without them
+            raise AssertionError(f"processes kept out of the group: {self.refused}")
+        for rank, start in self.admitted.items():
+            window = range(start, min(start + JOINED_WITHIN + 1, self.steps))
+            held = [res for s in window for res in self.results(s).values()]
+            if held and not any(rank in res.contributors for res in held):  # (none: the group stopped)
+                raise AssertionError(f"rank {rank}, admitted at step {start}, is in no result of steps "
+                                     f"{window.start}..{window.stop - 1}")
+
+
+class _Loop:
+    """One process's training loop: mark the step, submit, and on its outcome go on."""
+
+    def __init__(self, run: Simulation, node: Node, process: int, first_user_step: int, first_step: int) -> None:
+        self.run, self.node, self.process = run, node, process
+        self.offset = first_step - first_user_step  # allreduce step = training step + offset
+
+    def step(self, user_step: int) -> None:
+        run, node = self.run, self.node
+        if user_step >= run.steps:
+            return
+        step = user_step + self.offset
+        node.boundary(user_step, step)
+        run.pending.add((node.rank, step))
+        run._process_of[(node.rank, step)] = self.process
+        future = run.network.submit(node.rank, step, run.contribution(node.rank, step))
+        future.add_done_callback(functools.partial(self._done, user_step))
+
+    def _done(self, user_step: int, future: Future[StepResult]) -> None:
+        run, rank = self.run, self.node.rank
+        step = user_step + self.offset
+        run.pending.discard((rank, step))
+        run._process_of.pop((rank, step), None)
+        error = future.exception()
+        run.outcomes[(rank, step)] = error if error is not None else future.result()
+        if isinstance(error, GroupLeft):
+            return  # out of the group: a training loop stops here
+        clock = run.network.clock
+        clock.call_later(STEP_GAP_S, lambda: run.network.run_as(rank, lambda: self.step(user_step + 1),
+                                                                  process=self.process))
+
+
+def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribution: Contribution | None = None,
+             seed: int = 0, limit_s: float = 600.0, **settings: Any) -> Simulation:
+    """Run `steps` training steps on `world` simulated ranks under the fault schedule `faults`
+    (the fault language, plus `restart R @S[..E]` and `join R @S`), every rank contributing
+    `contribution(rank, step)` (default: `counted()`). Settings are SimNetwork's and Config's
+    (latency_s, jitter_s, step_timeout_s, ...); links keep their frames in order, as TCP does,
+    unless `fifo=False`. Returns every outcome; `check()` is the oracle."""
+    network = SimNetwork(world, faults=faults, seed=seed, **{"fifo": True, **settings})
+    run = Simulation(world=world, steps=steps, contribution=contribution or counted(), network=network)
+
+    def settled(rank: int, node: Node, error: PeerError | None) -> None:
+        if error is not None:
+            run.refused[rank] = error
+            return
+        assert node.joined_at is not None
+        first_step, first_user_step = node.joined_at
+        run.admitted[rank] = first_step
+        loop = _Loop(run, node, network.process_of(rank), first_user_step, first_step)
+        loop.step(first_user_step)
+
+    network.process_listeners.append(settled)
+    for rank in range(world):
+        _Loop(run, network.nodes[rank], 0, 0, 0).step(0)
+    clock = network.clock
+
+    def waiting() -> bool:  # a live process still waits for the outcome of a step
+        gone = network.wire.crashed | network.hung
+        return any(r not in gone and run._process_of[(r, s)] == network.process_of(r) for r, s in run.pending)
+
+    # Events run until nothing but a live node's background timers is left (probes of failed
+    # links go on forever, as in a real node) and no live process waits for a step.
+    while (clock.busy or waiting()) and clock.next_at is not None and clock.next_at <= limit_s:
+        clock.run(until=clock.next_at)
+    crashed = network.wire.crashed | network.hung
+    # a crashed or hung process's step has no outcome, nor has the step a restart cut short
+    run.pending = {(r, s) for r, s in run.pending
+                   if r not in crashed and run._process_of[(r, s)] == network.process_of(r)}
+    return run
+
