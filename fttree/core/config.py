@@ -139,6 +139,12 @@ class Config:
     stall_timeout_s: float = 5.0  # a link whose writes stall this long is dropped and reconnected
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_choices()
+        self._check_credentials()
+
+    def _check_numbers(self) -> None:
+        """Rates and durations positive, counts positive integers, and bounds that fit together."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_per_s"):
@@ -146,6 +152,22 @@ class Config:
                     raise ConfigError(f"{f.name} must be a positive number of bytes per second, got {value!r}")
             elif f.name.endswith("_s") and value is not None and not (isinstance(value, int | float) and value > 0):
                 raise ConfigError(f"{f.name} must be a positive number of seconds, got {value!r}")
+        if self.adaptive_floor_s > self.adaptive_ceiling_s:
+            raise ConfigError(f"adaptive_floor_s ({self.adaptive_floor_s}) is above adaptive_ceiling_s "
+                              f"({self.adaptive_ceiling_s})")
+        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory", "max_pending_handshakes",
+                     "max_step_chunks", "max_live_ops", "receive_pool_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_payload_bytes < self.chunk_bytes:
+            raise ConfigError(f"max_payload_bytes ({self.max_payload_bytes}) is below chunk_bytes "
+                              f"({self.chunk_bytes}): a chunk could not be received")
+        if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
+            raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
+
+    def _check_choices(self) -> None:
+        """Settings that name one of a few policies or formats."""
         if self.on_node_failure not in NODE_FAILURE_POLICIES:
             raise ConfigError(f"on_node_failure must be one of {', '.join(NODE_FAILURE_POLICIES)}, "
                               f"got {self.on_node_failure!r}")
@@ -155,18 +177,10 @@ class Config:
             raise ConfigError(f"compression must be None, 'bf16' or 'fp16', got {self.compression!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:
             raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {self.timeout_policy!r}")
-        if self.adaptive_floor_s > self.adaptive_ceiling_s:
-            raise ConfigError(f"adaptive_floor_s ({self.adaptive_floor_s}) is above adaptive_ceiling_s "
-                              f"({self.adaptive_ceiling_s})")
-        for name in ("chunk_bytes", "max_payload_bytes", "max_ops_ahead", "retired_memory", "max_pending_handshakes",
-                     "max_step_chunks", "max_live_ops", "receive_pool_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         check_family(self.trees)
-        if self.max_payload_bytes < self.chunk_bytes:
-            raise ConfigError(f"max_payload_bytes ({self.max_payload_bytes}) is below chunk_bytes "
-                              f"({self.chunk_bytes}): a chunk could not be received")
+
+    def _check_credentials(self) -> None:
+        """Paths are paths, and TLS comes as a folder or as all three files."""
         if self.auth_key_file is not None and not isinstance(self.auth_key_file, str | os.PathLike):
             raise ConfigError(f"auth_key_file must be a path, got {self.auth_key_file!r}")
         tls_files = {"tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file,
@@ -182,8 +196,6 @@ class Config:
             raise ConfigError("give tls_dir or the three tls_*_file settings, not both")
         if not isinstance(self.insecure, bool):
             raise ConfigError(f"insecure must be True or False, got {self.insecure!r}")
-        if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
-            raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 
     @classmethod
     def build(cls, config: Config | None = None, **fields: Any) -> Config:

@@ -153,37 +153,46 @@ def parse_rule(text: str) -> FaultRule:
         raise ConfigError(f"fault {text!r} needs the step it happens at: use {USAGE[kind]}")
     if kind in (FaultKind.CRASH, FaultKind.JOIN) and last_step != first_step:
         raise ConfigError(f"fault {text!r}: a {kind.value} happens at one step; use {USAGE[kind]}")
-    group: tuple[int, ...] = ()
+    a, b, group = _where(kind, args[0], text)
+    probability, delay_s = _amount(kind, args, text)
+    return FaultRule(kind=kind, a=a, b=b, group=group, probability=probability, delay_s=delay_s,
+                     first_step=first_step, last_step=last_step)
+
+
+def _where(kind: FaultKind, arg: str, text: str) -> tuple[int, int | None, tuple[int, ...]]:
+    """The ranks a rule names: a link A-B, a group R,R,.. (partition), or one rank."""
     if kind in LINK_KINDS:
-        m = _LINK.match(args[0])
+        m = _LINK.match(arg)
         if not m:
-            raise ConfigError(f"fault {text!r} needs a link A-B, got {args[0]!r}")
+            raise ConfigError(f"fault {text!r} needs a link A-B, got {arg!r}")
         a, b = int(m.group(1)), int(m.group(2))
         if a == b:
             raise ConfigError(f"fault {text!r} names a link from rank {a} to itself")
-    elif kind is FaultKind.PARTITION:
-        if not _GROUP.match(args[0]):
-            raise ConfigError(f"fault {text!r} needs ranks like 1,3,4, got {args[0]!r}")
-        group = tuple(sorted({int(r) for r in args[0].split(",")}))
-        a, b = group[0], None
-    else:
-        m = _RANK.match(args[0])
-        if not m:
-            raise ConfigError(f"fault {text!r} needs a rank, got {args[0]!r}")
-        a, b = int(m.group(1)), None
-    probability, delay_s = 1.0, 0.0
+        return a, b, ()
+    if kind is FaultKind.PARTITION:
+        if not _GROUP.match(arg):
+            raise ConfigError(f"fault {text!r} needs ranks like 1,3,4, got {arg!r}")
+        group = tuple(sorted({int(r) for r in arg.split(",")}))
+        return group[0], None, group
+    m = _RANK.match(arg)
+    if not m:
+        raise ConfigError(f"fault {text!r} needs a rank, got {arg!r}")
+    return int(m.group(1)), None, ()
+
+
+def _amount(kind: FaultKind, args: list[str], text: str) -> tuple[float, float]:
+    """(probability, delay_s) of a drop, loss or delay rule; (1.0, 0.0) for the others."""
     if kind in (FaultKind.DROP, FaultKind.LOSS):
         m = _PERCENT.match(args[1])
         if not m or not 0 <= float(m.group(1)) <= 100:
             raise ConfigError(f"fault {text!r} needs a probability like 20%, got {args[1]!r}")
-        probability = float(m.group(1)) / 100
-    elif kind is FaultKind.DELAY:
+        return float(m.group(1)) / 100, 0.0
+    if kind is FaultKind.DELAY:
         m = _DURATION.match(args[1])
         if not m:
             raise ConfigError(f"fault {text!r} needs a delay like 50ms or 0.2s, got {args[1]!r}")
-        delay_s = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
-    return FaultRule(kind=kind, a=a, b=b, group=group, probability=probability, delay_s=delay_s,
-                     first_step=first_step, last_step=last_step)
+        return 1.0, float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+    return 1.0, 0.0
 
 
 def parse(text: str | None) -> list[FaultRule]:

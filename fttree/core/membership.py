@@ -86,6 +86,8 @@ PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far 
 RELAYED_KINDS = frozenset(
     {Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT}
 )
+#: the view change's own messages
+AGREEMENT_KINDS = RELAYED_KINDS | {Kind.VIEW_NACK, Kind.MINORITY}
 SLOTS = 1 << 16  # ballot = round * SLOTS + (SLOTS - 1 - the coordinator's slot): later rounds, then earlier slots win
 
 
@@ -938,6 +940,28 @@ class Membership:
             out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
                                                      **self._decided[1].fields())))  # type: ignore[arg-type]
 
+    def _supersede(self, view: View, evicted: tuple[int, ...], admitting: tuple[int, ...]) -> None:
+        """A view installed before a decided join took effect leaves its joiners out (they did
+        not know to promise): they wait to be admitted again, and nothing waits for that join."""
+        for r in evicted:
+            if r in self._admitting:
+                self._gone[r] = (f"was admitted in a view that view {view.epoch} superseded before it took effect "
+                                 "(it is admitted again)")
+                if len(self._waiting_joins) < MAX_WAITING_JOINS:
+                    self._waiting_joins[r] = False
+        if self._admitting and self.user_step < self._activating_at:
+            self._activating_at = -1
+        self._admitting = set(admitting)
+
+    def _record_evictions(self, view: View, evicted: tuple[int, ...], now: float) -> None:
+        for r in evicted:
+            first = self._first_suspected.get(r)
+            self._evictions.append(Eviction(rank=r, epoch=view.epoch, reason=self._reason(r),
+                                            detected_after_s=0.0 if first is None else now - first,
+                                            suspected_by=tuple(sorted(self._reports.get(r, ())))))
+        self._evicted_total += len(evicted)
+        del self._evictions[:-16]
+
     def _install(self, msg: Message, now: float, out: list[MemberAction]) -> None:
         value = ViewValue.of(msg)
         if msg.epoch != self.view.epoch or value is None:
@@ -968,22 +992,8 @@ class Membership:
             return
         joined = tuple(r for r in view.members if r not in previous)
         evicted = tuple(sorted(set(previous.members) - set(view.members)))
-        for r in evicted:
-            if r in self._admitting:  # admitted, but this view came first: it did not promise
-                self._gone[r] = (f"was admitted in a view that view {view.epoch} superseded before it took effect "
-                                 "(it is admitted again)")
-                if len(self._waiting_joins) < MAX_WAITING_JOINS:
-                    self._waiting_joins[r] = False
-        if self._admitting and self.user_step < self._activating_at:
-            self._activating_at = -1  # that join will never take effect: nothing waits for it now
-        self._admitting = set(joined) if user_step >= 0 else set()
-        for r in evicted:
-            first = self._first_suspected.get(r)
-            self._evictions.append(Eviction(rank=r, epoch=view.epoch, reason=self._reason(r),
-                                            detected_after_s=0.0 if first is None else now - first,
-                                            suspected_by=tuple(sorted(self._reports.get(r, ())))))
-        self._evicted_total += len(evicted)
-        del self._evictions[:-16]
+        self._supersede(view, evicted, joined if user_step >= 0 else ())
+        self._record_evictions(view, evicted, now)
         reason = "; ".join(f"rank {r} {self._reason(r)}" for r in evicted) or f"view {view.epoch} from rank {msg.src}"
         self._decided = (previous.epoch, value)
         self.view = view
@@ -1059,16 +1069,16 @@ class Membership:
             if relayed is None:
                 return
             msg = relayed
+        if msg.kind in AGREEMENT_KINDS:
+            self._on_agreement(msg, now, out)
+        elif msg.kind in (Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.PACE):
+            self._on_membership_request(msg, now, out)
+        else:
+            self._on_detection(msg, now, out)
+
+    def _on_agreement(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        """The view change's messages (single-decree Paxos, then MINORITY)."""
         match msg.kind:
-            case Kind.PING:
-                out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
-            case Kind.PONG:
-                self._pong(msg.src, now)  # `heard` counted it as life
-            case Kind.DONE if msg.src in self.view:
-                self._on_done(msg, out)
-            case Kind.PACE if msg.src in self.view and msg.rate > 0:
-                self._pace_wanted[msg.src] = self._uplinks[msg.src] = msg.rate
-                self._maybe_pace_round(now, out)
             case Kind.VIEW_PREPARE:
                 self._on_prepare(msg, now, out)
             case Kind.VIEW_PROMISE:
@@ -1081,6 +1091,17 @@ class Membership:
                     self._on_accepted(msg, now, out)
             case Kind.VIEW_COMMIT:
                 self._install(msg, now, out)
+            case Kind.VIEW_NACK:
+                self._on_nack(msg, now, out)
+            case Kind.MINORITY:
+                # from the coordinator we promised, or (ballot 0) from the rank that would coordinate
+                # this side and finds it has no majority: either way nothing here can form a view
+                if msg.epoch == self.view.epoch and self.rank in msg.members and msg.ballot in (0, self._promised):
+                    self._stop(MemberState.MINORITY, self._minority_reason(len(msg.members), msg.world), out)
+
+    def _on_membership_request(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        """Asks to change who is in the view, or how it runs: joins, leaves, done, pace."""
+        match msg.kind:
             case Kind.JOIN if msg.code == 1:
                 self._on_join(msg.src, now, out)
                 self._pass_on_join(msg, now, out)
@@ -1089,13 +1110,19 @@ class Membership:
             case Kind.LEAVE if msg.epoch == self.view.epoch and msg.src in self.view:
                 self._leaving.add(msg.src)
                 self._evaluate(now, out)
-            case Kind.VIEW_NACK:
-                self._on_nack(msg, now, out)
-            case Kind.MINORITY:
-                # from the coordinator we promised, or (ballot 0) from the rank that would coordinate
-                # this side and finds it has no majority: either way nothing here can form a view
-                if msg.epoch == self.view.epoch and self.rank in msg.members and msg.ballot in (0, self._promised):
-                    self._stop(MemberState.MINORITY, self._minority_reason(len(msg.members), msg.world), out)
+            case Kind.DONE if msg.src in self.view:
+                self._on_done(msg, out)
+            case Kind.PACE if msg.src in self.view and msg.rate > 0:
+                self._pace_wanted[msg.src] = self._uplinks[msg.src] = msg.rate
+                self._maybe_pace_round(now, out)
+
+    def _on_detection(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+        """Failure detection: pings and what members report of each other."""
+        match msg.kind:
+            case Kind.PING:
+                out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
+            case Kind.PONG:
+                self._pong(msg.src, now)  # `heard` counted it as life
             case Kind.SUSPECT if msg.epoch == self.view.epoch and msg.target in self.view:
                 self._report(msg.src, msg.target, msg.code == 1, now, out)
                 if msg.code == 1 and msg.target in self._neighbours() and msg.target not in self._suspects:
@@ -1106,8 +1133,6 @@ class Membership:
                 self._standing[msg.target] = now  # refuted: the confirmation clock starts over
                 out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CONFIRM, -1, 0, msg.target),
                                     at=now + self.cfg.confirm_wait_s))
-            case _:
-                pass
 
     def _on_timer(self, key: TimerKey, now: float, out: list[MemberAction]) -> None:
         match key.kind:

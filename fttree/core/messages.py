@@ -325,16 +325,8 @@ def unpack_map(head: bytes, what: str) -> dict[Any, Any]:
     return header
 
 
-def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
-    """Build a Message from a header and payload, validating types, kind and sizes.
-
-    One pass over the header's keys (unknown keys are ignored): every frame goes through
-    here, hundreds per step, so it avoids a lookup and a call per Message field."""
-    header = unpack_map(head, "frame header")
-    raw_kind = _int(header, "k", -1, "kind")
-    kind = _KINDS.get(raw_kind)  # a dict: calling Kind(raw_kind) costs a microsecond per frame
-    if kind is None:
-        raise FrameError(f"unknown message kind {raw_kind}")
+def _header_fields(header: dict[Any, Any]) -> dict[str, Any]:
+    """The Message fields of a header, each checked for its type."""
     fields: dict[str, Any] = {"src": -1}
     for key, value in header.items():
         spec = _FIELDS.get(key)
@@ -358,7 +350,11 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         raise FrameError(f"frame field tree must not be negative, got {fields['tree']!r}")
     if fields.get("chunks", 1) < 1:
         raise FrameError(f"frame field chunk count must be at least 1, got {fields['chunks']!r}")
-    payload_len = 0 if payload is None else len(payload)
+    return fields
+
+
+def _check_payload(kind: Kind, fields: dict[str, Any], payload_len: int) -> None:
+    """The payload is what the header says: raw state bytes, `numel` wire-dtype elements, or none."""
     dtype: str = fields.get("dtype", "")
     numel: int = fields.get("numel", 0)
     if kind is Kind.STATE:
@@ -371,6 +367,21 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
+
+
+def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
+    """Build a Message from a header and payload, validating types, kind and sizes.
+
+    One pass over the header's keys (unknown keys are ignored): every frame goes through
+    here, hundreds per step, so it avoids a lookup and a call per Message field."""
+    header = unpack_map(head, "frame header")
+    raw_kind = _int(header, "k", -1, "kind")
+    kind = _KINDS.get(raw_kind)  # a dict: calling Kind(raw_kind) costs a microsecond per frame
+    if kind is None:
+        raise FrameError(f"unknown message kind {raw_kind}")
+    fields = _header_fields(header)
+    payload_len = 0 if payload is None else len(payload)
+    _check_payload(kind, fields, payload_len)
     return Message(kind=kind, payload=payload if payload_len else None, **fields)
 
 

@@ -925,6 +925,10 @@ class TreeMachine:
             out.append(Note(step=msg.step, cause=Cause.STALE_DROPPED, peer=msg.src,
                             text=f"dropped {msg.kind.name} for step {msg.step}, committed in view {op.epoch}"))
             return
+        self._on_op_frame(op, msg, now, out, link)
+
+    def _on_op_frame(self, op: _Op, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
+        """A frame of one op, from a neighbour, in the op's view: the thesis' eight messages."""
         match msg.kind:
             case Kind.DATA_REDUCE:
                 self._on_data_reduce(op, msg, now, out)
@@ -952,19 +956,25 @@ class TreeMachine:
                 out.append(CancelTimer(key=self._timer(TimerKind.BCAST_WATCH, op, msg.src)))
                 self._sample(op, Phase.BCAST, msg.src, now)
             case Kind.ABORT:
-                codes = {c.value for c in AbortCode}
-                code = AbortCode(msg.code) if msg.code in codes else AbortCode.UNREACHABLE
-                reason, peers = msg.reason, msg.missing
-                waiting = sorted(set(t.me.children) - op.got_children)
-                if op.submitted and not op.reduce_sent and waiting:
-                    reason += f"; rank {self.rank} was still waiting for children {waiting}"
-                    peers = tuple(waiting)
-                elif op.reduce_sent and t.me.parent is not None and op.result is None:
-                    reason += f"; rank {self.rank} had sent its subtree sum to rank {t.me.parent}"
-                self._abort(op, code, reason, peers, now, out, remote=msg.src)
+                self._on_abort(op, msg, now, out)
             case _:
                 out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
+
+    def _on_abort(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        """A neighbour says the op cannot finish: so it fails here too, with what this rank adds
+        to the reason (whom it still waited for, or where its subtree sum went)."""
+        t = self.trees[msg.tree]
+        codes = {c.value for c in AbortCode}
+        code = AbortCode(msg.code) if msg.code in codes else AbortCode.UNREACHABLE
+        reason, peers = msg.reason, msg.missing
+        waiting = sorted(set(t.me.children) - op.got_children)
+        if op.submitted and not op.reduce_sent and waiting:
+            reason += f"; rank {self.rank} was still waiting for children {waiting}"
+            peers = tuple(waiting)
+        elif op.reduce_sent and t.me.parent is not None and op.result is None:
+            reason += f"; rank {self.rank} had sent its subtree sum to rank {t.me.parent}"
+        self._abort(op, code, reason, peers, now, out, remote=msg.src)
 
     def _tree_mismatch(self, msg: Message, tree: int, now: float, out: list[Action]) -> None:
         """A frame names another tree than this rank's rule gives for its op: the workers differ
