@@ -115,6 +115,17 @@ def test_members_fenced_by_a_coordinator_that_is_gone_find_out_and_stop() -> Non
         assert isinstance(run.outcomes[(rank, 2)], StepAborted)
 
 
+def test_a_member_fenced_with_no_coordinator_in_reach_stops_within_a_bounded_wait() -> None:
+    """Rank 1 restarts while rank 3's link to rank 0 is cut: ranks 0 and 2 find no majority and
+    stop; rank 3, fenced, reaches no coordinator and no majority. Its step fails after a
+    bounded wait (MAX_STALLS stall deadlines), naming why, instead of never."""
+    run = simulate(4, "restart 1 @1; cut 0-3 @0..1", 4, seed=0, jitter_s=0.002)
+    run.check()
+    out = run.outcomes[(3, 1)]
+    assert isinstance(out, StepAborted)
+    assert "did not finish within 12 s and this rank could reach no majority" in str(out)
+
+
 @st.composite
 def schedules(draw: st.DrawFn) -> tuple[int, str, int]:
     """A world and a schedule that mixes every kind: at most two ranks fail or restart (a

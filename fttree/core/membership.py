@@ -80,6 +80,7 @@ MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is s
 RETRANSMIT_TRIES = 1 + 2 + 4
 PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
 MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; more ask again later
+MAX_STALLS = 3  # a view change stalled this many times (3 node deadlines each) stops this rank
 JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
@@ -357,6 +358,7 @@ class Membership:
         # coordinator admits them together once it may (they ask again meanwhile, too)
         self._waiting_joins: dict[int, bool] = {}  # rank -> a restart whose old process is in the view
         self._admitting: set[int] = set()  # ranks of a decided join that has not taken effect yet
+        self._stalls = 0  # stall deadlines passed in this view change
         self._passed_on: dict[int, float] = {}  # joiner -> when its request was last passed to the coordinator
         self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
         self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
@@ -1003,6 +1005,7 @@ class Membership:
         self._accepted = None
         self._held = None
         self._waiting = []
+        self._stalls = 0
         self._suspects.clear()
         self._reports.clear()
         self._standing.clear()
@@ -1044,6 +1047,15 @@ class Membership:
             out.append(Hold(on=False))
             return
         if self.state is not MemberState.CHANGING:
+            return
+        self._stalls += 1
+        if self._stalls > MAX_STALLS:
+            # No coordinator reached us in all that time, and none could be formed here: a
+            # bounded wait, then an answer (the caller's steps fail; the process can rejoin).
+            waited = self._stalls * 3 * self.node_deadline_s
+            self._stop(MemberState.MINORITY, f"the change of view {self.view.epoch} did not finish within "
+                                             f"{waited:.0f} s and this rank could reach no majority to finish it; "
+                                             "this rank stops producing results", out)
             return
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_STALL, -1, 0), at=now + 3 * self.node_deadline_s))
         if self.busy_since is None:
