@@ -32,6 +32,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..core.config import Config
+from ..core.lifecycle import EARLY_PHASES, RUNNING_PHASES, Life, Lifecycle, Phase
 from ..core.membership import (
     Boundary,
     Busy,
@@ -182,11 +183,11 @@ class Node:
         # (step, duration_s, error or None) when a step finishes here
         self.step_listeners: list[Callable[[int, float, str | None], None]] = []
         self.view_listeners: list[Callable[[Installed], None]] = []
-        self.started = False  # hard failures before this are peers still starting up
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
         # joins and leaves (docs/failures.md, "Elastic jobs")
         self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
         self.joining = join or contact is not None  # this process asks a running group to admit it
+        self.life = Lifecycle(join=self.joining)  # where this process is (core/lifecycle.py)
         self.contact = contact  # a member's address to ask first (a joiner that knows no other rank)
         if contact is not None:
             transport.add_peer(CONTACT, contact)
@@ -207,7 +208,6 @@ class Node:
         self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
         self._hold_queue: list[Callable[[], None]] = []
         self._marked = False  # the caller marks training steps (boundary); else each step is one
-        self.leaving = False
         self._last_submitted = -1  # the newest step submitted here (DONE names it)
         self._retransmit_s = 0.0  # the membership was last told this retransmission timeout
         self._owed_done_acks: dict[int, int] = {}  # a finished peer -> its last step, which we still run
@@ -215,6 +215,15 @@ class Node:
         self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
         self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
         transport.bind(self)
+
+    @property
+    def started(self) -> bool:
+        """Taking part (or leaving): a hard failure of a link is news, not a peer still starting."""
+        return self.life.phase in RUNNING_PHASES
+
+    @property
+    def leaving(self) -> bool:
+        return self.life.phase is Phase.LEAVING
 
     @property
     def view(self) -> View:
@@ -231,7 +240,7 @@ class Node:
         await self.transport.start()
         end = self.scheduler.now() + self.cfg.startup_timeout_s  # one deadline for all of the start
         if not self.joining:
-            self.joining = await _until(functools.partial(self.find_group, end))
+            await _until(functools.partial(self.find_group, end))
         if self.joining:
             return  # admit() asks to be let in, once the caller is ready to take part (its first step)
         await self._connect_neighbours(end)
@@ -272,7 +281,7 @@ class Node:
     def connected(self) -> None:
         """The tree neighbours are reachable: take part from now on (frames that came early are
         handled now). The simulator, whose links need no connecting, calls this directly."""
-        self.started = True
+        self.life.on(Life.CONNECTED)
         early, self._early = self._early, []
         for msg in early:
             self.on_message(msg)
@@ -303,7 +312,10 @@ class Node:
         def check() -> None:  # after every answer
             if settled():
                 self._stop_asking()
-                done(self._group is not None)
+                running = self._group is not None
+                self.joining = self.joining or running
+                self.life.on(Life.GROUP_FOUND if running else Life.FIRST_START)
+                done(running)
 
         def ask() -> None:
             if settled():
@@ -329,6 +341,7 @@ class Node:
                 return
             if self.scheduler.now() >= end:
                 self._stop_asking()
+                self.life.on(Life.STOP)
                 asked = [] if self._group is None else list(self._group[1])
                 done(PeerError(f"rank {self.rank} was not admitted to the running group within "
                                f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked)))
@@ -362,7 +375,7 @@ class Node:
         view, or `limit_s` passed. A member that is done is not a dead one: its peers stop
         watching it instead of evicting it, and nobody closes while a slower peer may still
         need its relay or result."""
-        if self.stopped is not None or not self.started:
+        if self.life.phase not in RUNNING_PHASES:
             return
         self._do_member(self.membership.finish(self._last_submitted))
         end = self.scheduler.now() + limit_s
@@ -426,6 +439,7 @@ class Node:
                 future.set_exception(error(step))
 
     async def close(self) -> None:
+        self.life.on(Life.STOP)
         self.stop(f"rank {self.rank} was closed")
         await self.transport.close()
 
@@ -433,6 +447,7 @@ class Node:
         """Die as a killed process would, for fault injection: every connection reset, the
         listener gone, nothing more sent; every step here fails with `reason`."""
         self.stopped = reason
+        self.life.on(Life.STOP)
         self.stop(reason)
         await self.transport.close(abort=True)
 
@@ -523,7 +538,7 @@ class Node:
         if rule is not Sender.MEMBER or not self._may_send(msg.src):
             self._foreign(msg, rule)
             return
-        if (self.joining and self.joined_at is None) or not (self.started or self.joining):
+        if self.life.phase in EARLY_PHASES:
             # Not in the group yet (a joiner), or not sure yet whether a group runs (a start
             # asking its peers): keep what comes early. A restarted process may be handed frames
             # its previous incarnation's peers had queued (probes of its children, relays): they
@@ -569,7 +584,7 @@ class Node:
             return True
         if any(rank in p.view for p in self._pending):
             return True
-        if self.joining and self.joined_at is None:
+        if self.life.phase is Phase.ASKING:
             return self._group is None or rank in self._group[1]
         return False
 
@@ -586,7 +601,7 @@ class Node:
 
     def on_progress(self, peer: int) -> None:
         """Bytes of a large frame from `peer` are arriving: it is alive, whatever the frame."""
-        if self.started and self.stopped is None:
+        if self.life.phase in RUNNING_PHASES:
             now = self.scheduler.now()
             self._data_at[peer] = now
             self._do_member(self.membership.heard(peer, now))
@@ -601,7 +616,7 @@ class Node:
         return self.machine.is_past_epoch(msg.epoch)
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
-        if not self.started or peer in self.membership.done:  # starting up, or finished: expected
+        if self.life.phase not in RUNNING_PHASES or peer in self.membership.done:  # starting, or finished
             return
         self._handle(LinkDown(peer=peer, reason=reason))
         if refused:
@@ -617,7 +632,7 @@ class Node:
         if msg.kind is Kind.JOIN_REPLY:
             self._on_join_reply(msg)
             return
-        if self.joining and self.joined_at is None:
+        if self.life.phase is Phase.ASKING:
             return  # not a member yet: nothing to tell
         known = self._incarnations.get(msg.src)
         if msg.code == 0:
@@ -676,10 +691,10 @@ class Node:
     def _on_join_reply(self, msg: Message) -> None:
         """A starting or joining process hears: the group is starting too (2), is running in
         this view with these addresses (0), or admits this rank from this step (1)."""
-        if not self.joining or self.joined_at is not None:
+        if self.life.phase is not Phase.ASKING:
             if msg.code == 2:
                 self._starting_replies.add(msg.src)
-            elif msg.code == 0 and self._group is None and not self.started:
+            elif msg.code == 0 and self._group is None and self.life.phase is Phase.STARTING:
                 self._group = (msg.epoch, msg.members)
             self._answered()
             return
@@ -695,6 +710,7 @@ class Node:
             self.membership = Membership(self.rank, view, self.cfg)
             self.membership.user_step = msg.user_step - 1
             self.joined_at = (msg.step, msg.user_step)
+            self.life.on(Life.ADMITTED)
             for r in view.members:
                 self._incarnations.setdefault(r, 0)
         self._answered()
@@ -736,7 +752,7 @@ class Node:
     async def leave(self) -> None:
         """Leave the group after the steps submitted here: tell every member, who drop this
         rank from the next view at once (no detection, no timeout), and wait for that view."""
-        self.leaving = True
+        self.life.on(Life.LEAVE)
         end = self.scheduler.now() + max(3 * self.membership.node_deadline_s, 2.0)
         while self._steps and self.scheduler.now() < end:  # the steps already submitted finish first
             self._quiet.clear()
@@ -1018,11 +1034,13 @@ class Node:
                                                 peers=evicted))
 
     def _stopped(self, state: MemberState, reason: str) -> None:
-        self._answered()  # a leave() waits for this
-        if self.leaving:
+        left = self.leaving
+        if left:
             reason = f"rank {self.rank} left the group (view {self.membership.view.epoch} goes on without it)"
-        log.log(logging.INFO if self.leaving else logging.ERROR, "rank %d: %s", self.rank, reason)
+        log.log(logging.INFO if left else logging.ERROR, "rank %d: %s", self.rank, reason)
         self.stopped = reason
+        self.life.on(Life.STOP)
+        self._answered()  # a leave() waits for this
         self.machine.fence()
         self._fail_all(lambda step: GroupLeft(step, reason))
         self._ack_done()

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.config import Config
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
+from ..core.lifecycle import Phase
 from ..core.protocol import Note, TreeMachine
 from ..core.view import View
 from ..errors import ConfigError, PeerError
@@ -100,12 +101,11 @@ class SimNetwork:
             node = self._new_process(rank, view)
             node.find_group(end, functools.partial(self._first_start, node))
         # as `fttree launch` does, the first steps come once every worker has started
-        while not all(n.started or n.joining for n in self.nodes) and self.clock.next_at is not None:
+        while any(n.life.phase is Phase.STARTING for n in self.nodes) and self.clock.next_at is not None:
             self.clock.run(until=self.clock.next_at)
 
     def _first_start(self, node: Node, running: bool) -> None:
         if running:  # the others' steps ran already: a late start, which joins
-            node.joining = True
             node.ask_admission(self.clock.now() + self.config.startup_timeout_s,
                                lambda error: self._admitted(node, error, self._settled))
         else:
@@ -157,7 +157,6 @@ class SimNetwork:
 
         def found(running: bool) -> None:
             if running or node.joining:
-                node.joining = True
                 node.ask_admission(end, lambda error: self._admitted(node, error, on_admitted))
             else:  # every peer is starting too: this is a first start after all
                 node.connected()
