@@ -26,6 +26,13 @@ def contributors(run: object, step: int) -> set[tuple[int, ...]]:
     return {res.contributors for res in run.results(step).values()}
 
 
+def test_the_operations_guide_example_gives_what_it_says() -> None:
+    run = simulate(7, "crash 3 @4; restart 5 @6; join 7 @8; cut 1-0 @2..9", steps=20)
+    run.check()
+    assert run.results(12)[0].contributors == (0, 1, 2, 4, 5, 6, 7)
+    assert run.admitted == {5: 7, 7: 9}
+
+
 def test_a_restarted_rank_is_evicted_then_admitted_and_contributes_again() -> None:
     run = simulate(5, "restart 2 @3", STEPS)
     run.check()
