@@ -190,7 +190,7 @@ class FTTreeAllreduce:
 
         FTTREE_PEERS is a comma-separated host:port list or a file with one per line. Without
         it, under torchrun (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) each rank publishes its own
-        address in the rendezvous store and reads everyone's (fttree.training.rendezvous), so
+        address in the rendezvous store and reads everyone's (fttree.net.rendezvous), so
         jobs span hosts; with WORLD_SIZE alone, the workers are on this machine at 127.0.0.1
         and ports FTTREE_BASE_PORT + rank.
         """
@@ -205,7 +205,7 @@ class FTTreeAllreduce:
             lines = path.read_text().splitlines() if "," not in peers_text and path.is_file() else peers_text.split(",")
             peers = parse_peers(lines)
         elif env.get("WORLD_SIZE", "").isdigit() and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-            from .training.rendezvous import rendezvous_from_env_store
+            from .net.rendezvous import rendezvous_from_env_store
 
             given = {k: v for k, v in kwargs.items() if k == "startup_timeout_s"}
             wait = Config.build(kwargs.get("config"), **given).startup_timeout_s

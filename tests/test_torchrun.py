@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from fttree.errors import ConfigError, PeerError
-from fttree.training import rendezvous as rdzv
+from fttree.net import rendezvous as rdzv
 
 ROOT = Path(__file__).resolve().parent.parent
 NETEM = ROOT / "netem"

@@ -42,9 +42,9 @@ from ..core.config import Config
 from ..core.reduce_ops import BITWISE
 from ..errors import ConfigError
 from ..net.node import StepResult
+from ..net.rendezvous import exchange, job_key, local_host, pick_port
 from .buckets import blank, copy_divided, digest, wire_dtype
 from .ddp import pending_future
-from .rendezvous import exchange, job_key, local_host, pick_port
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
 
