@@ -123,6 +123,19 @@ class NodeStatus:
     foreign_frames: int = 0  # frames dropped because their sender may not send them (SENDER_RULES)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Request:
+    """A step as the caller submitted it: what a view change holds back and runs later."""
+
+    step: int
+    data: np.ndarray  # the caller's contribution: read, never written, until the step completes
+    signature: str
+    future: Future[StepResult]
+    contribute: bool = True  # False: zeros that take part without counting (a joiner awaiting its state)
+    abort: str = ""  # fail the step everywhere for this reason (a NaN in our contribution, nonfinite="abort")
+    reduce: str = "sum"  # how contributions meet (core/reduce_ops.py)
+
+
 @dataclass(slots=True)
 class _Step:
     step: int
@@ -172,7 +185,7 @@ class Node:
         self._stamped: tuple[Message, Message] | None = None  # the last metadata frame stamped (_stamp_backlog)
         self._steps: dict[int, _Step] = {}
         # steps submitted during a view change, run once it is agreed
-        self._held_back: list[tuple[int, np.ndarray, str, Future[StepResult], bool, str, str]] = []
+        self._held_back: list[_Request] = []
         self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
         self.stopped: str | None = None  # why this rank produces no more results
         self.reruns = 0
@@ -402,7 +415,7 @@ class Node:
         nothing more of them for it: they may close."""
         for peer, step in list(self._owed_done_acks.items()):
             if self.stopped is not None or (step <= self._last_submitted and step not in self._steps
-                                            and not any(h[0] == step for h in self._held_back)):
+                                            and not any(h.step == step for h in self._held_back)):
                 del self._owed_done_acks[peer]
                 self.transport.send(peer, Message(kind=Kind.DONE_ACK, src=self.rank, epoch=self.view.epoch,
                                                   step=step))
@@ -434,9 +447,9 @@ class Node:
         for st in steps.values():
             if not st.future.done():
                 st.future.set_exception(error(st.step))
-        for step, _data, _sig, future, _contribute, _abort, _reduce in held:
-            if not future.done():
-                future.set_exception(error(step))
+        for req in held:
+            if not req.future.done():
+                req.future.set_exception(error(req.step))
 
     async def close(self) -> None:
         self.life.on(Life.STOP)
@@ -469,26 +482,31 @@ class Node:
         if self.stopped is not None:
             future.set_exception(GroupLeft(step, self.stopped))
             return
+        req = _Request(step=step, data=data, signature=signature, future=future, contribute=contribute, abort=abort,
+                       reduce=reduce)
         if self.membership.state is MemberState.CHANGING:
-            self._held_back.append((step, data, signature, future, contribute, abort, reduce))  # in the view agreed
+            self._held_back.append(req)  # run in the view being agreed
             return
-        try:
-            self._submit(step, data, signature, future, contribute, abort, reduce)
-        except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
-            self._steps.pop(step, None)
-            if not future.done():
-                future.set_exception(exc)
+        self._start(req)
 
-    def _submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult],
-                contribute: bool = True, abort: str = "", reduce: str = "sum") -> None:
+    def _start(self, req: _Request) -> None:
+        try:
+            self._submit(req)
+        except Exception as exc:  # a bug or a misuse: the caller hears of it, never waits forever
+            self._steps.pop(req.step, None)
+            if not req.future.done():
+                req.future.set_exception(exc)
+
+    def _submit(self, req: _Request) -> None:
+        step, data, future = req.step, req.data, req.future
         # cut as every member cuts it: at the view's pace (view.py)
         # (never by the number of members: a step re-run after an eviction keeps its chunks)
         per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, self.view.pace) // max(1, data.itemsize))
         starts = list(range(0, max(1, data.size), per_chunk))
         idle = not self._steps
-        st = _Step(step=step, future=future, submitted=data, signature=signature, offsets=dict(enumerate(starts)),
+        st = _Step(step=step, future=future, submitted=data, signature=req.signature, offsets=dict(enumerate(starts)),
                    per_chunk=per_chunk, started=self.scheduler.monotonic(), began=self.scheduler.now(),
-                   contribute=contribute, abort=abort, reduce=reduce)
+                   contribute=req.contribute, abort=req.abort, reduce=req.reduce)
         self._steps[step] = st
         self._last_submitted = max(self._last_submitted, step)
         if idle:
@@ -998,12 +1016,8 @@ class Node:
                 for dst in plan.lacking:
                     self._send(dst, msg)
         held, self._held_back = self._held_back, []
-        for step, data, signature, future, contribute, abort, reduce in held:
-            try:
-                self._submit(step, data, signature, future, contribute, abort, reduce)
-            except Exception as exc:
-                self._steps.pop(step, None)
-                future.set_exception(exc)
+        for req in held:
+            self._start(req)
         for listener in self.view_listeners:
             listener(inst)
         if self._steps:

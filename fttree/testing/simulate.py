@@ -64,8 +64,8 @@ class Simulation:
         """The oracle; raises AssertionError naming the step and ranks. Every result is the sum
         of the contributions of the ranks it names, each once; every rank that holds a result of
         a step holds the same one; every step of a live process has an outcome (nothing hangs);
-        while the group runs on, a restarted or new process is admitted and is among the
-        contributors within JOINED_WITHIN steps of its first."""
+        while the group runs on, a restarted or new process is admitted and, unless the group
+        leaves it out again, is among the contributors within JOINED_WITHIN steps of its first."""
         if self.pending:
             raise AssertionError(f"steps without an outcome (rank, step): {sorted(self.pending)}")
         for step in sorted({s for _r, s in self.outcomes}):
@@ -86,6 +86,8 @@ class Simulation:
         if self.refused and any(s == last for _r, s in self.results_held()):  # the group ran on without them
             raise AssertionError(f"processes kept out of the group: {self.refused}")
         for rank, start in self.admitted.items():
+            if any(isinstance(o, GroupLeft) for (r, s), o in self.outcomes.items() if r == rank and s >= start):
+                continue  # left out again (its links failed too): taking part is not owed then
             window = range(start, min(start + JOINED_WITHIN + 1, self.steps))
             held = [res for s in window for res in self.results(s).values()]
             if held and not any(rank in res.contributors for res in held):  # (none: the group stopped)
