@@ -34,14 +34,10 @@ import numpy as np
 from ..core.config import Config
 from ..core.lifecycle import EARLY_PHASES, RUNNING_PHASES, Life, Lifecycle, Phase
 from ..core.membership import (
-    Boundary,
     Busy,
     ControlReceived,
-    Fence,
-    Fenced,
     Hold,
     Installed,
-    MemberAction,
     MemberEvent,
     Membership,
     MemberState,
@@ -55,7 +51,6 @@ from ..core.membership import (
 from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, SENDER_RULES, VIEW_KINDS, Kind, Message, Sender
 from ..core.protocol import (
     AbortCode,
-    Action,
     CancelTimer,
     Cause,
     Complete,
@@ -74,6 +69,18 @@ from ..core.protocol import (
     TimerKind,
     TreeMachine,
     Void,
+)
+from ..core.replica import (
+    Admit,
+    Finish,
+    Heard,
+    JoinInEffect,
+    Replica,
+    ReplicaAction,
+    ReplicaEvent,
+    StaleSender,
+    StepBoundary,
+    ViewApplied,
 )
 from ..core.view import View
 from ..errors import ConfigError, GroupLeft, PeerError, StepAborted, StepRetry, TensorMismatch
@@ -176,8 +183,6 @@ class Node:
                  join: bool = False, incarnation: int | None = None, contact: Address | None = None) -> None:
         self.rank = rank
         self.cfg = config
-        self.machine = TreeMachine(rank, view, config)
-        self.membership = Membership(rank, view, config)
         self.transport = transport
         self.scheduler = scheduler
         self._timers: dict[TimerKey, Handle] = {}
@@ -186,7 +191,6 @@ class Node:
         self._steps: dict[int, _Step] = {}
         # steps submitted during a view change, run once it is agreed
         self._held_back: list[_Request] = []
-        self._completed: deque[int] = deque(maxlen=256)  # steps finished here, newest last
         self.stopped: str | None = None  # why this rank produces no more results
         self.reruns = 0
         self._evicted: tuple[int, ...] = ()  # left out by the last view change
@@ -200,7 +204,8 @@ class Node:
         # joins and leaves (docs/failures.md, "Elastic jobs")
         self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
         self.joining = join or contact is not None  # this process asks a running group to admit it
-        self.life = Lifecycle(join=self.joining)  # where this process is (core/lifecycle.py)
+        # what this worker decides (core/replica.py): the tree, the membership, the life cycle
+        self.replica = Replica(rank, view, config, join=self.joining)
         self.contact = contact  # a member's address to ask first (a joiner that knows no other rank)
         if contact is not None:
             transport.add_peer(CONTACT, contact)
@@ -215,9 +220,6 @@ class Node:
         self._asking_timer: Handle | None = None
         self._answer_event = asyncio.Event()  # leave() waits for its view on this
         self._early: list[Message] = []  # a joiner's frames from before its admission
-        # decided joins, each taking effect at its training step, in order: a second join can be
-        # decided here before the first took effect (another member coordinated it)
-        self._pending: deque[Installed] = deque()
         self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
         self._hold_queue: list[Callable[[], None]] = []
         self._marked = False  # the caller marks training steps (boundary); else each step is one
@@ -228,6 +230,18 @@ class Node:
         self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
         self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
         transport.bind(self)
+
+    @property
+    def machine(self) -> TreeMachine:
+        return self.replica.machine
+
+    @property
+    def membership(self) -> Membership:
+        return self.replica.membership
+
+    @property
+    def life(self) -> Lifecycle:
+        return self.replica.life
 
     @property
     def started(self) -> bool:
@@ -390,7 +404,7 @@ class Node:
         need its relay or result."""
         if self.life.phase not in RUNNING_PHASES:
             return
-        self._do_member(self.membership.finish(self._last_submitted))
+        self._replica_step(Finish(step=self._last_submitted))
         end = self.scheduler.now() + limit_s
         while self.stopped is None and self.scheduler.now() < end:
             waiting = self._not_done()
@@ -571,7 +585,7 @@ class Node:
             return
         now = self.scheduler.now()
         if self.stopped is None:
-            self._do_member(self.membership.heard(msg.src, now))
+            self._replica_step(Heard(peer=msg.src))
         if msg.payload is not None:
             self._data_at[msg.src] = now
         if msg.kind is Kind.DONE_ACK:
@@ -588,7 +602,7 @@ class Node:
                 self._ack_done()
             return
         if msg.epoch < self.membership.view.epoch and self.stopped is None:
-            self._do_member(self.membership.stale_sender(msg))
+            self._replica_step(StaleSender(msg=msg))
         if msg.kind in LINK_QUERY_KINDS:  # a backup node asks whether our frames to `target` get through
             self._handle(Received(msg=msg, link=self.transport.link_state(msg.target)))
         else:
@@ -600,7 +614,7 @@ class Node:
         this process joins, a member of the group it asked."""
         if rank in self.membership.view or rank in self._candidates:
             return True
-        if any(rank in p.view for p in self._pending):
+        if any(rank in p.view for p in self.replica.pending):
             return True
         if self.life.phase is Phase.ASKING:
             return self._group is None or rank in self._group[1]
@@ -611,7 +625,7 @@ class Node:
         logged once per sender. A rank the group left out is told so (it may not know)."""
         self.foreign_frames += 1
         if msg.epoch < self.membership.view.epoch and self.stopped is None and rule is Sender.MEMBER:
-            self._do_member(self.membership.stale_sender(msg))
+            self._replica_step(StaleSender(msg=msg))
         if msg.src not in self._foreign_logged and len(self._foreign_logged) < 64:
             self._foreign_logged.add(msg.src)
             log.warning("rank %d: dropped %s from rank %d, which may not send it (%s); further frames of that "
@@ -622,7 +636,7 @@ class Node:
         if self.life.phase in RUNNING_PHASES:
             now = self.scheduler.now()
             self._data_at[peer] = now
-            self._do_member(self.membership.heard(peer, now))
+            self._replica_step(Heard(peer=peer))
 
     def is_stale(self, msg: Message) -> bool:
         if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED) or msg.answer
@@ -655,10 +669,10 @@ class Node:
         known = self._incarnations.get(msg.src)
         if msg.code == 0:
             self._learn_address(msg)
-            if known is None and not (self._completed or self.view.epoch):
+            if known is None and not (self.replica.completed or self.view.epoch):
                 self._incarnations[msg.src] = msg.incarnation  # a peer of the first start
             restarted = known is not None and known != msg.incarnation
-            late = known is None and bool(self._completed or self.view.epoch)
+            late = known is None and bool(self.replica.completed or self.view.epoch)
             running = self.stopped is None and (restarted or late or msg.src not in self.membership.view)
             members = self.membership.view.members
             reply = Message(kind=Kind.JOIN_REPLY, src=self.rank, code=0 if running else 2,
@@ -722,11 +736,8 @@ class Node:
         elif msg.code == 1 and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             self._learn_addresses(msg.reason)
-            view = View(msg.epoch, msg.members, msg.pace)
-            self.machine = TreeMachine(self.rank, view, self.cfg)
-            self.machine.start_at(msg.step)
-            self.membership = Membership(self.rank, view, self.cfg)
-            self.membership.user_step = msg.user_step - 1
+            self.replica.admitted(View(msg.epoch, msg.members, msg.pace), msg.step, msg.user_step)
+            view = self.view
             self.joined_at = (msg.step, msg.user_step)
             self.life.on(Life.ADMITTED)
             for r in view.members:
@@ -743,18 +754,15 @@ class Node:
         if self._holding:
             self._hold_queue.append(lambda: self._at_boundary(user_step, first_step))
             return
-        if user_step is None:
+        if user_step is None or self.stopped is not None:
             return
-        while self._pending and user_step >= self._pending[0].activate_at:
-            self._activate(self._pending.popleft(), first_step)
-            if self._pending:
-                self._do_all(self.machine.expect(self._pending[0].view, self.scheduler.now()))
-        self._member(Boundary(user_step=user_step))
+        self._do_all(self.replica.step(StepBoundary(user_step=user_step, first_step=first_step),
+                                       self.scheduler.now()))
 
-    def _activate(self, inst: Installed, first_step: int) -> None:
+    def _join_in_effect(self, inst: Installed, first_step: int) -> None:
+        """A decided join took effect here: tell the joiners from which step they take part."""
         log.warning("rank %d: view %d takes effect at step %d: %s", self.rank, inst.view.epoch, first_step,
                     inst.reason)
-        self._do_all(self.machine.activate(inst.view, self.scheduler.now()))
         for r in inst.joined:
             self.transport.send(r, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=1, epoch=inst.view.epoch,
                                            members=inst.view.members, step=first_step, user_step=inst.activate_at,
@@ -820,7 +828,7 @@ class Node:
 
     def _handle(self, event: Event, *, raise_errors: bool = False) -> None:
         try:
-            actions = self.machine.handle(event, self.scheduler.now())
+            actions = self.replica.step(event, self.scheduler.now())
         except Exception:
             if raise_errors:
                 raise
@@ -829,14 +837,18 @@ class Node:
             return
         self._do_all(actions)
 
-    def _do_all(self, actions: list[Action]) -> None:
+    def _do_all(self, actions: list[ReplicaAction]) -> None:
         voided: set[int] = set()
         self._stamped = None  # the backlog may have drained since the last batch
         for action in actions:
             if isinstance(action, Void):
                 voided.add(action.step)
-            else:
-                self._do(action)
+                continue
+            if isinstance(action, ViewApplied):
+                self._view_applied(action, sorted(voided))
+                voided.clear()
+                continue
+            self._do(action)
         for step in sorted(voided):
             self._voided(step)
         if not self.owes_peers():
@@ -883,7 +895,7 @@ class Node:
         if handle is not None:
             handle.cancel()
 
-    def _do(self, action: Action) -> None:
+    def _do(self, action: ReplicaAction) -> None:
         match action:
             case Send(dst=dst, msg=msg):
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
@@ -910,6 +922,8 @@ class Node:
                              and action.kind is NoteKind.PROTOCOL else "")
                 for listener in self.note_listeners:
                     listener(action)
+            case _:
+                self._do_member(action)
 
     def _on_complete(self, done: Complete) -> None:
         st = self._steps.get(done.step)
@@ -925,7 +939,7 @@ class Node:
             start = st.offsets[chunk]
             st.submitted[start:start + result.size] = result
         del self._steps[done.step]
-        self._completed.append(done.step)
+        self.replica.completed.append(done.step)
         self._report_uplink()
         duration = self.scheduler.monotonic() - st.started
         self.step_durations.append((done.step, duration))
@@ -960,61 +974,41 @@ class Node:
     def _member(self, event: MemberEvent) -> None:
         if self.stopped is not None:
             return
-        self._do_member(self.membership.handle(event, self.scheduler.now()))
+        self._replica_step(event)
 
-    def _do_member(self, actions: list[MemberAction]) -> None:
-        for action in actions:
-            match action:
-                case Send(dst=dst, msg=msg):
-                    self._send(dst, msg)
-                case SetTimer(key=key, at=at):
-                    self._set_timer(key, at)
-                case CancelTimer(key=key):
-                    self._cancel_timer(key)
-                case Fence():
-                    self.machine.fence()
-                    held = tuple(sorted(set(self._completed)))
-                    self._do_member(self.membership.handle(Fenced(held=held), self.scheduler.now()))
-                case Installed() if action.activate_at >= 0:
-                    self._pending.append(action)  # a join: the tree switches at that training step
-                    self._evicted = ()
-                    if len(self._pending) == 1:  # the next to take effect: its early frames are handled
-                        self._do_all(self.machine.expect(action.view, self.scheduler.now()))
-                    for r in action.joined:  # this process is that rank now: its repeated asks are not a restart
-                        if r in self._candidates:
-                            self._incarnations[r] = self._candidates.pop(r)
-                case Installed():
-                    self._install(action)
-                case Hold(on=on):
-                    self._hold(on)
-                case Stopped(state=state, reason=reason):
-                    self._stopped(state, reason)
-                case Suspected(peer=peer, reason=reason):
-                    log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
+    def _replica_step(self, event: ReplicaEvent) -> None:
+        self._do_all(self.replica.step(event, self.scheduler.now()))
 
-    def _install(self, inst: Installed) -> None:
+    def _do_member(self, action: ReplicaAction) -> None:
+        """The actions only the membership and the replica's hand-offs produce."""
+        match action:
+            case Admit(installed=inst):
+                self._evicted = ()
+                for r in inst.joined:  # this process is that rank now: its repeated asks are not a restart
+                    if r in self._candidates:
+                        self._incarnations[r] = self._candidates.pop(r)
+            case JoinInEffect(installed=inst, first_step=first_step):
+                self._join_in_effect(inst, first_step)
+            case Hold(on=on):
+                self._hold(on)
+            case Stopped(state=state, reason=reason):
+                self._stopped(state, reason)
+            case Suspected(peer=peer, reason=reason):
+                log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
+
+    def _view_applied(self, applied: ViewApplied, voided: list[int]) -> None:
+        """A new view is in effect: the steps it voided run again (or fail, by policy), then
+        the steps held back during the change start in it."""
+        inst = applied.installed
         # what changed, not the member list (a line of 255 numbers on every rank of a big job)
         log.warning("rank %d: view %d installed: %d members; evicted %s (%s)", self.rank, inst.view.epoch,
                     inst.view.size, list(inst.evicted), inst.reason)
         self._evicted = inst.evicted
-        if self._pending:
-            # Decided joins not yet in effect are superseded: this view was formed from the
-            # promisers, and a joiner that never heard of its admission did not promise. Taking
-            # its older view into effect later would bring back whoever this one evicted; the
-            # joiner asks again and is admitted into a view after this one.
+        if applied.superseded:
             log.warning("rank %d: view %d supersedes the joins of views %s not yet in effect", self.rank,
-                        inst.view.epoch, [p.view.epoch for p in self._pending])
-            self._pending.clear()
-        self._do_all(self.machine.install(inst.view, inst.committed, self.scheduler.now()))
-        for plan in inst.catch_up:
-            if plan.holder != self.rank:
-                continue
-            for chunk, result, contributors, signature in self.machine.result_of(plan.step):
-                msg = Message(kind=Kind.CATCHUP, src=self.rank, epoch=inst.view.epoch, step=plan.step, chunk=chunk,
-                              contributors=contributors, dtype=result.dtype.str, numel=int(result.size),
-                              signature=signature, payload=result.data.cast("B"))
-                for dst in plan.lacking:
-                    self._send(dst, msg)
+                        inst.view.epoch, list(applied.superseded))
+        for step in voided:
+            self._voided(step)
         held, self._held_back = self._held_back, []
         for req in held:
             self._start(req)
