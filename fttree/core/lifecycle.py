@@ -62,10 +62,11 @@ class LifecycleError(FTTreeError):
 class Lifecycle:
     """Where one process is in TRANSITIONS."""
 
-    __slots__ = ("phase",)
+    __slots__ = ("early", "phase")
 
     def __init__(self, *, join: bool = False) -> None:
         self.phase = Phase.ASKING if join else Phase.STARTING
+        self.early = True  # phase in EARLY_PHASES, kept as a field: the node asks it for every frame
 
     def on(self, event: Life) -> Phase:
         """Take `event`; raises LifecycleError if the table has no such move from here."""
@@ -73,6 +74,7 @@ class Lifecycle:
         if nxt is None:
             raise LifecycleError(f"{event.name} ({event.value}) cannot happen in phase {self.phase.value}")
         self.phase = nxt
+        self.early = nxt in EARLY_PHASES
         return nxt
 
     def __repr__(self) -> str:

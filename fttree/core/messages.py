@@ -353,22 +353,6 @@ def _header_fields(header: dict[Any, Any]) -> dict[str, Any]:
     return fields
 
 
-def _check_payload(kind: Kind, fields: dict[str, Any], payload_len: int) -> None:
-    """The payload is what the header says: raw state bytes, `numel` wire-dtype elements, or none."""
-    dtype: str = fields.get("dtype", "")
-    numel: int = fields.get("numel", 0)
-    if kind is Kind.STATE:
-        if dtype != STATE_DTYPE or numel != payload_len:
-            raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
-    elif kind in DATA_KINDS:
-        if dtype not in WIRE_DTYPES:
-            raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
-        if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
-            raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
-    elif payload_len or numel:
-        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
-
-
 def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
     """Build a Message from a header and payload, validating types, kind and sizes.
 
@@ -381,7 +365,19 @@ def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -
         raise FrameError(f"unknown message kind {raw_kind}")
     fields = _header_fields(header)
     payload_len = 0 if payload is None else len(payload)
-    _check_payload(kind, fields, payload_len)
+    # the payload is what the header says: raw state bytes, `numel` wire-dtype elements, or none
+    dtype: str = fields.get("dtype", "")
+    numel: int = fields.get("numel", 0)
+    if kind is Kind.STATE:
+        if dtype != STATE_DTYPE or numel != payload_len:
+            raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
+    elif kind in DATA_KINDS:
+        if dtype not in WIRE_DTYPES:
+            raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
+        if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
+            raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
+    elif payload_len or numel:
+        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
     return Message(kind=kind, payload=payload if payload_len else None, **fields)
 
 

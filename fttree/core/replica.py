@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .config import Config
 from .lifecycle import Lifecycle
@@ -50,9 +51,9 @@ class StepBoundary:
     first_step: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Heard:
-    """A frame, or bytes of one, came from `peer`: it is alive."""
+class Heard(NamedTuple):
+    """A frame, or bytes of one, came from `peer`: it is alive. (A tuple: one is made for every
+    frame, and a frozen dataclass costs several times as much to build.)"""
 
     peer: int
 
@@ -127,14 +128,18 @@ class Replica:
         self.membership.user_step = user_step - 1
 
     def step(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
-        if type(event) in _TREE_EVENTS:  # hundreds a step: straight to the tree
+        kind = type(event)
+        if kind in _TREE_EVENTS:  # hundreds a step: straight to the tree
             return self.machine.handle(event, now)  # type: ignore[arg-type, return-value]
         out: list[ReplicaAction] = []
+        if kind is Heard:  # one per frame from a member, almost always nothing to do
+            heard = self.membership.heard(event.peer, now)  # type: ignore[union-attr]
+            if heard:
+                self._carry(heard, now, out)
+            return out
         match event:
             case StepBoundary():
                 self._boundary(event, now, out)
-            case Heard(peer=peer):
-                self._carry(self.membership.heard(peer, now), now, out)
             case StaleSender(msg=msg):
                 self._carry(self.membership.stale_sender(msg), now, out)
             case Finish(step=step):

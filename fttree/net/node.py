@@ -32,7 +32,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..core.config import Config
-from ..core.lifecycle import EARLY_PHASES, RUNNING_PHASES, Life, Lifecycle, Phase
+from ..core.lifecycle import RUNNING_PHASES, Life, Lifecycle, Phase
 from ..core.membership import (
     Busy,
     ControlReceived,
@@ -254,12 +254,12 @@ class Node:
 
     @property
     def view(self) -> View:
-        return self.machine.view
+        return self.replica.machine.view
 
     @property
     def neighbours(self) -> tuple[int, ...]:
         """The ranks this one exchanges frames with, in every tree (Config.trees)."""
-        return self.machine.peers
+        return self.replica.machine.peers
 
     # ---- lifecycle (asyncio) ---------------------------------------------------------------
 
@@ -498,7 +498,7 @@ class Node:
             return
         req = _Request(step=step, data=data, signature=signature, future=future, contribute=contribute, abort=abort,
                        reduce=reduce)
-        if self.membership.state is MemberState.CHANGING:
+        if self.replica.membership.state is MemberState.CHANGING:
             self._held_back.append(req)  # run in the view being agreed
             return
         self._start(req)
@@ -525,8 +525,8 @@ class Node:
         self._last_submitted = max(self._last_submitted, step)
         if idle:
             self._member(Busy(since=st.began, step=step))
-        elif self.membership.done:
-            self._member(Busy(since=self.membership.busy_since, step=step))
+        elif self.replica.membership.done:
+            self._member(Busy(since=self.replica.membership.busy_since, step=step))
         self._run(st)
 
     def _run(self, st: _Step) -> None:
@@ -570,7 +570,7 @@ class Node:
         if rule is not Sender.MEMBER or not self._may_send(msg.src):
             self._foreign(msg, rule)
             return
-        if self.life.phase in EARLY_PHASES:
+        if self.replica.life.early:
             # Not in the group yet (a joiner), or not sure yet whether a group runs (a start
             # asking its peers): keep what comes early. A restarted process may be handed frames
             # its previous incarnation's peers had queued (probes of its children, relays): they
@@ -585,7 +585,9 @@ class Node:
             return
         now = self.scheduler.now()
         if self.stopped is None:
-            self._replica_step(Heard(peer=msg.src))
+            heard = self.replica.step(Heard(peer=msg.src), now)
+            if heard:
+                self._do_all(heard)
         if msg.payload is not None:
             self._data_at[msg.src] = now
         if msg.kind is Kind.DONE_ACK:
@@ -601,7 +603,7 @@ class Node:
                 self._owed_done_acks[msg.src] = msg.step
                 self._ack_done()
             return
-        if msg.epoch < self.membership.view.epoch and self.stopped is None:
+        if msg.epoch < self.replica.membership.view.epoch and self.stopped is None:
             self._replica_step(StaleSender(msg=msg))
         if msg.kind in LINK_QUERY_KINDS:  # a backup node asks whether our frames to `target` get through
             self._handle(Received(msg=msg, link=self.transport.link_state(msg.target)))
@@ -612,7 +614,7 @@ class Node:
         """Is `rank` one whose frames this node takes (SENDER_RULES' MEMBER)? A member of its
         view or of a view decided and not yet in effect, a rank it is admitting, or, while
         this process joins, a member of the group it asked."""
-        if rank in self.membership.view or rank in self._candidates:
+        if rank in self.replica.membership.view or rank in self._candidates:
             return True
         if any(rank in p.view for p in self.replica.pending):
             return True
@@ -645,7 +647,7 @@ class Node:
         # A frame of an op that finished here is still owed to its peer: behind a slow uplink a
         # child's share of the result waits in the bulk queue for longer than the op lingers.
         # Only a view change (its ops voided, run again under new ids) makes a frame worthless.
-        return self.machine.is_past_epoch(msg.epoch)
+        return self.replica.machine.is_past_epoch(msg.epoch)
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
         if self.life.phase not in RUNNING_PHASES or peer in self.membership.done:  # starting, or finished
@@ -799,7 +801,7 @@ class Node:
         """Peers whose tensor data arrived within the node deadline (a frame or part of one):
         their part of a step is on its way, slowly. A peer that only answers pings is alive
         but not sending (it may have left the step)."""
-        recent = self.scheduler.now() - self.membership.node_deadline_s
+        recent = self.scheduler.now() - self.replica.membership.node_deadline_s
         return frozenset(peer for peer, at in self._data_at.items() if at >= recent)
 
     def _report_uplink(self) -> None:
@@ -807,11 +809,12 @@ class Node:
         view's pace, a pace round follows (after a step, and while one runs: a first step behind
         a slow uplink takes long)."""
         rate = self.transport.uplink_rate()
-        neighbours = self.membership.view.neighbours(self.rank).all if self.rank in self.membership.view else ()
+        membership = self.replica.membership
+        neighbours = membership.view.neighbours(self.rank).all if self.rank in membership.view else ()
         retransmit = round(max((self.transport.retransmit_s(p) for p in neighbours), default=0.0), 3)
-        if (rate and rate != self.membership.rate) or retransmit != self._retransmit_s:
+        if (rate and rate != membership.rate) or retransmit != self._retransmit_s:
             self._retransmit_s = retransmit
-            self._member(Uplink(rate=rate or self.membership.rate, retransmit_s=retransmit))
+            self._member(Uplink(rate=rate or membership.rate, retransmit_s=retransmit))
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)
@@ -821,7 +824,7 @@ class Node:
                 self._report_uplink()
             self._member(MemberTimer(key=key))
         elif key.kind in _STEP_DEADLINES:  # put off while the peers it waits for send bytes
-            rates = [r for r in (self.transport.uplink_rate(), self.membership.slowest_uplink) if r > 0]
+            rates = [r for r in (self.transport.uplink_rate(), self.replica.membership.slowest_uplink) if r > 0]
             self._handle(TimerFired(key=key, alive=self._alive(), uplink=min(rates, default=0.0)))
         else:
             self._handle(TimerFired(key=key))
@@ -838,17 +841,12 @@ class Node:
         self._do_all(actions)
 
     def _do_all(self, actions: list[ReplicaAction]) -> None:
-        voided: set[int] = set()
+        if not actions:  # most frames from members: nothing changed, nothing to carry out
+            return
+        voided: set[int] = set()  # steps a new view voided: run again (or failed) once it is applied
         self._stamped = None  # the backlog may have drained since the last batch
         for action in actions:
-            if isinstance(action, Void):
-                voided.add(action.step)
-                continue
-            if isinstance(action, ViewApplied):
-                self._view_applied(action, sorted(voided))
-                voided.clear()
-                continue
-            self._do(action)
+            self._do(action, voided)
         for step in sorted(voided):
             self._voided(step)
         if not self.owes_peers():
@@ -895,7 +893,7 @@ class Node:
         if handle is not None:
             handle.cancel()
 
-    def _do(self, action: ReplicaAction) -> None:
+    def _do(self, action: ReplicaAction, voided: set[int]) -> None:
         match action:
             case Send(dst=dst, msg=msg):
                 if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
@@ -922,6 +920,11 @@ class Node:
                              and action.kind is NoteKind.PROTOCOL else "")
                 for listener in self.note_listeners:
                     listener(action)
+            case Void(step=step):
+                voided.add(step)
+            case ViewApplied():
+                self._view_applied(action, sorted(voided))
+                voided.clear()
             case _:
                 self._do_member(action)
 
