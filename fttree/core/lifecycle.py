@@ -62,11 +62,12 @@ class LifecycleError(FTTreeError):
 class Lifecycle:
     """Where one process is in TRANSITIONS."""
 
-    __slots__ = ("early", "phase")
+    __slots__ = ("early", "phase", "running")
 
     def __init__(self, *, join: bool = False) -> None:
         self.phase = Phase.ASKING if join else Phase.STARTING
         self.early = True  # phase in EARLY_PHASES, kept as a field: the node asks it for every frame
+        self.running = False  # phase in RUNNING_PHASES, likewise (for every read of a large frame)
 
     def on(self, event: Life) -> Phase:
         """Take `event`; raises LifecycleError if the table has no such move from here."""
@@ -75,6 +76,7 @@ class Lifecycle:
             raise LifecycleError(f"{event.name} ({event.value}) cannot happen in phase {self.phase.value}")
         self.phase = nxt
         self.early = nxt in EARLY_PHASES
+        self.running = nxt in RUNNING_PHASES
         return nxt
 
     def __repr__(self) -> str:

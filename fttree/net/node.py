@@ -246,7 +246,7 @@ class Node:
     @property
     def started(self) -> bool:
         """Taking part (or leaving): a hard failure of a link is news, not a peer still starting."""
-        return self.life.phase in RUNNING_PHASES
+        return self.replica.life.running
 
     @property
     def leaving(self) -> bool:
@@ -635,10 +635,12 @@ class Node:
 
     def on_progress(self, peer: int) -> None:
         """Bytes of a large frame from `peer` are arriving: it is alive, whatever the frame."""
-        if self.life.phase in RUNNING_PHASES:
+        if self.replica.life.running:
             now = self.scheduler.now()
             self._data_at[peer] = now
-            self._replica_step(Heard(peer=peer))
+            heard = self.replica.step(Heard(peer=peer), now)
+            if heard:
+                self._do_all(heard)
 
     def is_stale(self, msg: Message) -> bool:
         if (msg.kind in (Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED) or msg.answer
