@@ -1,0 +1,69 @@
+"""The Replica without a network: its one entrance makes the hand-offs between the tree, the
+membership and the life cycle, and the test pumps the frames between replicas itself."""
+
+from __future__ import annotations
+
+from fttree.core.config import Config
+from fttree.core.membership import ControlReceived, MemberTimer
+from fttree.core.messages import Kind, Message
+from fttree.core.protocol import Send, TimerKey, TimerKind
+from fttree.core.replica import Admit, JoinInEffect, Replica, ReplicaAction, StepBoundary, ViewApplied
+from fttree.core.view import View
+
+
+class Group:
+    def __init__(self, members: tuple[int, ...], user_step: int) -> None:
+        view = View(0, members)
+        self.r = {m: Replica(m, view, Config()) for m in members}
+        for m in members:
+            self.r[m].step(StepBoundary(user_step=user_step, first_step=user_step), 0.0)
+        self.seen: dict[int, list[ReplicaAction]] = {m: [] for m in members}
+        self.promises: list[Message] = []
+
+    def pump(self, rank: int, actions: list[ReplicaAction]) -> None:
+        queue = [(rank, a) for a in actions]
+        while queue:
+            src, action = queue.pop(0)
+            self.seen[src].append(action)
+            if isinstance(action, Send) and action.dst in self.r:
+                if action.msg.kind is Kind.VIEW_PROMISE:
+                    self.promises.append(action.msg)
+                out = self.r[action.dst].step(ControlReceived(msg=action.msg), 0.0)
+                queue += [(action.dst, a) for a in out]
+
+    def deliver(self, dst: int, msg: Message) -> None:
+        self.pump(dst, self.r[dst].step(ControlReceived(msg=msg), 0.0))
+
+
+def test_a_join_is_kept_until_its_training_step_and_taken_in_at_the_boundary() -> None:
+    g = Group((0, 1, 2, 3), user_step=5)
+    g.deliver(0, Message(kind=Kind.JOIN, src=4, code=1))
+    for m in (0, 1, 2, 3):
+        (admit,) = [a for a in g.seen[m] if isinstance(a, Admit)]
+        assert admit.installed.activate_at == 6
+        assert list(g.r[m].pending) == [admit.installed]
+        assert 4 not in g.r[m].view  # the tree keeps the old view until step 6
+    out = g.r[1].step(StepBoundary(user_step=6, first_step=60), 1.0)
+    (effect,) = [a for a in out if isinstance(a, JoinInEffect)]
+    assert effect.first_step == 60
+    assert effect.installed.joined == (4,)
+    assert 4 in g.r[1].view
+    assert not g.r[1].pending
+
+
+def test_a_view_change_fences_with_the_steps_held_and_supersedes_a_join_not_in_effect() -> None:
+    g = Group((0, 1, 2, 3, 4), user_step=5)
+    g.deliver(0, Message(kind=Kind.JOIN, src=5, code=1))
+    assert all(len(g.r[m].pending) == 1 for m in range(5))
+    g.r[1].completed.append(4)  # rank 1 holds the result of step 4
+    epoch = g.r[0].membership.view.epoch
+    g.deliver(0, Message(kind=Kind.LEAVE, src=3, epoch=epoch))
+    # the coordinator waits for rank 5's promise (it does not know it is a member): time runs out
+    g.pump(0, g.r[0].step(MemberTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0)), 1.0))
+    assert any(p.src == 1 and p.steps == (4,) for p in g.promises)  # fenced, answering with what it holds
+    for m in (0, 1, 2, 4):
+        applied = [a for a in g.seen[m] if isinstance(a, ViewApplied)]
+        assert applied, m
+        assert 3 not in applied[-1].installed.view
+        assert applied[0].superseded == (1,)  # the join decided in view 1 never took effect
+        assert 3 not in g.r[m].view
