@@ -37,6 +37,7 @@ from .membership import (
     MemberAction,
     MemberEvent,
     Membership,
+    Stopped,
 )
 from .messages import Kind, Message
 from .protocol import Action, Event, LinkDown, Received, Send, Submit, TimerFired, TreeMachine
@@ -166,6 +167,9 @@ class Replica:
                     out.append(Admit(installed=action))
                 case Installed():
                     self._apply_view(action, now, out)
+                case Stopped():  # left out or a minority: the tree produces no more results
+                    self.machine.fence()
+                    out.append(action)
                 case _:
                     out.append(action)
 

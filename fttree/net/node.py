@@ -684,26 +684,25 @@ class Node:
                             reason=self._addresses(members))
             self.transport.send(msg.src, reply)
             return
-        if self.stopped is not None:
-            return
-        if msg.src in self.membership.view and (known in (None, msg.incarnation)
-                                                or self._candidates.get(msg.src) == msg.incarnation):
-            return  # a member's own late or repeated request: it is in already
-        self._candidates[msg.src] = msg.incarnation
-        self._learn_address(msg)
-        self._member(ControlReceived(msg=msg))
+        self._join_request(msg.src, msg)
 
     def _on_join_ask(self, msg: Message) -> None:
         """A member passes on rank `target`'s request to be admitted (its own frames to us may be
-        lost): taken as if the joiner had asked us, unless that process is admitted already."""
-        joiner, incarnation = msg.target, msg.incarnation
-        if self.stopped is not None or joiner < 0 or joiner == self.rank:
+        lost): taken as if the joiner had asked us."""
+        if 0 <= msg.target != self.rank:
+            self._join_request(msg.target, msg)
+
+    def _join_request(self, joiner: int, msg: Message) -> None:
+        """Process `msg.incarnation` of rank `joiner`, listening at `msg.reason`, asks to be
+        admitted (JOIN code 1, or a member's JOIN_ASK): to the membership, unless it is a
+        repeat from the process already admitted."""
+        if self.stopped is not None:
             return
         known = self._incarnations.get(joiner)
-        if joiner in self.membership.view and (known in (None, incarnation)
-                                               or self._candidates.get(joiner) == incarnation):
-            return
-        self._candidates[joiner] = incarnation
+        if joiner in self.membership.view and (known in (None, msg.incarnation)
+                                               or self._candidates.get(joiner) == msg.incarnation):
+            return  # a member's own late or repeated request: it is in already
+        self._candidates[joiner] = msg.incarnation
         with contextlib.suppress(ValueError, ConfigError):
             self.transport.add_peer(joiner, parse_address(msg.reason))
         self._member(ControlReceived(msg=msg))
@@ -1054,7 +1053,6 @@ class Node:
         self.stopped = reason
         self.life.on(Life.STOP)
         self._answered()  # a leave() waits for this
-        self.machine.fence()
         self._fail_all(lambda step: GroupLeft(step, reason))
         self._ack_done()
         self._hold(False)  # what waited for a join runs into GroupLeft now

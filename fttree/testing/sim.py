@@ -99,17 +99,22 @@ class SimNetwork:
         end = self.config.startup_timeout_s
         for rank in range(world):  # the first start: each asks the others whether a group runs
             node = self._new_process(rank, view)
-            node.find_group(end, functools.partial(self._first_start, node))
+            node.find_group(end, functools.partial(self._answered, node, end, self._settled, False))
         # as `fttree launch` does, the first steps come once every worker has started
         while any(n.life.phase is Phase.STARTING for n in self.nodes) and self.clock.next_at is not None:
             self.clock.run(until=self.clock.next_at)
 
-    def _first_start(self, node: Node, running: bool) -> None:
-        if running:  # the others' steps ran already: a late start, which joins
-            node.ask_admission(self.clock.now() + self.config.startup_timeout_s,
-                               lambda error: self._admitted(node, error, self._settled))
-        else:
-            node.connected()
+    def _answered(self, node: Node, end: float, on_admitted: Callable[[Node, PeerError | None], None],
+                  tell_first_start: bool, running: bool) -> None:
+        """A process learnt whether a group runs: if one does (or it is a new rank) it asks to be
+        admitted, and `on_admitted` hears how that ends; if every peer is starting too it is a
+        first start and takes part now (`on_admitted` hears of it if `tell_first_start`)."""
+        if running or node.joining:
+            node.ask_admission(end, lambda error: self._admitted(node, error, on_admitted))
+            return
+        node.connected()
+        if tell_first_start:
+            on_admitted(node, None)
 
     def _new_process(self, rank: int, view: View, *, join: bool = False) -> Node:
         """A process for `rank`: the first, or one that replaces a crashed one (restart), or a
@@ -153,19 +158,11 @@ class SimNetwork:
         joining = rank >= self.world
         node = self._new_process(rank, View.initial(max(self.world, rank + 1)), join=joining)
         end = self.clock.now() + self.config.startup_timeout_s
-        gen = self._process[rank]
-
-        def found(running: bool) -> None:
-            if running or node.joining:
-                node.ask_admission(end, lambda error: self._admitted(node, error, on_admitted))
-            else:  # every peer is starting too: this is a first start after all
-                node.connected()
-                on_admitted(node, None)
-
+        found = functools.partial(self._answered, node, end, on_admitted, True)
         if joining:
-            self.run_as(rank, lambda: found(True), process=gen)
+            self.run_as(rank, lambda: found(True), process=self._process[rank])
         else:
-            self.run_as(rank, lambda: node.find_group(end, found), process=gen)
+            self.run_as(rank, lambda: node.find_group(end, found), process=self._process[rank])
         return node
 
     def _note(self, rank: int, note: Note) -> None:
@@ -294,15 +291,20 @@ class SimNetwork:
         self.results[key] = exc if exc is not None else future.result()
         self.finished_at[key] = self.clock.now()
         for hung, step in list(self._resume_after.items()):
-            others = [r for r in range(self.world) if r != hung and r not in self.wire.crashed]
-            if all((r, step) in self.results for r in others):
+            if self._others_finished(hung, step):
                 del self._resume_after[hung]
                 self.resume(hung)
         for crashed, step in list(self._restart_after.items()):
-            others = [r for r in range(len(self.nodes)) if r != crashed and r not in self.wire.crashed]
-            if all((r, step) in self.results for r in others):
+            if self._others_finished(crashed, step):
                 del self._restart_after[crashed]
                 self._restart(crashed)
+
+    def _others_finished(self, rank: int, step: int) -> bool:
+        """Has every other live process that runs `step` an outcome of it (a joiner admitted
+        after it does not run it)?"""
+        return all((r, step) in self.results for r, node in enumerate(self.nodes)
+                   if r != rank and r not in self.wire.crashed
+                   and (node.joined_at is None or node.joined_at[0] <= step))
 
     def _restart(self, rank: int) -> None:
         self.start_process(rank, self._settled)

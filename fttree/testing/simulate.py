@@ -50,11 +50,17 @@ class Simulation:
     admitted: dict[int, int] = field(default_factory=dict)  # restarted or new rank -> its first step
     refused: dict[int, PeerError] = field(default_factory=dict)  # a process kept out, and why
     pending: set[tuple[int, int]] = field(default_factory=set)  # submitted, no outcome (yet)
-    _process_of: dict[tuple[int, int], int] = field(default_factory=dict)  # pending step -> its process
+    submitted_by: dict[tuple[int, int], int] = field(default_factory=dict)  # pending step -> its process
 
     def results(self, step: int) -> dict[int, StepResult]:
         """Every rank's StepResult of `step` (ranks that failed it are left out)."""
         return {r: o for (r, s), o in self.outcomes.items() if s == step and isinstance(o, StepResult)}
+
+    def waiting(self) -> set[tuple[int, int]]:
+        """Pending steps of live processes: not crashed, not hung, not replaced by a restart."""
+        net = self.network
+        gone = net.wire.crashed | net.hung
+        return {(r, s) for r, s in self.pending if r not in gone and self.submitted_by[(r, s)] == net.process_of(r)}
 
     def results_held(self) -> list[tuple[int, int]]:
         """(rank, step) of every StepResult."""
@@ -109,7 +115,7 @@ class _Loop:
         step = user_step + self.offset
         node.boundary(user_step, step)
         run.pending.add((node.rank, step))
-        run._process_of[(node.rank, step)] = self.process
+        run.submitted_by[(node.rank, step)] = self.process
         future = run.network.submit(node.rank, step, run.contribution(node.rank, step))
         future.add_done_callback(functools.partial(self._done, user_step))
 
@@ -117,7 +123,7 @@ class _Loop:
         run, rank = self.run, self.node.rank
         step = user_step + self.offset
         run.pending.discard((rank, step))
-        run._process_of.pop((rank, step), None)
+        run.submitted_by.pop((rank, step), None)
         error = future.exception()
         run.outcomes[(rank, step)] = error if error is not None else future.result()
         if isinstance(error, GroupLeft):
@@ -151,18 +157,11 @@ def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribu
     for rank in range(world):
         _Loop(run, network.nodes[rank], 0, 0, 0).step(0)
     clock = network.clock
-
-    def waiting() -> bool:  # a live process still waits for the outcome of a step
-        gone = network.wire.crashed | network.hung
-        return any(r not in gone and run._process_of[(r, s)] == network.process_of(r) for r, s in run.pending)
-
     # Events run until nothing but a live node's background timers is left (probes of failed
     # links go on forever, as in a real node) and no live process waits for a step.
-    while (clock.busy or waiting()) and clock.next_at is not None and clock.next_at <= limit_s:
+    while (clock.busy or run.waiting()) and clock.next_at is not None and clock.next_at <= limit_s:
         clock.run(until=clock.next_at)
-    crashed = network.wire.crashed | network.hung
     # a crashed or hung process's step has no outcome, nor has the step a restart cut short
-    run.pending = {(r, s) for r, s in run.pending
-                   if r not in crashed and run._process_of[(r, s)] == network.process_of(r)}
+    run.pending = run.waiting()
     return run
 
