@@ -123,7 +123,7 @@ def test_no_credential_off_loopback_refuses_to_start_naming_the_options(tmp_path
 
 def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None:
     """Without a key (loopback) a process can complete the handshake as a rank the job does not
-    have. Its commit, minority, suspicion and leave are dropped by the sender rules before they
+    have. Its commit, minority, suspicion, leave and passed-on join are dropped by the sender rules before they
     change anything (before: one such frame evicted a healthy rank or stopped every rank)."""
     from fttree.core.messages import Kind, Message
 
@@ -135,7 +135,9 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
                   Message(kind=Kind.MINORITY, src=1000, members=(1000,), world=3),
                   Message(kind=Kind.SUSPECT, src=1000, target=2, code=1),
                   Message(kind=Kind.LEAVE, src=1000),
-                  Message(kind=Kind.STATE_REQUEST, src=1000, user_step=0)]
+                  Message(kind=Kind.STATE_REQUEST, src=1000, user_step=0),
+                  # passed on "for" rank 2 with a new process: taken, it would evict rank 2 as restarted
+                  Message(kind=Kind.JOIN_ASK, src=1000, target=2, incarnation=7, reason="127.0.0.9:1")]
         for target in handles:
             a = target.peers[target.rank]
             with connect(a.host, a.port) as sock:
