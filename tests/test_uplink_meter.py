@@ -60,3 +60,20 @@ def test_a_budget_that_holds_the_rank_back_grows_at_every_sample() -> None:
     assert budgets[2] > 10 * budgets[1], budgets  # and again, until the link or the cap limits it
     assert budgets[3] <= 64 * 1024 * 1024
     assert meter.link_rate == 0.0
+
+
+def test_a_socket_closed_under_us_has_no_counters_and_raises_nothing() -> None:
+    """uvloop's socket object for a connection whose descriptor was closed raises ValueError
+    (a negative file descriptor); escaping, it once cut short the actions of a step."""
+    import socket
+
+    from fttree.net.uplink import tcp_counters
+
+    class Closed:
+        def getsockopt(self, *args: object) -> bytes:
+            raise ValueError("negative file descriptor")
+
+    assert tcp_counters(Closed()) is None  # type: ignore[arg-type]
+    sock = socket.socket()
+    sock.close()
+    assert tcp_counters(sock) is None

@@ -140,10 +140,12 @@ def retransmit_timeout_s(counters: TcpCounters) -> float:
 
 
 def tcp_counters(sock: socket.socket) -> TcpCounters | None:
-    """The kernel's view of a connected TCP socket (Linux TCP_INFO), or None."""
+    """The kernel's view of a connected TCP socket (Linux TCP_INFO), or None. A socket closed
+    under us has none: uvloop's socket object then raises ValueError (a negative descriptor),
+    which, escaping, once cut short a step's actions on a peer's death."""
     if _TCP_INFO is None:
         return None
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 152)
         if len(info) >= 72:
             rtt = struct.unpack_from("<I", info, 68)[0] / 1e6
