@@ -48,6 +48,8 @@ from . import SOURCE_ROOT
 from .analyze import bridgeable
 from .demo import THESIS_MLP_PARAMS
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
+from .units import format_bytes, format_rate, parse_rate, ring_bound_bytes
+from .units import parse_size as parse_size  # the tests take it from here
 
 DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
 
@@ -116,39 +118,6 @@ def pattern_links(world: int, pattern: str) -> list[tuple[int, int]] | None:
     if any(max(a, b) >= world for a, b in links) or not bridgeable(world, set(links)):
         return None
     return links
-
-
-# ---- sizes -------------------------------------------------------------------------------------
-
-_UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
-
-
-def parse_size(text: str) -> int:
-    """float32 elements for '4KB', '1.6MB', '100MB', '16MiB', 'mlp' (the thesis's 407,050) or a bare count."""
-    t = text.strip().upper()
-    if t == "MLP":
-        return THESIS_MLP_PARAMS
-    if t.isdigit():
-        n = int(t)
-    else:
-        num = t.rstrip("KMGIB")
-        unit = t[len(num):]
-        try:
-            n = int(float(num) * _UNITS[unit]) // 4
-        except (KeyError, ValueError):
-            raise ConfigError(f"bad size {text!r}: use 4KB, 1.6MB, 100MB, 16MiB, mlp or an element count") from None
-    if n < 1:
-        raise ConfigError(f"size {text!r} is less than one float32")
-    return n
-
-
-def format_bytes(elements: int) -> str:
-    b = elements * 4
-    for unit, scale in (("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
-        if b >= scale:
-            v = b / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{b} B"
 
 
 # ---- runs --------------------------------------------------------------------------------------
@@ -537,28 +506,6 @@ def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
 
 # ---- emulated edge uplinks ---------------------------------------------------------------------
 
-_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
-
-
-def parse_rate(text: str) -> float:
-    """Bits per second of a tc rate: 100mbit, 1gbit, 500kbit, 10mbps (bytes)."""
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        bps = float(num) * _RATE_UNITS[t[len(num):]]
-    except (KeyError, ValueError):
-        raise ConfigError(f"bad rate {text!r}: use tc units like 100mbit, 1gbit, 500kbit or 10mbps") from None
-    if bps < 8:
-        raise ConfigError(f"rate {text!r} is less than a byte per second")
-    return bps
-
-
-def format_rate(bps: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g} {unit}"
-    return f"{bps:g} bit/s"
-
 
 def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
                     step_timeout_s: float) -> tuple[float, float, tuple[tuple[str, str], ...]]:
@@ -580,12 +527,6 @@ def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
     ceiling = max(2.0, step_s)
     return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),
                                                           ("uplink_bytes_per_s", f"{bps / 8:g}"))
-
-
-def ring_bound_bytes(size: int, world: int) -> float:
-    """The least any rank can send in an allreduce of `size` float32 (every rank must send
-    2N(p-1)/p bytes for the others to get its share in and the sum out): the ring's figure."""
-    return 2 * size * 4 * (world - 1) / world
 
 
 class Uplinks:

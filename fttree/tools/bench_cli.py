@@ -128,6 +128,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     Prints the tables and the issue's performance targets, and writes bench.json (every raw
     step time of every rank) and the PNG figures to --out."""
     from . import bench as b
+    from .units import parse_rate, parse_size
 
     if long_run is not None:
         _long_run(long_run, step_timeout, out_dir, dry_run)
@@ -162,12 +163,12 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return t
 
     try:
-        matrix_size = b.parse_size(size_text)
+        matrix_size = parse_size(size_text)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
     if uplink:
         try:
-            b.parse_rate(uplink)
+            parse_rate(uplink)
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--uplink") from None
         # the Table 1-2 matrix (fault windows, the plain tree) is about timeouts, not bandwidth
@@ -193,7 +194,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         workers=_split(workers, positive, "--workers"), timeouts=_split(timeouts, timeout, "--timeouts"),
         patterns=tuple(p for p in chosen if p in b.PATTERNS) or ("none",),
         node_patterns=tuple(p for p in chosen if p in b.NODE_PATTERNS), policies=_split(policies, policy, "--policies"),
-        size=matrix_size, sweep_sizes=_split(sizes_text, b.parse_size, "--sizes"),
+        size=matrix_size, sweep_sizes=_split(sizes_text, parse_size, "--sizes"),
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
         link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,

@@ -110,7 +110,7 @@ def _job_options(f: F) -> F:
 
 def uplink_bytes_per_s(rate: str) -> float:
     """Bytes per second of a tc rate ("100mbit"), or a usage error naming the flag."""
-    from .bench import parse_rate
+    from .units import parse_rate
 
     try:
         return parse_rate(rate) / 8
