@@ -21,585 +21,48 @@ patterns' runs report their false evictions: ranks the group left out although n
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import platform
-import queue
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.config import Config
-from ..core.faults import FaultKind, FaultSchedule
 from ..core.trees import TREE_FAMILIES
-from ..errors import ConfigError
-from ..net.address import free_port, local_peers
-from . import SOURCE_ROOT
-from .analyze import bridgeable
+from .bench_patterns import (
+    FIGURE_OF_WORLD,
+    FIRST_WINDOW,
+    HANG_STEPS,
+    LATER_TARGET,
+    NODE_LATER,
+    NODE_PATTERNS,
+    NODE_STEP,
+    NODE_TARGET_S,
+    PATTERN_LINKS,
+    PATTERN_NAMES,
+    PATTERNS,
+    POLICIES,
+    THESIS,
+    WARMUP_STEPS,
+    node_rule,
+    node_victim,
+    node_window,
+    pattern_links,
+    thesis_figure,
+)
+from .bench_run import execute, machine_info, worker_commands
+from .bench_spec import DEFAULT_TREES, RunResult, RunSpec
+from .bench_uplinks import Uplinks
 from .demo import THESIS_MLP_PARAMS
-from .nodefaults import NodeFault, NodeFaultDriver, node_faults
-from .units import format_bytes, format_rate, parse_rate, ring_bound_bytes
-from .units import parse_size as parse_size  # the tests take it from here
-
-DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
-
-# ---- what the thesis reports ---------------------------------------------------------------
-
-PATTERNS = ("none", "1", "2p", "2s")
-PATTERN_NAMES = {"none": "no fault", "1": "1 fault", "2p": "2 parallel", "2s": "2 serial"}
-# Tables 1 (timeout 0.5 s) and 2 (1 s): step seconds for no fault, 1 fault, 2 parallel, 2 serial
-THESIS: dict[float, dict[int, tuple[float, float, float, float]]] = {
-    0.5: {7: (0.033, 1.449, 1.495, 2.822), 15: (0.062, 1.510, 1.513, 2.890), 31: (0.091, 1.497, 1.494, 2.880)},
-    1.0: {7: (0.034, 2.441, 2.473, 4.839), 15: (0.065, 2.541, 2.498, 4.860), 31: (0.093, 2.509, 2.541, 4.911)},
-}
-FIGURE_OF_WORLD = {3: 14, 7: 15, 15: 16, 31: 17}  # Figs. 14-17: time per iteration, faults at steps 5-10
-# Links cut by each pattern: at the same height (parallel) or at consecutive heights (serial).
-PATTERN_LINKS: dict[str, list[tuple[int, int]]] = {"1": [(1, 0)], "2p": [(3, 1), (5, 2)], "2s": [(3, 1), (1, 0)]}
-POLICIES = ("static", "adaptive")
-# Node failures (issue 11): runs of their own, a worker killed or stopped before NODE_STEP.
-NODE_PATTERNS = ("crash-leaf", "crash-interior", "crash-root", "hang")
-PATTERN_NAMES.update({"crash-leaf": "crash leaf", "crash-interior": "crash interior", "crash-root": "crash root",
-                      "hang": "hang"})
-NODE_STEP = 8  # warm-up 0-1, no-fault steps 2-7, the fault before step 8
-HANG_STEPS = 3  # a hang lasts until the others have finished this many steps without the victim
-NODE_LATER = 10  # steps after the fault (after the hang's window) measured against the plain tree
-# Targets of issue 11, seconds over the no-fault median, and the later-steps ratio.
-NODE_TARGET_S = {"crash-leaf": 1.0, "crash-interior": 1.0, "crash-root": 1.0, "hang": 3.0}
-LATER_TARGET = 1.2
-
-FIRST_WINDOW = 5  # the thesis's links fail between the 5th and the 10th iteration
-WARMUP_STEPS = 2
-
-
-def node_victim(world: int, pattern: str) -> int | None:
-    """The rank a node pattern strikes in a tree of `world`, or None where it does not apply:
-    a leaf that is not in the last slot (its hole gets filled), rank 1 when it has children,
-    the root, and for a hang rank 2 (interior from 7 workers on)."""
-    if world < 3:
-        return None  # one survivor of two is no majority
-    if pattern == "crash-leaf":
-        return world - 3 if world - 3 >= world // 2 else world - 1
-    if pattern == "crash-interior":
-        return 1 if world >= 4 else None
-    if pattern == "crash-root":
-        return 0
-    if pattern == "hang":
-        return 2
-    raise ConfigError(f"unknown node pattern {pattern!r}; known: {', '.join(NODE_PATTERNS)}")
-
-
-def node_rule(world: int, pattern: str, step: int = NODE_STEP) -> str | None:
-    """The fault schedule of a node pattern (None where it does not apply)."""
-    victim = node_victim(world, pattern)
-    if victim is None:
-        return None
-    return f"hang {victim} @{step}..{step + HANG_STEPS - 1}" if pattern == "hang" else f"crash {victim} @{step}"
-
-
-def thesis_figure(timeout_s: float, world: int, pattern: str) -> float | None:
-    row = THESIS.get(timeout_s, {}).get(world)
-    return None if row is None else row[PATTERNS.index(pattern)]
-
-
-def pattern_links(world: int, pattern: str) -> list[tuple[int, int]] | None:
-    """The links a pattern cuts in a tree of `world`, or None where it cannot apply (a rank is
-    missing, or the one-hop backups could not bridge it, as for 2 faults in 3 workers)."""
-    links = PATTERN_LINKS[pattern]
-    if any(max(a, b) >= world for a, b in links) or not bridgeable(world, set(links)):
-        return None
-    return links
-
-
-# ---- runs --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSpec:
-    """One group of worker processes doing `steps` allreduce steps."""
-
-    kind: str  # "fttree", "plain" (fttree without backups) or "gloo"
-    world: int
-    size: int  # float32 elements
-    steps: int
-    warmup: int = WARMUP_STEPS
-    timeout_s: float = 0.5
-    policy: str = "static"
-    faults: str = ""
-    windows: tuple[tuple[str, int, int], ...] = ()  # (pattern, first step, last step)
-    purpose: str = "matrix"  # "matrix", "sweep", "node" (a node failure) or "survivors" (its plain baseline)
-    step_timeout_s: float = 30.0
-    chunk_bytes: int | None = None
-    link_memory: bool = True
-    uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
-    compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
-    trees: str = DEFAULT_TREES  # fttree: the trees a step's chunks spread over (Config.trees)
-    settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
-    node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
-    footprint_every: int = 0  # fttree: each worker reports its bookkeeping sizes after every this many steps
-    tuned: bool = False  # fttree under uplinks: timeouts derived from the declared rate (uplink_timeouts)
-    loss: float = 0.0  # percent of packets every rank's links drop (netem/loss.sh), under uplinks
-
-    def struck(self) -> list[NodeFault]:
-        return node_faults(FaultSchedule(self.node_faults, world=self.world), self.steps) if self.node_faults else []
-
-    @property
-    def label(self) -> str:
-        what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
-        if (self.kind == "fttree" and self.uplink_bps and not self.tuned and self.timeout_s == Config().timeout_s
-                and self.policy == Config().timeout_policy and not self.settings):
-            what = "fttree defaults"
-        if self.kind == "fttree" and not self.link_memory:
-            what += " no-link-memory"
-        if self.kind == "fttree" and self.trees != DEFAULT_TREES:
-            what += f" {self.trees} trees"
-        if self.compression:
-            what += f" {self.compression}"
-        if self.tuned:
-            what += " tuned"
-        where = f", uplinks {format_rate(self.uplink_bps)}" if self.uplink_bps else ""
-        if self.loss:
-            where += f", {self.loss:g}% loss"
-        return f"{what}, {self.world} workers, {format_bytes(self.size)}{where}"
-
-    def deadline_s(self) -> float:
-        per_step = 5.0 + 3 * self.timeout_s + self.size * 4 / 20e6  # generous: a 2-core box shared with others
-        if self.uplink_bps:
-            per_step += 3 * (self.size * 4 * 8) / self.uplink_bps  # a tree's interior rank sends 3N
-            per_step = max(per_step, self.step_timeout_s)  # a failed step still ends within the run
-        return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
-
-    def pattern_of(self, step: int) -> str:
-        """The pattern a step ran under: "none" for a clean step, "after" for the steps after a
-        node failure (a smaller group: they are not no-fault steps of this run's world)."""
-        for pattern, first, last in self.windows:
-            if first <= step <= last:
-                return pattern
-            if self.purpose == "node" and step > last:
-                return "after"
-        return "none"
-
-
-@dataclass
-class RunResult:
-    spec: RunSpec
-    records: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
-    stderr_tail: dict[int, list[str]] = field(default_factory=dict)
-    startup_s: float = 0.0
-    wall_s: float = 0.0
-    error: str = ""
-    sent_bytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes its uplink carried (--uplink)
-
-    def bytes_per_step(self) -> dict[int, float]:
-        """What each rank sent per step: its uplink counter (start-up, every step and the acks
-        of what it received) over the steps run."""
-        return {r: b / self.spec.steps for r, b in self.sent_bytes.items()} if self.spec.steps else {}
-
-    membership: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its "membership" record
-    #: rank -> (step, sizes) the worker reported every `spec.footprint_every` steps
-    footprints: dict[int, list[tuple[int, dict[str, int]]]] = field(default_factory=lambda: defaultdict(list))
-    signalled: dict[int, float] = field(default_factory=dict)  # victim -> monotonic time of its SIGKILL/SIGSTOP
-
-    def counted_ranks(self, step: int) -> set[int]:
-        """Ranks whose record of `step` counts: all but those a node fault took out by then."""
-        return set(range(self.spec.world)) - {f.rank for f in self.spec.struck() if f.first <= step}
-
-    def counted(self, step: int) -> list[dict[str, Any]]:
-        want = self.counted_ranks(step)
-        return [r for rank, r in self.records.get(step, {}).items() if rank in want]
-
-    def complete_steps(self) -> list[int]:
-        return sorted(s for s, recs in self.records.items() if self.counted_ranks(s) <= set(recs))
-
-    def step_time(self, step: int) -> float:
-        """The slowest rank's time for the step (how long until it was done everywhere)."""
-        return max(float(r["duration_s"]) for r in self.counted(step))
-
-    def step_cpu(self, step: int) -> float:
-        """CPU seconds all ranks spent inside the step's allreduce call: what a loaded machine
-        does not inflate (much), unlike wall time."""
-        return sum(float(r.get("cpu_s", 0.0)) for r in self.counted(step))
-
-    def step_ok(self, step: int) -> bool:
-        return all(r["exact"] and not r["error"] for r in self.counted(step))
-
-    def all_exact(self) -> bool:
-        return all(r["exact"] for s in self.records for r in self.counted(s))
-
-    def evictions(self) -> list[tuple[int, int]]:
-        """(rank, epoch) of every eviction any worker reported: in a run without node faults,
-        each is a false eviction."""
-        return sorted({(int(e["rank"]), int(e["epoch"])) for m in self.membership.values() for e in m["evictions"]})
-
-    def detection_s(self) -> float | None:
-        """The slowest survivor's time from the first suspicion it heard to the commit of the
-        view without the victim (the membership layer's `detected_after_s`)."""
-        times = [float(e["detected_after_s"]) for m in self.membership.values() for e in m["evictions"]]
-        return max(times) if times else None
-
-    def false_events(self) -> dict[str, int]:
-        """What the fault machinery did in this run, summed over the ranks: backup watches that
-        expired, data or results sent around a link, detours link memory chose, suspicions,
-        evictions and view changes other than the pace. In a run without faults each one is
-        false: the fault tolerance took a healthy link or node for a broken one."""
-        notes = [e for recs in self.records.values() for r in recs.values() for e in r.get("events", ())]
-        views = dict(sorted({(int(v["epoch"]), tuple(v["members"])) for m in self.membership.values()
-                             for v in m["views"]}))
-        before, changed = tuple(range(self.spec.world)), 0
-        for members in views.values():  # a pace change keeps the members: not a change here
-            changed += sorted(members) != sorted(before)
-            before = members
-        return {"expiries": sum(e["kind"] == "timeout" for e in notes),
-                "relays": sum(e["cause"] in ("data_relayed", "result_pushed") for e in notes),
-                "detours": sum(e["kind"] == "detour" for e in notes),
-                "suspicions": sum(int(m.get("suspicions", 0)) for m in self.membership.values()),
-                "evictions": len(self.evictions()),
-                "view_changes": changed}
-
-    def signal_to_view_s(self) -> float | None:
-        """From the SIGKILL or SIGSTOP to the last survivor installing the view without the
-        victim: detection, agreement and the message delays, end to end."""
-        if not self.signalled:
-            return None
-        at = min(self.signalled.values())
-        installs = [float(v["at"]) for m in self.membership.values() for v in m["views"]
-                    if set(v["evicted"]) & set(self.signalled)]
-        return max(installs) - at if installs else None
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and len(self.complete_steps()) == self.spec.steps and self.all_exact()
-
-    def measured(self, pattern: str = "none") -> list[int]:
-        """Post-warmup steps under `pattern` that finished exactly on every rank (a failed step
-        is counted in `failed_steps`, never in a median)."""
-        return [s for s in self.complete_steps()
-                if s >= self.spec.warmup and self.spec.pattern_of(s) == pattern and self.step_ok(s)]
-
-    def failed_steps(self) -> list[int]:
-        return [s for s in self.complete_steps() if not self.step_ok(s)]
-
-    def times(self, pattern: str = "none") -> list[float]:
-        return [self.step_time(s) for s in self.measured(pattern)]
-
-    def median(self, pattern: str = "none") -> float | None:
-        t = self.times(pattern)
-        return statistics.median(t) if t else None
-
-    def cpu_median(self, pattern: str = "none") -> float | None:
-        c = [self.step_cpu(s) for s in self.measured(pattern)]
-        return statistics.median(c) if c else None
-
-    def first_of_window(self, pattern: str) -> float | None:
-        """The first faulted step of the pattern's window: the one that pays for detection (later
-        steps may route around a link already known broken)."""
-        for p, first, _last in self.spec.windows:
-            if p == pattern and first in self.complete_steps():
-                return self.step_time(first) if self.step_ok(first) else None
-        return None
-
-    def worst_of_window(self, pattern: str) -> float | None:
-        """The slowest step of the pattern's window (a hang's detection may land in any of them)."""
-        for p, first, last in self.spec.windows:
-            steps = [s for s in range(first, last + 1) if s in self.complete_steps()]
-            if p == pattern and steps and all(self.step_ok(s) for s in steps):
-                return max(self.step_time(s) for s in steps)
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "spec": asdict(self.spec), "label": self.spec.label, "ok": self.ok, "error": self.error,
-            "startup_s": self.startup_s, "wall_s": self.wall_s, "exit_codes": self.exit_codes,
-            "stderr_tail": {r: t for r, t in self.stderr_tail.items() if t and self.exit_codes.get(r) != 0},
-            "step_times_s": {s: self.step_time(s) for s in self.complete_steps()},
-            "medians_s": {p: self.median(p) for p in PATTERNS if self.times(p)},
-            "first_faulted_step_s": {p: self.first_of_window(p) for p, _, _ in self.spec.windows},
-            "cpu_medians_s": {p: self.cpu_median(p) for p in PATTERNS if self.times(p)},
-            "failed_steps": self.failed_steps(),
-            "sent_bytes": self.sent_bytes,
-            "evictions": self.evictions(), "detection_s": self.detection_s(),
-            "signal_to_view_s": self.signal_to_view_s(), "signalled": self.signalled,
-            "membership": self.membership,
-            "records": {s: [recs[r] for r in sorted(recs)] for s, recs in sorted(self.records.items())},
-        }
-
-
-def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[list[str]]:
-    """One command per rank. `bind`: gloo's ranks send from their own 127.0.0.(r+1), as fttree's
-    always do (uplink limits match the source address)."""
-    py = [sys.executable, "-m"]
-    if spec.kind == "gloo":
-        port = free_port()
-        return [[*py, "fttree.tools.gloo_baseline", "--rank", str(r), "--world", str(spec.world), "--port", str(port),
-                 "--steps", str(spec.steps), "--size", str(spec.size)]
-                + (["--bind", f"127.0.0.{r + 1}"] if bind else []) for r in range(spec.world)]
-    hosts = [f"127.0.0.{r + 1}" for r in range(spec.world)]
-    peers = local_peers(spec.world, "127.0.0.1", free_port(hosts))
-    peers_file = workdir / f"peers-{spec.world}.txt"
-    peers_file.write_text("\n".join(peers) + "\n")
-    args = ["--steps", str(spec.steps), "--size", str(spec.size), "--timeout", str(spec.timeout_s),
-            "--step-timeout", str(spec.step_timeout_s)]
-    if spec.faults:
-        args += ["--faults", spec.faults]
-    if spec.kind == "plain":
-        args.append("--no-ft")
-    if spec.kind == "fttree":  # always explicit: the API's default policy may change
-        args += ["--timeout-policy", spec.policy]
-    if spec.chunk_bytes:
-        args += ["--chunk-bytes", str(spec.chunk_bytes)]
-    if spec.kind == "fttree" and not spec.link_memory:
-        args.append("--no-link-memory")
-    if spec.kind == "fttree" and spec.compression:
-        args += ["--compression", spec.compression]
-    if spec.kind == "fttree":  # always explicit: the API's default may change
-        args += ["--trees", spec.trees]
-    elif spec.kind == "plain":  # the thesis's baseline: one plain tree
-        args += ["--trees", "single"]
-    for field_name, value in spec.settings:
-        args += ["--set", f"{field_name}={value}"]
-    if spec.footprint_every:
-        args += ["--footprint-every", str(spec.footprint_every)]
-    return [[*py, "fttree.tools.bench_worker", "--rank", str(r), "--peers", str(peers_file), *args]
-            for r in range(spec.world)]
-
-
-def execute(spec: RunSpec, workdir: Path, on_step: Callable[[int], None] = lambda step: None,
-            uplinks: Uplinks | None = None) -> RunResult:
-    """Start the run's workers, gather their records, release them together, and clean up.
-
-    Workers block after their last step until their stdin closes, so none tears down a link
-    while a slower peer still needs it. A worker that dies early ends the run at once, unless
-    it is the victim of the run's node faults (the bench kills or stops it by pid, and always
-    continues a stopped one before the end). With
-    `uplinks` the workers run in its namespace under fresh per-rank limits, and each rank's
-    uplink counter is read once every rank is done (before the release)."""
-    result = RunResult(spec=spec)
-    cmds = worker_commands(spec, workdir, bind=uplinks is not None)
-    if uplinks is not None:
-        uplinks.apply(spec.world)  # zeroes the counters
-        cmds = [uplinks.wrap(cmd) for cmd in cmds]
-    struck = spec.struck()
-    driver = NodeFaultDriver(struck, world=spec.world, gate_dir=Path(tempfile.mkdtemp(prefix="gates-", dir=workdir)),
-                             echo=lambda line: None)
-    killed = {f.rank for f in struck if f.kind is FaultKind.CRASH}
-    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-    procs: dict[int, subprocess.Popen[str]] = {}
-    stderr: dict[int, list[str]] = defaultdict(list)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-
-    pumps: list[threading.Thread] = []
-
-    def pump(rank: int, stream: Any, into: queue.Queue[tuple[int, str | None]] | None) -> None:
-        for line in stream:
-            if into is not None:
-                into.put((rank, line))
-            else:
-                stderr[rank].append(line.rstrip())
-                del stderr[rank][:-30]
-        if into is not None:
-            into.put((rank, None))
-
-    t0 = time.monotonic()
-    end = t0 + spec.deadline_s()
-    ready: set[int] = set()
-    done: set[int] = set()
-    finishers = set(range(spec.world)) - killed  # every rank but the killed ones reports "done"
-    interrupted = True  # until the loop ends by itself: Ctrl-C must not wait out every worker's step
-    try:
-        for rank, cmd in enumerate(cmds):
-            proc = subprocess.Popen([*cmd, *driver.worker_args(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-            procs[rank] = proc
-            for stream, into in ((proc.stdout, lines), (proc.stderr, None)):
-                pumps.append(threading.Thread(target=pump, args=(rank, stream, into), daemon=True))
-                pumps[-1].start()
-        driver.start(procs)
-        while not finishers <= done:
-            try:
-                rank, line = lines.get(timeout=max(0.05, end - time.monotonic()))
-            except queue.Empty:
-                steps = result.complete_steps()
-                result.error = (f"gave up after {spec.deadline_s():.0f} s with {len(steps)} of {spec.steps} steps "
-                                f"done on every rank; ranks not finished: {sorted(finishers - done)}")
-                break
-            if line is None:
-                if rank not in done and rank not in killed:
-                    result.error = f"rank {rank} exited before its last step"
-                    break
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                stderr[rank].append(f"(stdout) {line.rstrip()}")
-                continue
-            kind = rec.get("kind")
-            if kind == "ready":
-                ready.add(rank)
-                if len(ready) == spec.world:
-                    result.startup_s = time.monotonic() - t0
-            elif kind == "step":
-                step = int(rec["step"])
-                result.records[step][rank] = rec
-                driver.note_step(rank, step)
-                if rank in result.counted_ranks(step) and result.counted_ranks(step) <= set(result.records[step]):
-                    on_step(step)
-            elif kind == "membership":
-                result.membership[rank] = rec
-            elif kind == "footprint":
-                result.footprints[rank].append((int(rec["step"]), {k: int(v) for k, v in rec["sizes"].items()}))
-            elif kind == "done":
-                done.add(rank)
-                if uplinks is not None and len(done) == spec.world:
-                    try:
-                        result.sent_bytes = uplinks.counters()
-                    except ConfigError as exc:
-                        result.error = f"could not read the uplink counters: {exc}"
-        interrupted = False
-    finally:
-        driver.close()  # a stopped worker is continued before anything else: it could not even die
-        result.wall_s = time.monotonic() - t0
-        for proc in procs.values():
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-        if result.error or interrupted:
-            for proc in procs.values():
-                _kill_group(proc, 15)
-        # a closing worker may wait up to its step timeout for a peer's word that it is done
-        # (FTTreeAllreduce.close), then up to 10 s for late peers: let it, rather than kill it
-        closing_s = spec.step_timeout_s + 15
-        for rank, proc in procs.items():
-            try:
-                result.exit_codes[rank] = proc.wait(timeout=closing_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc, 9)
-                result.exit_codes[rank] = proc.wait(timeout=10)
-        for thread in pumps:
-            thread.join(timeout=2)  # the streams end with the processes
-    result.signalled = {rank: fired.at for rank, fired in driver.fired.items()}
-    if driver.error is not None and not result.error:
-        result.error = f"node fault injection failed: {driver.error}"
-    victims = {f.rank for f in struck}
-    for rank in procs:
-        result.stderr_tail[rank] = stderr[rank][-12:]
-        if result.exit_codes.get(rank) not in (0, None) and not result.error and rank not in victims:
-            result.error = f"rank {rank} exited with code {result.exit_codes[rank]}"
-    return result
-
-
-def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
-    """Signal the process group of one worker we started (each has its own session)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
-
-# ---- emulated edge uplinks ---------------------------------------------------------------------
-
-
-def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
-                    step_timeout_s: float) -> tuple[float, float, tuple[tuple[str, str], ...]]:
-    """(timeout_s, step_timeout_s, other settings) for fttree under uplinks of `bps`.
-
-    The defaults suit a LAN: a backup watch allows 0.5 s plus queued bytes at 50 MB/s
-    (timeouts.py), and a neighbour silent for 4 s at most is suspected. Behind a 100 Mbit/s
-    uplink shared by three tree links, one 4 MiB chunk takes a second and a 100 MB step half a
-    minute, so every watch would fire and relays would clog the backup links. Scaled to the
-    expected step time T (an interior rank sends 3N): watches T, node deadlines up to 2T,
-    and the step deadline 4T + 10 s. (Watches of T/2 still fired on healthy links with 16 MB
-    in bf16 in 1 MiB chunks, 7 workers: mean bytes 0.70-0.85 of the bound where the data is
-    0.50.) A fault then costs about T, which is what waiting for data queued behind a slow
-    uplink costs anyway. Watches also allow queued bytes at the
-    uplink's pace (`uplink_bytes_per_s`), not a LAN's."""
-    nbytes = size * 4 * (0.5 if compression else 1.0)
-    step_s = 3 * nbytes * 8 / bps
-    watch = max(timeout_s, step_s)
-    ceiling = max(2.0, step_s)
-    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),
-                                                          ("uplink_bytes_per_s", f"{bps / 8:g}"))
-
-
-class Uplinks:
-    """A private network namespace in which every rank has its own uplink (netem/uplink.sh: an
-    htb class per rank address on lo, matched by source). Workers run inside it (`wrap`);
-    `apply` sets fresh limits (and zeroes the counters) for a run; `close` removes the limits
-    and the namespace, killing anything left inside, and is safe to call twice.
-
-    Nobody outside the namespace is shaped: other jobs on this machine's lo keep full speed."""
-
-    def __init__(self, rate: str, name: str | None = None, loss: float = 0.0) -> None:
-        self.rate = rate
-        self.bps = parse_rate(rate)
-        self.loss = loss  # percent of packets to and from every rank dropped (netem/loss.sh)
-        self.name = name or f"fttree-bench-{os.getpid()}"
-        self.netem = SOURCE_ROOT / "netem"
-        self._up = False
-
-    @staticmethod
-    def missing() -> str:
-        """Why uplinks cannot be emulated here ('' when they can)."""
-        if sys.platform != "linux":
-            return "uplink limits need Linux (network namespaces, tc)"
-        if os.geteuid() != 0:
-            return "uplink limits need root (ip netns, tc): run the bench with sudo"
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                return f"uplink limits need {tool} (apt-get install iproute2)"
-        return ""
-
-    def _script(self, name: str, *args: str) -> str:
-        out = subprocess.run(["bash", str(self.netem / name), *args], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise ConfigError(f"netem/{name} {' '.join(args)}: {(out.stderr or out.stdout).strip()}")
-        return out.stdout
-
-    def start(self, ranks: int) -> None:
-        why = self.missing()
-        if why:
-            raise ConfigError(why)
-        self._up = True  # from here on close() has something to undo, even if `up` fails half way
-        self._script("cluster.sh", "up", self.name, "-n", str(ranks))
-
-    def apply(self, world: int) -> None:
-        self._script("uplink.sh", "--netns", self.name, "--ranks", str(world), self.rate)
-        if self.loss:
-            self._script("reset.sh", "--netns", self.name)  # the last run's rules (a smaller world's too)
-            self._script("uplink.sh", "--netns", self.name, "--ranks", str(world), self.rate)
-            for rank in range(world):
-                self._script("loss.sh", "--netns", self.name, str(rank), f"{self.loss:g}")
-
-    def counters(self) -> dict[int, int]:
-        """rank -> bytes its uplink has carried since the last `apply` (IP headers included)."""
-        rows = [line.split() for line in self._script("uplink.sh", "--netns", self.name, "--counters").splitlines()]
-        return {int(r[0]): int(r[3]) for r in rows if len(r) >= 4}
-
-    def wrap(self, cmd: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *cmd]
-
-    def close(self) -> None:
-        if not self._up:
-            return
-        self._up = False
-        with contextlib.suppress(ConfigError, OSError, subprocess.SubprocessError):
-            self._script("uplink.sh", "--netns", self.name, "--remove")
-        with contextlib.suppress(ConfigError, OSError, subprocess.SubprocessError):
-            self._script("cluster.sh", "down", self.name, "--kill")
-
-    def __enter__(self) -> Uplinks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from .units import format_bytes, format_rate, parse_rate, parse_size, ring_bound_bytes
+
+__all__ = [
+    "DEFAULT_TREES", "FIGURE_OF_WORLD", "FIRST_WINDOW", "HANG_STEPS", "LATER_TARGET", "NODE_LATER", "NODE_PATTERNS",
+    "NODE_STEP", "NODE_TARGET_S", "PATTERNS", "PATTERN_LINKS", "PATTERN_NAMES", "POLICIES", "THESIS", "WARMUP_STEPS",
+    "BenchOptions", "NodeRow", "RunResult", "RunSpec", "Summary", "Uplinks", "execute", "fault_plan", "format_bytes",
+    "format_rate", "machine_info", "node_rule", "node_runs", "node_victim", "node_window", "parse_rate", "parse_size",
+    "pattern_links", "plan", "plot_node_failures", "plot_steps", "render", "render_false_events",
+    "render_node_failures", "ring_bound_bytes", "sweep_steps", "thesis_figure", "uplink_timeouts", "worker_commands",
+]
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -687,6 +150,28 @@ def fault_plan(world: int, patterns: Sequence[str], window: int, gap: int,
     return steps, "; ".join(rules), tuple(windows), skipped
 
 
+def uplink_timeouts(size: int, bps: float, compression: str, timeout_s: float,
+                    step_timeout_s: float) -> tuple[float, float, tuple[tuple[str, str], ...]]:
+    """(timeout_s, step_timeout_s, other settings) for fttree under uplinks of `bps`.
+
+    The defaults suit a LAN: a backup watch allows 0.5 s plus queued bytes at 50 MB/s
+    (timeouts.py), and a neighbour silent for 4 s at most is suspected. Behind a 100 Mbit/s
+    uplink shared by three tree links, one 4 MiB chunk takes a second and a 100 MB step half a
+    minute, so every watch would fire and relays would clog the backup links. Scaled to the
+    expected step time T (an interior rank sends 3N): watches T, node deadlines up to 2T,
+    and the step deadline 4T + 10 s. (Watches of T/2 still fired on healthy links with 16 MB
+    in bf16 in 1 MiB chunks, 7 workers: mean bytes 0.70-0.85 of the bound where the data is
+    0.50.) A fault then costs about T, which is what waiting for data queued behind a slow
+    uplink costs anyway. Watches also allow queued bytes at the
+    uplink's pace (`uplink_bytes_per_s`), not a LAN's."""
+    nbytes = size * 4 * (0.5 if compression else 1.0)
+    step_s = 3 * nbytes * 8 / bps
+    watch = max(timeout_s, step_s)
+    ceiling = max(2.0, step_s)
+    return watch, max(step_timeout_s, 4 * step_s + 10), (("adaptive_ceiling_s", f"{ceiling:g}"),
+                                                          ("uplink_bytes_per_s", f"{bps / 8:g}"))
+
+
 def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compression: str,
                trees: str = "single", tuned: bool = False) -> RunSpec:
     """One fttree point of the size sweep. Under uplinks at the library's defaults, as a user
@@ -750,11 +235,6 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
     if not opts.uplink:  # node failures are about timeouts, not bandwidth
         runs += node_runs(opts, notes)
     return runs, notes
-
-
-def node_window(pattern: str) -> tuple[int, int]:
-    """The steps a node pattern's fault covers: the crash's step, or the hang's window."""
-    return NODE_STEP, NODE_STEP + (HANG_STEPS - 1 if pattern == "hang" else 0)
 
 
 def node_runs(opts: BenchOptions, notes: list[str]) -> list[RunSpec]:
@@ -1365,34 +845,3 @@ def plot_node_failures(summary: Summary, out_dir: Path, plt: Any) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
-
-
-def machine_info() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": model or platform.processor(), "cores": os.cpu_count(),
-                            "python": platform.python_version(), "platform": platform.platform()}
-    with contextlib.suppress(OSError):
-        info["load_avg"] = os.getloadavg()
-    try:
-        from importlib.metadata import version
-
-        info["torch"] = version("torch")
-    except Exception:
-        pass
-    try:
-        root = SOURCE_ROOT
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        info["git"] = rev + ("+dirty" if dirty else "") if rev else ""
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info

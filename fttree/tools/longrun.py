@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .bench import RunResult, RunSpec
+from .bench_spec import RunResult, RunSpec
 
 WORLD = 3
 SIZE = 25_600  # float32 elements

@@ -15,7 +15,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .bench import RunSpec, execute
+from .bench_run import execute
+from .bench_spec import RunSpec
 
 SIZES = {"1.63MB": 407_050, "16MB": 4_000_000}
 
