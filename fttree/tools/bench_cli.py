@@ -1,4 +1,5 @@
-"""`fttree bench` and `fttree analyze`: the seed thesis's evaluation, reproduced (see bench.py)."""
+"""`fttree bench` and `fttree analyze`: the seed thesis's evaluation, reproduced
+(the engine: bench_plan.py, bench_run.py, bench_summary.py, bench_report.py and bench_plots.py)."""
 
 from __future__ import annotations
 
@@ -33,18 +34,18 @@ def _out_option(f: F) -> F:
 
 
 def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> None:
-    from . import bench as b
     from . import longrun
+    from .bench_run import execute, machine_info
 
     spec = longrun.spec(steps, step_timeout_s=step_timeout)
     click.echo(f"fttree bench --long-run: {spec.label}, {steps} steps; output in {out_dir}/", err=True)
     if dry_run:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    machine = b.machine_info()
+    machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="fttree-bench-") as tmp, \
             click.progressbar(length=steps, label="long run", file=sys.stderr, show_eta=True) as bar:
-        res = b.execute(spec, Path(tmp), on_step=lambda step: bar.update(1))
+        res = execute(spec, Path(tmp), on_step=lambda step: bar.update(1))
     machine["load_avg_after"] = _loadavg()
     try:
         fig = longrun.figure(res)
@@ -127,7 +128,13 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
 
     Prints the tables and the issue's performance targets, and writes bench.json (every raw
     step time of every rank) and the PNG figures to --out."""
-    from . import bench as b
+    from .bench_patterns import NODE_PATTERNS, PATTERNS, POLICIES
+    from .bench_plan import BenchOptions, plan
+    from .bench_plots import plot_steps
+    from .bench_report import render
+    from .bench_run import execute, machine_info
+    from .bench_summary import Summary
+    from .bench_uplinks import Uplinks
     from .units import parse_rate, parse_size
 
     if long_run is not None:
@@ -147,13 +154,13 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return n
 
     def pattern(text: str) -> str:
-        if text not in b.PATTERNS + b.NODE_PATTERNS:
-            raise ValueError(f"unknown pattern {text!r}; known: {', '.join(b.PATTERNS + b.NODE_PATTERNS)}")
+        if text not in PATTERNS + NODE_PATTERNS:
+            raise ValueError(f"unknown pattern {text!r}; known: {', '.join(PATTERNS + NODE_PATTERNS)}")
         return text
 
     def policy(text: str) -> str:
-        if text not in b.POLICIES:
-            raise ValueError(f"unknown policy {text!r}; known: {', '.join(b.POLICIES)}")
+        if text not in POLICIES:
+            raise ValueError(f"unknown policy {text!r}; known: {', '.join(POLICIES)}")
         return text
 
     def timeout(text: str) -> float:
@@ -190,10 +197,10 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return text
 
     chosen = _split(patterns, pattern, "--patterns")
-    opts = b.BenchOptions(
+    opts = BenchOptions(
         workers=_split(workers, positive, "--workers"), timeouts=_split(timeouts, timeout, "--timeouts"),
-        patterns=tuple(p for p in chosen if p in b.PATTERNS) or ("none",),
-        node_patterns=tuple(p for p in chosen if p in b.NODE_PATTERNS), policies=_split(policies, policy, "--policies"),
+        patterns=tuple(p for p in chosen if p in PATTERNS) or ("none",),
+        node_patterns=tuple(p for p in chosen if p in NODE_PATTERNS), policies=_split(policies, policy, "--policies"),
         size=matrix_size, sweep_sizes=_split(sizes_text, parse_size, "--sizes"),
         sweep_workers=_split(sweep_workers, positive, "--sweep-workers"), window=window, gap=gap,
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
@@ -202,7 +209,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         trees=_split(trees_text, family, "--trees"), tuned=tuned, loss=loss)
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
-    runs, notes = b.plan(opts)
+    runs, notes = plan(opts)
     total = sum(r.steps for r in runs)
     click.echo(f"fttree bench: {len(runs)} runs, {total} steps; output in {out_dir}/", err=True)
     for n in notes:
@@ -214,11 +221,11 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
                        + (" (plain tree of the survivors)" if r.purpose == "survivors" else ""))
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    machine = b.machine_info()
+    machine = machine_info()
     if uplink:
         machine["uplink"] = uplink
     started = time.monotonic()
-    uplinks = b.Uplinks(uplink, loss=loss) if uplink else None
+    uplinks = Uplinks(uplink, loss=loss) if uplink else None
     from .realfaults import signals_raise
 
     exit_on_kill = signals_raise(lambda signum: SystemExit(128 + signum))  # tc limits, namespace, workers go
@@ -231,7 +238,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
                 uplinks.start(max(r.world for r in runs))
             for spec in runs:
                 bar.update(0, spec.label)
-                res = b.execute(spec, Path(tmp), on_step=_advance(bar, spec.label), uplinks=uplinks)
+                res = execute(spec, Path(tmp), on_step=_advance(bar, spec.label), uplinks=uplinks)
                 missing = spec.steps - len(res.complete_steps())
                 if missing > 0:
                     bar.update(missing, spec.label)  # a failed run still moves the bar to its end
@@ -243,8 +250,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
                 uplinks.close()  # the limits and the namespace go, whatever happened
     machine["load_avg_after"] = _loadavg()
     machine["bench_wall_s"] = time.monotonic() - started
-    summary = b.Summary(opts=opts, results=results, notes=notes)
-    click.echo(b.render(summary))
+    summary = Summary(opts=opts, results=results, notes=notes)
+    click.echo(render(summary))
     data = summary.to_json(machine, sys.argv)
     fig11 = None
     if fig11_trials:
@@ -258,7 +265,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     pngs: list[Path] = []
     if plots:
         try:
-            pngs = b.plot_steps(summary, out_dir)
+            pngs = plot_steps(summary, out_dir)
             if fig11 is not None:
                 pngs.append(a.plot(fig11, out_dir / "fig11.png"))
         except ImportError as exc:
