@@ -3,6 +3,7 @@ process on the concatenated batch (to float tolerance), with and without a cut l
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -225,20 +226,69 @@ def test_attach_and_synchronize_any_float_dtype(dtype: torch.dtype) -> None:
         assert torch.equal(grad, torch.full((5,), 2.0, dtype=dtype)), grad  # (1 + 2 + 3) / 3
 
 
-def test_distributed_optimizer_is_still_the_wrapped_class() -> None:
+def test_distributed_optimizer_takes_an_lr_scheduler() -> None:
     def body(rank: int, ar: FTTreeAllreduce) -> float:
         model = mlp(rank)
         opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, allreduce=ar)
-        assert isinstance(opt, torch.optim.SGD)
+        assert isinstance(opt, torch.optim.Optimizer)
         assert isinstance(opt, fttree.DistributedOptimizer)
+        assert isinstance(opt.optimizer, torch.optim.SGD)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         x, y = data(0)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         sched.step()
+        assert opt.optimizer.param_groups[0]["lr"] == 0.5
         return float(opt.param_groups[0]["lr"])
 
     assert ok(run_ranks(2, body)) == [0.5, 0.5]
+
+
+def test_distributed_optimizer_delegates_to_the_wrapped_optimizer() -> None:
+    """The wrapper holds the optimizer: its param_groups and state are the wrapped optimizer's
+    objects (also after load_state_dict replaces them), state_dict round trips, and hooks and
+    zero_grad act on the wrapped optimizer."""
+    def body(rank: int, ar: FTTreeAllreduce) -> None:
+        model = mlp(0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = fttree.DistributedOptimizer(inner, model, allreduce=ar)
+        assert opt.param_groups is inner.param_groups
+        assert opt.state is inner.state
+        assert opt.defaults is inner.defaults
+        seen: list[object] = []
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o))
+        x, y = data(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert seen == [inner]  # run inside the wrapped optimizer's step
+        assert all(p in inner.state for p in model.parameters())  # momentum, made by the step, seen by both
+        assert opt.state is inner.state
+        inner.param_groups[0]["lr"] = 0.05  # a change through either side is seen through the other
+        assert opt.param_groups[0]["lr"] == 0.05
+        opt.param_groups[0]["momentum"] = 0.8
+        assert inner.param_groups[0]["momentum"] == 0.8
+
+        saved = copy.deepcopy(opt.state_dict())  # its tensors are the live ones
+        assert saved["param_groups"][0]["lr"] == 0.05
+        assert set(saved["state"]) == set(range(len(list(model.parameters()))))
+        momentum = {k: v["momentum_buffer"].clone() for k, v in saved["state"].items()}
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()  # moves the state on
+        saved["param_groups"][0]["lr"] = 0.5
+        opt.load_state_dict(saved)  # replaces the wrapped optimizer's groups and state objects
+        assert opt.param_groups is inner.param_groups
+        assert opt.state is inner.state
+        assert inner.param_groups[0]["lr"] == 0.5
+        for k, p in enumerate(model.parameters()):
+            assert torch.equal(inner.state[p]["momentum_buffer"], momentum[k])
+        again = opt.state_dict()
+        assert again["param_groups"] == saved["param_groups"]
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        with pytest.raises(fttree.ConfigError, match="already a DistributedOptimizer"):
+            fttree.DistributedOptimizer(opt, model, allreduce=ar)  # type: ignore[arg-type]
+
+    ok(run_ranks(2, body))
 
 
 def test_mismatched_models_fail_on_every_worker() -> None:

@@ -20,14 +20,17 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.optimizer import StateDict
+from torch.utils.hooks import RemovableHandle
 
 from ..api import FTTreeAllreduce
 from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMismatch
@@ -39,6 +42,9 @@ __all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "TrainingSte
            "check_same_layout", "close_gracefully", "synchronize"]
 
 Named = list[tuple[str, torch.Tensor]]
+# torch's step hooks, hook(optimizer, args, kwargs); a DistributedOptimizer's get the wrapped optimizer.
+StepPreHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None]
+StepPostHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
 
 
 class ModelMismatch(TensorMismatch):
@@ -465,32 +471,32 @@ def synchronize(target: torch.nn.Module | GradientSync | DistributedOptimizer | 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap any torch optimizer: `step()` first averages the gradients over all workers.
 
-    The object returned is an instance of both this class and the wrapped optimizer's class
-    (LR schedulers and isinstance checks keep working); it shares the wrapped optimizer's
-    parameter groups and state. A closure passed to step() is evaluated once before the
-    gradients are averaged (optimizers that call it repeatedly, like LBFGS, are not supported).
+    The wrapper holds the optimizer (`.optimizer`) and delegates to it: `param_groups`,
+    `state` and `defaults` are the wrapped optimizer's own objects, read through on every
+    access (a change made through either is seen by both, also after a load_state_dict that
+    replaces them), and zero_grad, state_dict, load_state_dict, add_param_group and the hook
+    registrations are the wrapped optimizer's. It is a torch.optim.Optimizer, so LR schedulers
+    take it, but not an instance of the wrapped class: reach that, and anything of its own, as
+    `.optimizer`. Step hooks registered here run inside the wrapped optimizer's step, after
+    the gradients are averaged, and receive the wrapped optimizer.
+
+    A closure passed to step() is evaluated once before the gradients are averaged
+    (optimizers that call it repeatedly, like LBFGS, are not supported).
     """
 
-    _subclasses: ClassVar[dict[type, type]] = {}
     sync: GradientSync
-
-    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> DistributedOptimizer:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ConfigError("this optimizer is already a DistributedOptimizer")
-        base = type(optimizer)
-        sub = cls._subclasses.get(base)
-        if sub is None:
-            sub = cls._subclasses[base] = type(f"Distributed{base.__name__}", (cls, base), {"__module__": __name__})
-        return object.__new__(sub)
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
                  broadcast: bool = True) -> None:
-        # Deliberately not Optimizer.__init__: share the wrapped optimizer's groups and state.
-        self.__dict__.update(optimizer.__dict__)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError("this optimizer is already a DistributedOptimizer")
+        # Deliberately not Optimizer.__init__: it would build groups and state of our own;
+        # the properties below read the wrapped optimizer's.
+        self.optimizer = optimizer
         if named_parameters is not None:
             named = list(named_parameters)
         elif model is not None:
@@ -521,6 +527,74 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if allreduce.joined_at is not None:  # admitted already (admit() before this)
                 self.sync.next_round()
 
+    # ---- the wrapped optimizer's, read through --------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> defaultdict[torch.Tensor, Any]:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: defaultdict[torch.Tensor, Any]) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The wrapped optimizer's; the new group's gradients are not averaged (the gradient
+        buckets were planned, alike on every worker, when the wrapper was made)."""
+        self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook: StepPreHook) -> RemovableHandle:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: StepPostHook) -> RemovableHandle:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable[[torch.optim.Optimizer], None],
+                                     prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable[[torch.optim.Optimizer, StateDict], StateDict | None],
+                                      prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable[[torch.optim.Optimizer, StateDict],
+                                                               StateDict | None],
+                                          prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable[[torch.optim.Optimizer], None],
+                                           prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    # ---- elastic state --------------------------------------------------------------------
+
     def _admitted(self, user_step: int) -> None:
         """This joiner was admitted from training step `user_step`: ask a member for the state."""
         self._joined_step = user_step
@@ -538,7 +612,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _snapshot(self) -> dict[str, Any]:
         model = (self.model.state_dict() if self.model is not None
                  else {n: p.detach() for n, p in self.sync.params})
-        return {"model": model, "optimizer": torch.optim.Optimizer.state_dict(self), "step_count": self.step_count,
+        return {"model": model, "optimizer": self.state_dict(), "step_count": self.step_count,
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "extra": {name: get() for name, (get, _set) in self._extra.items()}}
 
@@ -549,7 +623,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 for name, p in self.sync.params:
                     p.copy_(state["model"][name])
-        torch.optim.Optimizer.load_state_dict(self, state["optimizer"])
+        self.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -574,7 +648,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for (_, p), g in zip(self.sync.params, self._kept[t], strict=True):
                     p.grad = g
-            super().step()
+            self.optimizer.step()
             self.step_count += 1
             if t != replay[-1] and self.scheduler is not None:
                 self.scheduler.step()  # the caller steps it after this step()
@@ -609,7 +683,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._keep_or_catch_up(step)
             return loss
         self.transfer.serve(step)  # the state before this step's update, for joiners that asked
-        super().step()
+        self.optimizer.step()
         self.step_count += 1
         return loss
 
