@@ -29,8 +29,8 @@ from fttree.core.messages import PREFIX, VERSION, Kind, Message, encode
 from fttree.net import handshake as hs
 
 FORGED = [
-    Message(kind=Kind.JOIN, src=1, code=1, incarnation=99, reason="127.0.0.100:1"),
-    Message(kind=Kind.JOIN, src=1000, code=1, incarnation=1, reason="127.0.0.100:1"),
+    Message(kind=Kind.JOIN, src=1, code=1, incarnation=99, addresses=((1, "127.0.0.100:1"),)),
+    Message(kind=Kind.JOIN, src=1000, code=1, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
     Message(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
     Message(kind=Kind.SUSPECT, src=0, target=2, code=1),
     Message(kind=Kind.MINORITY, src=1000, members=(1000,), world=3),

@@ -34,6 +34,7 @@ def test_every_kind_round_trips() -> None:
         msg = Message(kind=kind, src=1, epoch=3, step=4, origin=2, target=0, reason="r", missing=(5,), world=7,
                       ballot=65541, accepted=65540, proposed=4, members=(0, 2, 1), committed=(3, 4), plan=(3, 0, 1, 2),
                       steps=(4,), user_step=9, incarnation=123456789, training_step=8,
+                      addresses=((2, "10.0.0.2:29500"), (0, "[::1]:7")),
                       dtype=dtype if payload is not None else "", numel=numel if payload is not None else 0,
                       payload=None if payload is None else payload.tobytes())
         out = decode(frame(msg))
@@ -47,10 +48,12 @@ def test_every_kind_round_trips() -> None:
         assert (out.ballot, out.members, out.committed, out.plan, out.steps) == (
             65541, (0, 2, 1), (3, 4), (3, 0, 1, 2), (4,))
         assert (out.user_step, out.incarnation, out.training_step) == (9, 123456789, 8)
+        assert out.addresses == ((2, "10.0.0.2:29500"), (0, "[::1]:7"))
 
 
 RARE_DEFAULTS = {"reason": "", "missing": (), "world": 0, "ballot": 0, "accepted": 0, "proposed": 0, "members": (),
-                 "committed": (), "plan": (), "steps": (), "user_step": -1, "incarnation": 0, "training_step": -1}
+                 "committed": (), "plan": (), "steps": (), "user_step": -1, "incarnation": 0, "training_step": -1,
+                 "addresses": ()}
 
 
 def test_but_copies_with_changes_and_leaves_the_original() -> None:
@@ -81,6 +84,9 @@ def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int 
     (_raw({"k": 2, "f": 0, "ep": "x"}), "epoch"),
     (_raw({"k": 9, "f": 0, "ab": 1.5}), "abort code"),
     (_raw({"k": 2, "f": 0, "pl": 1}), "planned"),
+    (_raw({"k": 26, "f": 0, "ad": [[1, 2]]}), "addresses"),
+    (_raw({"k": 26, "f": 0, "ad": [[1, "a", "b"]]}), "addresses"),
+    (_raw({"k": 26, "f": 0, "ad": [[0, "a"]] * 4097}), "at most 4096"),
     (_raw({"k": 2, "f": 0, "e": 4}), "must not carry a payload"),
     (PREFIX.pack(b"FT", VERSION, 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
     (PREFIX.pack(b"FT", VERSION, 1, 0) + b"\x05", "not a map"),

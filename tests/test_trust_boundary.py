@@ -137,7 +137,7 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
                   Message(kind=Kind.LEAVE, src=1000),
                   Message(kind=Kind.STATE_REQUEST, src=1000, user_step=0),
                   # passed on "for" rank 2 with a new process: taken, it would evict rank 2 as restarted
-                  Message(kind=Kind.JOIN_ASK, src=1000, target=2, incarnation=7, reason="127.0.0.9:1")]
+                  Message(kind=Kind.JOIN_ASK, src=1000, target=2, incarnation=7, addresses=((2, "127.0.0.9:1"),))]
         for target in handles:
             a = target.peers[target.rank]
             with connect(a.host, a.port) as sock:

@@ -68,6 +68,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .admission import Query
 from .config import Config
 from .messages import Kind, Message
 from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
@@ -660,7 +661,7 @@ class Membership:
             self._passed_on.clear()
         self._passed_on[msg.src] = now
         out.append(Send(dst=coordinator, msg=self._msg(Kind.JOIN_ASK, target=msg.src, incarnation=msg.incarnation,
-                                                       reason=msg.reason)))
+                                                       addresses=msg.addresses)))
 
     def _may_change(self) -> bool:
         """May a join or pace change be agreed now (nothing else agreed or waiting to take effect)?"""
@@ -1114,7 +1115,7 @@ class Membership:
     def _on_membership_request(self, msg: Message, now: float, out: list[MemberAction]) -> None:
         """Asks to change who is in the view, or how it runs: joins, leaves, done, pace."""
         match msg.kind:
-            case Kind.JOIN if msg.code == 1:
+            case Kind.JOIN if msg.code == Query.ADMIT_ME:
                 self._on_join(msg.src, now, out)
                 self._pass_on_join(msg, now, out)
             case Kind.JOIN_ASK if msg.src in self.view and msg.target not in self._gone:

@@ -24,9 +24,9 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 6  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+VERSION = 7  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
 #               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
-#               handshake (net/handshake.py)
+#               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -71,9 +71,10 @@ class Kind(IntEnum):
     MINORITY = 23  # the change found no majority: `members` promised, `world` was the view's size
     CATCHUP = 24  # the committed result of (step, chunk) for a rank that did not get it
     # elastic membership (membership.py, net/node.py, training/elastic.py)
-    JOIN = 25  # code 0: is a group running? code 1: admit me (`incarnation`: this process, `reason`: my address)
-    JOIN_REPLY = 26  # code 0: running in view `epoch` (`members`); 1: admitted into `epoch` (`members`) from
-    #                  allreduce `step`, training step `user_step`; 2: not running yet (starting up)
+    JOIN = 25  # `code` a Query (admission.py); `incarnation`: this process; `addresses`: where `src` listens
+    JOIN_REPLY = 26  # `code` an Answer: RUNNING in view `epoch` (`members`); ADMITTED into `epoch` (`members`)
+    #                  from allreduce `step`, training step `user_step`; STARTING (no group yet). `addresses`:
+    #                  where the members listen
     LEAVE = 27  # `src` finished its last step and leaves: drop it from the next view without waiting
     STATE_REQUEST = 28  # send me the training state as of training step `user_step` or later
     STATE = 29  # piece `chunk` of `world` of the training state at training step `user_step`; `signature`: digest
@@ -88,7 +89,7 @@ class Kind(IntEnum):
     CHALLENGE = 35  # the acceptor's nonce and its proof of the job's key
     PROOF = 36  # the dialer's proof of the job's key
     # a member passes a JOIN on to the coordinator, whose link to the joiner may be down: rank
-    # `target`, process `incarnation`, listening at `reason`, asks to be admitted
+    # `target`, process `incarnation`, listening at `addresses`, asks to be admitted
     JOIN_ASK = 37
 
 
@@ -171,6 +172,7 @@ class Message:
     incarnation: int = 0  # JOIN: which start of the sender's process this is
     training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
     world: int = 0  # HELLO: the job's size; MINORITY: the size of the view that lost its majority
+    addresses: tuple[tuple[int, str], ...] = ()  # JOIN*: (rank, "host:port") of the ranks it names
     payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
 
     @property
@@ -245,6 +247,8 @@ def _encode_rare_fields(msg: Message, header: dict[str, Any]) -> None:
                        ("pc", msg.pace)):
         if value:
             header[key] = value
+    if msg.addresses:
+        header["ad"] = [list(pair) for pair in msg.addresses]
     if msg.user_step >= 0:
         header["us"] = msg.user_step
     if msg.training_step >= 0:
@@ -294,7 +298,7 @@ def _str(header: dict[Any, Any], key: str, name: str) -> str:
 
 
 _KINDS: dict[int, Kind] = {kind.value: kind for kind in Kind}
-_INT, _INTS, _STR, _BOOL = range(4)
+_INT, _INTS, _STR, _BOOL, _ADDRS = range(5)
 #: header key -> (Message field, its name in errors, type)
 _FIELDS: dict[str, tuple[str, str, int]] = {
     "f": ("src", "src", _INT), "ep": ("epoch", "epoch", _INT), "s": ("step", "step", _INT),
@@ -310,8 +314,16 @@ _FIELDS: dict[str, tuple[str, str, int]] = {
     "mb": ("members", "members", _INTS), "cm": ("committed", "committed", _INTS), "pn": ("plan", "plan", _INTS),
     "st": ("steps", "steps", _INTS), "us": ("user_step", "user step", _INT),
     "in": ("incarnation", "incarnation", _INT), "ts": ("training_step", "training step", _INT),
-    "pc": ("pace", "pace", _INT),
+    "pc": ("pace", "pace", _INT), "ad": ("addresses", "addresses", _ADDRS),
 }
+MAX_ADDRESSES = 4096  # a JOIN_REPLY names every member's address once
+
+
+def _addresses(value: Any, label: str) -> tuple[tuple[int, str], ...]:
+    if (type(value) is not list or len(value) > MAX_ADDRESSES
+            or not all(type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is str for p in value)):
+        raise FrameError(f"frame field {label} must be a list of at most {MAX_ADDRESSES} [rank, address] pairs")
+    return tuple((rank, address) for rank, address in value)
 
 
 def unpack_map(head: bytes, what: str) -> dict[Any, Any]:
@@ -343,6 +355,8 @@ def _header_fields(header: dict[Any, Any]) -> dict[str, Any]:
         elif kind_of == _STR:
             if type(value) is not str:
                 raise FrameError(f"frame field {label} must be a string")
+        elif kind_of == _ADDRS:
+            value = _addresses(value, label)
         elif type(value) is not bool:
             raise FrameError(f"frame field {label} must be true or false, got {value!r}")
         fields[name] = value

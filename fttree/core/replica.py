@@ -15,10 +15,15 @@ boundary itself is news to the membership. Here they are decided in one place, w
 - a view is applied in one place, `_apply_view` (raft's ApplyConfChange): decided joins not in
   effect yet are superseded, the tree installs it, holders send the catch-up results.
 
+- `JoinFrame` (JOIN, JOIN_ASK, JOIN_REPLY) goes to the join handshake (admission.py): a member
+  answers whether a group runs and takes requests to the membership; an asker hears the answers
+  and, once admitted, starts its machines in the view it was let into;
+- `may_send(rank)` is the sender rule MEMBER (messages.py): whose frames are taken at all.
+
 What comes back is for the driver (net/node.py) to carry out: frames, timers, results, and
-three records of its own: `Admit` (a decided join: the driver remembers the joiner's process),
-`ViewApplied` (run the steps held back during the change) and `JoinInEffect` (tell the joiners,
-with the members' addresses, from which step they take part).
+records of its own: `Admit` (a decided join), `ViewApplied` (run the steps held back during the
+change), `JoinInEffect` (tell the joiners from which step they take part), and the handshake's
+`Reply`, `LearnAddress`, `Answered` and `Joined`.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .admission import Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from .config import Config
-from .lifecycle import Lifecycle
+from .lifecycle import Life, Lifecycle, Phase
 from .membership import (
     Boundary,
+    ControlReceived,
     Fence,
     Fenced,
     Installed,
@@ -74,6 +81,13 @@ class Finish:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class JoinFrame:
+    """A frame of the join handshake: JOIN, JOIN_ASK or JOIN_REPLY."""
+
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Admit:
     """A join was decided; it takes effect at training step `installed.activate_at`."""
 
@@ -96,9 +110,10 @@ class JoinInEffect:
     first_step: int
 
 
-ReplicaEvent = Event | MemberEvent | StepBoundary | Heard | StaleSender | Finish
+ReplicaEvent = Event | MemberEvent | StepBoundary | Heard | StaleSender | Finish | JoinFrame
 _TREE_EVENTS = frozenset({Submit, Received, TimerFired, LinkDown})
-ReplicaAction = Action | MemberAction | Admit | ViewApplied | JoinInEffect
+ReplicaAction = (Action | MemberAction | Admit | ViewApplied | JoinInEffect | Reply | LearnAddress | Answered
+                 | Joined)
 
 
 class Replica:
@@ -111,6 +126,7 @@ class Replica:
         self.machine = TreeMachine(rank, view, config)
         self.membership = Membership(rank, view, config)
         self.life = Lifecycle(join=join)
+        self.admission = Admission()
         # decided joins, each taking effect at its training step, in order: a second join can be
         # decided here before the first took effect (another member coordinated it)
         self.pending: deque[Installed] = deque()
@@ -145,6 +161,8 @@ class Replica:
                 self._carry(self.membership.stale_sender(msg), now, out)
             case Finish(step=step):
                 self._carry(self.membership.finish(step), now, out)
+            case JoinFrame(msg=msg):
+                self._join_frame(msg, now, out)
             case _:
                 self._member(event, now, out)  # type: ignore[arg-type]
         return out
@@ -164,6 +182,7 @@ class Replica:
                     self.pending.append(action)  # a join: the tree switches at that training step
                     if len(self.pending) == 1:  # the next to take effect: its early frames are handled
                         out.extend(self.machine.expect(action.view, now))
+                    self.admission.admitted(action.joined)
                     out.append(Admit(installed=action))
                 case Installed():
                     self._apply_view(action, now, out)
@@ -201,3 +220,59 @@ class Replica:
             if self.pending:
                 out.extend(self.machine.expect(self.pending[0].view, now))
         self._member(Boundary(user_step=event.user_step), now, out)
+
+    # ---- who may send, and the join handshake ----------------------------------------------------
+
+    def may_send(self, rank: int) -> bool:
+        """Is `rank` one whose frames this worker takes (the sender rule MEMBER)? A member of
+        its view or of a view decided and not yet in effect, a rank it is admitting, or, while
+        this process asks to join, a member of the group it asked."""
+        if rank in self.membership.view or rank in self.admission.candidates:
+            return True
+        if any(rank in p.view for p in self.pending):
+            return True
+        if self.life.phase is Phase.ASKING:
+            group = self.admission.group
+            return group is None or rank in group[1]
+        return False
+
+    def _join_frame(self, msg: Message, now: float, out: list[ReplicaAction]) -> None:
+        if msg.kind is Kind.JOIN_REPLY:
+            self._join_answer(msg, out)
+            return
+        phase = self.life.phase
+        if phase is Phase.ASKING:
+            return  # not a member yet: nothing to tell
+        if msg.kind is Kind.JOIN and msg.code == Query.IS_RUNNING:
+            out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == msg.src != self.rank)
+            view = self.membership.view
+            answer = self.admission.answer(msg.src, msg.incarnation, view=view,
+                                           began=bool(self.completed or self.machine.view.epoch),
+                                           stopped=phase is Phase.STOPPED)
+            out.append(Reply(dst=msg.src, answer=answer, view=view))
+            return
+        joiner = msg.src if msg.kind is Kind.JOIN else msg.target  # JOIN_ASK: a member passes it on
+        if joiner < 0 or joiner == self.rank or phase is Phase.STOPPED:
+            return
+        if not self.admission.request(joiner, msg.incarnation, self.membership.view):
+            return
+        out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == joiner)
+        self._member(ControlReceived(msg=msg), now, out)
+
+    def _join_answer(self, msg: Message, out: list[ReplicaAction]) -> None:
+        """A starting or joining process hears: the group is starting too, is running in this
+        view, or admits this rank from this step."""
+        phase = self.life.phase
+        if phase is Phase.ASKING and msg.code == Answer.ADMITTED and self.rank in msg.members:
+            # the admitting member's address book: ranks that joined with us (other trees link them)
+            out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
+            self.admitted(View(msg.epoch, msg.members, msg.pace), msg.step, msg.user_step)
+            self.life.on(Life.ADMITTED)
+            for r in msg.members:
+                self.admission.incarnations.setdefault(r, 0)
+            out.append(Joined(first_step=msg.step, user_step=msg.user_step))
+        elif phase in (Phase.STARTING, Phase.ASKING):
+            self.admission.heard(msg.src, msg.code, msg.epoch, msg.members, starting=phase is Phase.STARTING)
+            if phase is Phase.ASKING and msg.code == Answer.RUNNING:
+                out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
+        out.append(Answered())
