@@ -21,7 +21,8 @@ import torch
 import fttree
 from fttree.core.messages import STATE_DTYPE, Kind, Message
 from fttree.errors import GroupLeft
-from fttree.training import elastic
+from fttree.training import elastic, optim
+from fttree.training.state import Extra, TrainingState, capture, encode
 from tests.conftest import local_peers
 from tests.procs import Output
 
@@ -163,6 +164,77 @@ def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_fo
     assert record.nbytes > 0
 
 
+def test_a_joiner_loads_exactly_the_state_its_giver_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole training state, in fttree.training.state's one format, as the donor captured
+    it at the step boundary it served, is what the restarted worker holds right after loading:
+    model, optimizer (momentum buffers, lr, initial_lr), scheduler, step count and the state
+    registered with register_state."""
+    peers = local_peers(3)
+    runs = {r: Run() for r in range(3)}
+    rejoined = Run()
+    restart = threading.Event()
+    captured: dict[int, tuple[int, str]] = {}  # donor rank -> (step served, digest of what it captured)
+    loaded: list[str] = []
+    lock = threading.Lock()
+
+    def register_config(opt: fttree.DistributedOptimizer, config: dict[str, object]) -> None:
+        opt.register_state("config", lambda: dict(config), config.update)
+
+    def member(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimizer) -> None:
+        register_config(opt, {"run": "run-7", "seed": torch.arange(4)})
+        transfer, serve = opt.transfer, opt.transfer.serve
+
+        def recording_serve(user_step: int) -> None:
+            capture = transfer.capture
+
+            def recording_capture() -> TrainingState:
+                state = capture()
+                with lock:
+                    captured[ar.rank] = (user_step, encode(state).hexdigest)
+                return state
+
+            transfer.capture = recording_capture  # type: ignore[method-assign]
+            try:
+                serve(user_step)
+            finally:
+                transfer.capture = capture  # type: ignore[method-assign]
+
+        transfer.serve = recording_serve  # type: ignore[method-assign]
+
+    def joiner(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimizer) -> None:
+        register_config(opt, {"run": None, "seed": torch.zeros(4, dtype=torch.int64)})
+
+        def recording_load(state: TrainingState, model: object, optimizer: fttree.DistributedOptimizer,
+                           scheduler: object, extras: Extra) -> None:
+            real_load(state, model, optimizer, scheduler, extras)  # type: ignore[arg-type]
+            loaded.append(encode(capture(model, optimizer, scheduler, extras)).hexdigest)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(optim, "load", recording_load)
+
+    real_load = optim.load
+
+    def watch(step: int) -> None:
+        if step == 12:
+            restart.set()
+
+    def restarted() -> None:
+        assert restart.wait(60), "rank 0 never reached step 12"
+        train(2, peers, rejoined, setup=joiner)
+
+    run_threads([lambda: train(0, peers, runs[0], on_step=watch, setup=member),
+                 lambda: train(1, peers, runs[1], setup=member),
+                 lambda: train(2, peers, runs[2], crash_at=6, setup=member), restarted])
+    for r in (0, 1):
+        assert runs[r].error is None, f"rank {r}: {runs[r].error!r}"
+    assert rejoined.error is None, repr(rejoined.error)
+    record = rejoined.transfer
+    assert isinstance(record, elastic.TransferRecord)
+    assert len(loaded) == 1
+    assert captured[record.donor] == (record.user_step, loaded[0])
+    last = max(rejoined.prints)
+    assert rejoined.prints[last] == runs[0].prints[last] == runs[1].prints[last]
+
+
 def test_a_new_rank_grows_the_group() -> None:
     grow_the_group()
 
@@ -239,8 +311,8 @@ def die_mid_transfer(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimize
             due = [j for j, first in transfer._requests.items() if first <= user_step]
         if not due:
             return
-        data = elastic.serialize(transfer.snapshot())
-        digest = elastic.state_digest(data)
+        snap = encode(transfer.capture())
+        data, digest = snap.data, snap.hexdigest
         size = 512
         total = -(-len(data) // size)
         for i in range(total // 2):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fttree.training.state import Chunk, StateError, StateMismatch, StateSnapshot, restore, snapshot
+from fttree.training.state import Chunk, StateError, StateMismatch, StateSnapshot, decode, restore, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,6 +128,24 @@ def test_extra_state_round_trips_rng_and_data_position() -> None:
     assert torch.equal(torch.rand(3), want_t)
     assert np.array_equal(np.random.rand(3), want_n)
     assert position == {"epoch": 2, "batch": 17}
+
+
+def test_named_tensors_stand_in_for_a_model() -> None:
+    """Parameters without a module (DistributedOptimizer(named_parameters=...) and no model):
+    a mapping of names to tensors is captured and loaded like a state_dict."""
+    a, b = mlp(0), mlp(1)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    train(a, opt_a, None, range(2))
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    named_a, named_b = dict(a.named_parameters()), dict(b.named_parameters())
+    snap = snapshot(named_a, opt_a)
+    assert decode(snap.data).model.keys() == named_a.keys()  # parameters only, no buffers
+    restore(snap, named_b, opt_b)
+    same_bits({n: p.detach() for n, p in named_a.items()}, {n: p.detach() for n, p in named_b.items()})
+    same_bits(opt_a.state_dict(), opt_b.state_dict())
+    assert snapshot(named_b, opt_b).data == snap.data
+    with pytest.raises(StateMismatch, match=r"not in this model: 3\.bias"):
+        restore(snap, {n: p for n, p in named_b.items() if n != "3.bias"}, opt_b)
 
 
 def test_bad_state_is_named() -> None:

@@ -15,7 +15,7 @@ from fttree.core.messages import STATE_DTYPE, Kind, Message
 from fttree.core.view import View
 from fttree.errors import PeerError
 from fttree.training import elastic
-from fttree.training.state import StateError, pack_value, unpack_value
+from fttree.training.state import StateError, TrainingState, capture, decode, encode, state_digest
 
 
 @dataclass
@@ -32,14 +32,20 @@ class FakeHandle:
         self.sent.append((dst, msg))
 
 
-def a_state() -> dict[str, Any]:
+def a_state() -> TrainingState:
     torch.manual_seed(1)
     model = torch.nn.Linear(300, 200)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 300)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step_count": 7, "scheduler": None,
-            "extra": {"betas": (0.9, 0.99), "rng": torch.get_rng_state()}}
+    rng = torch.get_rng_state()
+    extra = {"betas": (lambda: (0.9, 0.99), print), "rng": (lambda: rng, print)}
+    return capture(model, opt, extra=extra, step_count=7)
+
+
+def a_snapshot() -> tuple[bytes, str]:
+    snap = encode(a_state())
+    return snap.data, snap.hexdigest
 
 
 def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: int = 12) -> list[Message]:
@@ -49,26 +55,41 @@ def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: in
             for i in range(total)]
 
 
-def test_pack_value_round_trips_nested_state_bit_for_bit() -> None:
+def test_a_state_round_trips_bit_for_bit() -> None:
     state = a_state()
-    back = unpack_value(pack_value(state))
-    assert back["step_count"] == 7
-    assert back["extra"]["betas"] == (0.9, 0.99)
-    for name, t in state["model"].items():
-        assert torch.equal(back["model"][name], t)
-    assert set(back["optimizer"]["state"]) == set(state["optimizer"]["state"])  # integer keys survive
-    assert torch.equal(back["extra"]["rng"], state["extra"]["rng"])
-    assert pack_value(state) == pack_value(a_state())  # deterministic
+    back = decode(encode(state).data)
+    assert back.step_count == 7
+    assert back.extra["betas"] == (0.9, 0.99)
+    assert list(back.model) == list(state.model)
+    for name, t in state.model.items():
+        assert torch.equal(back.model[name], t)
+    assert set(back.optimizer["state"]) == set(state.optimizer["state"])  # integer keys survive
+    assert torch.equal(back.extra["rng"], state.extra["rng"])
+    assert encode(state).data == encode(a_state()).data  # deterministic
+
+
+def test_a_frozen_state_keeps_its_values_while_training_goes_on() -> None:
+    """The donor encodes on another thread: what it captured must not move with training."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    frozen = capture(model, opt).frozen()
+    before = encode(frozen).data
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # in place: parameters and momentum buffers
+    assert encode(frozen).data == before
+    assert encode(capture(model, opt)).data != before
 
 
 def test_the_received_state_is_checked_and_decoded_a_piece_per_step() -> None:
     ar = FakeHandle()
-    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
     transfer.request(12)
     assert ar.sent[-1][0] == 0
     assert ar.sent[-1][1].kind is Kind.STATE_REQUEST
-    data = elastic.serialize(a_state())
-    frames = pieces_of(data, 64 << 10, elastic.state_digest(data))
+    data, digest = a_snapshot()
+    frames = pieces_of(data, 64 << 10, digest)
     assert len(frames) >= 4
     for msg in reversed(frames):  # any order
         ar.node.elastic_listeners[0](msg)
@@ -82,7 +103,7 @@ def test_the_received_state_is_checked_and_decoded_a_piece_per_step() -> None:
     assert polls == len(frames) + 1
     step, state = got
     assert step == 12
-    assert state["step_count"] == 7
+    assert state.step_count == 7
     assert transfer.record is not None
     assert transfer.record.nbytes == len(data)
     assert transfer.record.donor == 0
@@ -90,12 +111,12 @@ def test_the_received_state_is_checked_and_decoded_a_piece_per_step() -> None:
 
 def test_a_state_that_fails_its_digest_is_dropped_and_the_next_donor_asked() -> None:
     ar = FakeHandle()
-    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
     transfer.request(12)
-    data = elastic.serialize(a_state())
+    data, digest = a_snapshot()
     bad = bytearray(data)
     bad[len(bad) // 2] ^= 1
-    for msg in pieces_of(bytes(bad), 1 << 20, elastic.state_digest(data)):
+    for msg in pieces_of(bytes(bad), 1 << 20, digest):
         ar.node.elastic_listeners[0](msg)
     for _ in range(10):
         assert transfer.poll(12) is None
@@ -104,20 +125,22 @@ def test_a_state_that_fails_its_digest_is_dropped_and_the_next_donor_asked() -> 
 
 
 def test_undecodable_state_bytes_are_named() -> None:
-    with pytest.raises(PeerError, match="cannot be decoded"):
-        elastic.deserialize(b"FTTS" + b"\x00" * 40)
+    with pytest.raises(StateError, match="format version 0"):
+        decode(b"FTTS" + b"\x00" * 40)
     with pytest.raises(StateError, match="not an fttree state"):
-        unpack_value(b"garbage garbage garbage")
-    with pytest.raises(PeerError, match="not a dict"):
-        elastic.deserialize(pack_value([1, 2, 3]))
+        decode(b"garbage garbage garbage")
+    data = bytearray(encode(a_state()).data)
+    data[20:40] = bytes(20)  # inside the header
+    with pytest.raises(StateError, match="cannot be decoded"):
+        decode(bytes(data))
 
 
 def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_and_step() -> None:
     ar = FakeHandle()
-    transfer = elastic.StateTransfer(ar, snapshot=dict)  # type: ignore[arg-type]
+    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
     transfer.request(12)
     garbage = b"FTTS" + bytes(60)
-    for msg in pieces_of(garbage, 1 << 20, elastic.state_digest(garbage)):
+    for msg in pieces_of(garbage, 1 << 20, state_digest(garbage)):
         ar.node.elastic_listeners[0](msg)
     assert transfer.poll(12) is None  # the digest, checked
     with pytest.raises(PeerError, match="from rank 0 as of step 12 matched its digest but is unusable") as err:

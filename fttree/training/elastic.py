@@ -12,10 +12,11 @@ through the same optimizer code path the others ran, so it ends bit for bit wher
 contributes from the next step. If the donor does not deliver in time (it died, or left), the
 joiner asks the next member; a state of a later step only means fewer gradients to replay.
 
-The state is in fttree.training.state's format and digest (msgpack and raw tensor bytes, no
-pickle; blake2b-256), as sync_state sends it: the
-model's state_dict, the optimizer's, a registered LR scheduler's, the group's optimizer step
-count, and registered extra state.
+The state is a fttree.training.state TrainingState, in that module's format and digest
+(msgpack and raw tensor bytes, no pickle; blake2b-256), as sync_state sends it: the model's
+state_dict, the optimizer's, a registered LR scheduler's, the group's optimizer step count, and
+registered extra state. The donor captures it on the training thread and encodes it on
+another; the joiner decodes it and `state.load`s it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ..core.messages import STATE_DTYPE, Kind, Message
 from ..errors import PeerError
-from .state import StateError, new_hasher, pack_value, state_digest, unpack_value
+from .state import StateError, TrainingState, decode, encode, new_hasher
 
 if TYPE_CHECKING:
     from ..api import FTTreeAllreduce
@@ -39,32 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fttree.training.elastic")
 
 CHUNK_BYTES = 1 << 20
-
-
-def serialize(state: dict[str, Any]) -> bytes:
-    return pack_value(state)
-
-
-def deserialize(data: bytes) -> dict[str, Any]:
-    try:
-        loaded = unpack_value(data)
-    except StateError as e:
-        raise PeerError(f"the training state received cannot be decoded: {e}") from e
-    if not isinstance(loaded, dict):
-        raise PeerError(f"the training state received is a {type(loaded).__name__}, not a dict")
-    return loaded
-
-
-def frozen_copy(value: Any) -> Any:
-    """A copy of a state (dicts, lists, tuples of tensors and numbers) whose tensors training
-    can no longer change: it is serialised on another thread while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: frozen_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(frozen_copy(v) for v in value)
-    return value
 
 
 @dataclass
@@ -93,13 +66,14 @@ class TransferRecord:
 
 
 class StateTransfer:
-    """Both sides of the state transfer for one worker. `snapshot()` builds the state dict on
-    the caller's thread; frames arrive on the node's loop thread (`_on_frame`)."""
+    """Both sides of the state transfer for one worker. `capture()` returns the training state
+    (fttree.training.state.capture) on the caller's thread; frames arrive on the node's loop
+    thread (`_on_frame`)."""
 
-    def __init__(self, ar: FTTreeAllreduce, snapshot: Callable[[], dict[str, Any]],
+    def __init__(self, ar: FTTreeAllreduce, capture: Callable[[], TrainingState],
                  wait_s: float | None = None) -> None:
         self.ar = ar
-        self.snapshot = snapshot
+        self.capture = capture
         self.wait_s = wait_s if wait_s is not None else max(2.0, ar.config.step_timeout_s)
         self._lock = threading.Lock()
         self._requests: dict[int, int] = {}  # joiner -> the earliest training step it can use
@@ -131,8 +105,8 @@ class StateTransfer:
         log.info("rank %d asks rank %d for the training state as of step %d", self.ar.rank, donor, user_step)
         self.ar.send_frame(donor, Message(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=user_step))
 
-    def poll(self, user_step: int) -> tuple[int, dict[str, Any]] | None:
-        """The state, once fully received and checked: (its training step, the state dict).
+    def poll(self, user_step: int) -> tuple[int, TrainingState] | None:
+        """The state, once fully received and checked: (its training step, the state).
         Asks the next donor if this one is late or gone."""
         with self._lock:
             inc = self._incoming
@@ -154,13 +128,13 @@ class StateTransfer:
                 del self._requests[j]
         if not due:
             return
-        state = frozen_copy(self.snapshot())  # about a millisecond for the thesis MLP; the rest off the training thread
+        state = self.capture().frozen()  # about a millisecond for the thesis MLP; the rest off the training thread
         threading.Thread(target=self._send, args=(due, user_step, state), name="fttree-state-donor",
                          daemon=True).start()
 
-    def _send(self, due: list[int], user_step: int, state: dict[str, Any]) -> None:
-        data = serialize(state)
-        digest = state_digest(data)
+    def _send(self, due: list[int], user_step: int, state: TrainingState) -> None:
+        snap = encode(state)
+        data, digest = snap.data, snap.hexdigest
         total = max(1, -(-len(data) // CHUNK_BYTES))
         view = memoryview(data)  # pieces are views, not copies
         for j in due:
@@ -192,7 +166,7 @@ class StateTransfer:
             if 0 <= msg.chunk < inc.total:
                 inc.pieces[msg.chunk] = bytes(msg.payload)
 
-    def _advance(self, inc: _Incoming) -> tuple[int, dict[str, Any]] | None:
+    def _advance(self, inc: _Incoming) -> tuple[int, TrainingState] | None:
         """One bounded piece of the joiner's work on a received state, per training step: hash
         the next piece (about a millisecond a MiB), or, once the digest matched, decode it.
         Done all at once inside one step, this work held up every member's next step by the
@@ -216,8 +190,8 @@ class StateTransfer:
                 self._incoming = None
         data = b"".join(inc.pieces[i] for i in range(inc.total))
         try:
-            state = deserialize(data)
-        except PeerError as exc:
+            state = decode(data)
+        except StateError as exc:
             raise PeerError(f"rank {self.ar.rank}: the training state from rank {inc.donor} as of step "
                             f"{inc.user_step} matched its digest but is unusable: {exc}", peers=(inc.donor,)) from exc
         self.record = TransferRecord(donor=inc.donor, user_step=inc.user_step, nbytes=len(data),

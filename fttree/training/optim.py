@@ -37,6 +37,7 @@ from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMis
 from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, blank, copy_divided, describe, digest, plan_buckets, wire_dtype
 from .elastic import StateTransfer
+from .state import StateMismatch, TrainingState, capture, load
 
 __all__ = ["DistributedOptimizer", "GradientSync", "ModelMismatch", "TrainingStep", "attach", "broadcast_parameters",
            "check_same_layout", "close_gracefully", "synchronize"]
@@ -519,7 +520,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._kept: dict[int, list[torch.Tensor | None]] = {}  # a joiner's averaged gradients by training step
         self.syncing = joiner  # a joiner waiting for its state
-        self.transfer = StateTransfer(allreduce, self._snapshot)
+        self.transfer = StateTransfer(allreduce, self._capture)
         self._joined_step = -1
         if joiner:
             self.sync.contribute = False
@@ -609,27 +610,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tensors, numbers, strings or lists/dicts of them; `set_(value)` restores it."""
         self._extra[name] = (get, set_)
 
-    def _snapshot(self) -> dict[str, Any]:
-        model = (self.model.state_dict() if self.model is not None
-                 else {n: p.detach() for n, p in self.sync.params})
-        return {"model": model, "optimizer": self.state_dict(), "step_count": self.step_count,
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "extra": {name: get() for name, (get, _set) in self._extra.items()}}
+    def _model_state(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        """The model as fttree.training.state takes it: the module, else the named parameters."""
+        return self.model if self.model is not None else dict(self.sync.params)
 
-    def _load(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            if self.model is not None:
-                self.model.load_state_dict(state["model"])
-            else:
-                for name, p in self.sync.params:
-                    p.copy_(state["model"][name])
-        self.load_state_dict(state["optimizer"])
-        self.step_count = int(state["step_count"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        for name, (_get, set_) in self._extra.items():
-            if name in state["extra"]:
-                set_(state["extra"][name])
+    def _capture(self) -> TrainingState:
+        """What a joiner takes over, in fttree.training.state's one format: the model, this
+        optimizer's state (the wrapped one's state_dict), a registered scheduler, the step count
+        and the registered extra state."""
+        return capture(self._model_state(), self, self.scheduler, self._extra, self.step_count)
 
     def _keep_or_catch_up(self, step: int) -> None:
         """A joiner: keep this step's averaged gradients; once the state is here, load it and
@@ -642,7 +631,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if first not in self._kept:
             raise FTTreeError(f"rank {self.sync.ar.rank}: the training state is as of step {first}, but this "
                               f"worker kept the gradients of steps {sorted(self._kept)}")
-        self._load(state)
+        try:
+            load(state, self._model_state(), self, self.scheduler, self._extra)  # sets self.step_count too
+        except StateMismatch as exc:
+            exc.add_note(f"fttree rank {self.sync.ar.rank}: loading the training state as of step {first} "
+                         f"(the scheduler and register_state names must be alike on every worker)")
+            raise
         replay = sorted(t for t in self._kept if t >= first)
         for t in replay:
             with torch.no_grad():

@@ -11,6 +11,11 @@ A snapshot holds the model's parameters and buffers (its state_dict), the optimi
 extra state. A replacement restored from it continues bit for bit: the scheduler is part of
 the state because a healed worker with the wrong learning rate trains silently wrong.
 
+This is the one format of a training state: `sync_state` sends it over torch.distributed and
+fttree.DistributedOptimizer to a joiner (fttree.training.elastic). `snapshot` is `encode` of
+`capture`, `restore` is `load` of `decode`; the halves are separate so a donor can capture at
+a step boundary and encode on another thread.
+
 Format (no pickle, so a snapshot from a peer cannot run code): b"FTTS" + u8 version + u64
 header length + a msgpack header (tensor table and every non-tensor value, maps in sorted
 key order) + the tensors' raw bytes in table order. Equal states give equal bytes, so the
@@ -32,8 +37,8 @@ import torch
 
 from ..errors import FTTreeError
 
-__all__ = ["Chunk", "StateError", "StateMismatch", "StateSnapshot", "pack_value", "restore", "snapshot", "sync_state",
-           "unpack_value"]
+__all__ = ["Chunk", "StateError", "StateMismatch", "StateSnapshot", "TrainingState", "capture", "decode", "encode",
+           "load", "restore", "snapshot", "sync_state"]
 
 MAGIC = b"FTTS"
 VERSION = 1
@@ -43,6 +48,8 @@ _CHUNK_MAGIC = b"FTTC"
 _EXT_TENSOR, _EXT_TUPLE, _EXT_NDARRAY = 1, 2, 3
 
 Extra = Mapping[str, tuple[Callable[[], Any], Callable[[Any], None]]]
+# A model: a module (its state_dict), or named tensors (parameters without a module).
+Model = torch.nn.Module | Mapping[str, torch.Tensor]
 
 
 class StateError(FTTreeError):
@@ -239,12 +246,55 @@ def _read(data: bytes) -> tuple[dict[str, Any], Callable[[int, bytes], Any]]:
     return outer, _decoder(outer["table"], view[_HEAD.size + hlen:])
 
 
-# ---- snapshot / restore -------------------------------------------------------------------
+# ---- the state as values ---------------------------------------------------------------
 
 
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-             extra: Extra | None = None, step_count: int | None = None) -> StateSnapshot:
-    """Capture the training state as of now (call it at a step boundary).
+def _frozen(value: Any) -> Any:
+    """A copy of nested state (dicts, lists, tuples of tensors, arrays and numbers) whose
+    tensors and arrays training can no longer change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_frozen(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """A training state as values: what `encode` turns into a StateSnapshot and `decode` gives
+    back, and what `load` puts into a model, optimizer, scheduler and extra state.
+
+    Split from the bytes so the cheap part (`capture`, `frozen`) can run on the training
+    thread at a step boundary and the rest (`encode`, hashing) on another, as a joiner's donor
+    does (fttree.training.elastic)."""
+
+    model: dict[str, torch.Tensor]  # the model's state_dict (or named tensors), in its order
+    optimizer: Any  # the optimizer's state_dict, or None
+    scheduler: Any  # the LR scheduler's state_dict, or None
+    extra: dict[str, Any]  # registered extra state by name
+    step_count: int
+
+    def frozen(self) -> TrainingState:
+        """A copy whose tensors training can no longer change (`capture` returns the live
+        ones, as state_dict() does): to encode on another thread while training goes on."""
+        return TrainingState(model=_frozen(self.model), optimizer=_frozen(self.optimizer),
+                             scheduler=_frozen(self.scheduler), extra=_frozen(self.extra), step_count=self.step_count)
+
+
+def _model_state(model: Model) -> dict[str, torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return dict(model.state_dict())
+    return {name: t.detach() for name, t in model.items()}
+
+
+def capture(model: Model, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+            extra: Extra | None = None, step_count: int | None = None) -> TrainingState:
+    """The training state as of now (call it at a step boundary). Its tensors are the live
+    ones (`.frozen()` copies them).
 
     `step_count` defaults to the optimizer's `step_count` attribute (fttree.DistributedOptimizer
     keeps one), else 0. `extra` maps a name to a (getter, setter) pair, e.g. RNG state or a data
@@ -252,38 +302,49 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = N
     """
     if step_count is None:
         step_count = int(getattr(optimizer, "step_count", 0) or 0)
+    return TrainingState(model=_model_state(model),
+                         optimizer=optimizer.state_dict() if optimizer is not None else None,
+                         scheduler=scheduler.state_dict() if scheduler is not None else None,
+                         extra={name: get() for name, (get, _) in sorted((extra or {}).items())},
+                         step_count=step_count)
+
+
+def encode(state: TrainingState) -> StateSnapshot:
+    """The state's bytes (the module docstring's format) and digest."""
     w = _Writer()
-    model_state = model.state_dict()
     body: dict[str, Any] = {
-        "model": [[name, w.encode(t)] for name, t in model_state.items()],
-        "optimizer": w.encode(optimizer.state_dict()) if optimizer is not None else None,
-        "scheduler": w.encode(scheduler.state_dict()) if scheduler is not None else None,
-        "extra": w.encode({name: get() for name, (get, _) in sorted((extra or {}).items())}),
+        "model": [[name, w.encode(t)] for name, t in state.model.items()],
+        "optimizer": w.encode(state.optimizer) if state.optimizer is not None else None,
+        "scheduler": w.encode(state.scheduler) if state.scheduler is not None else None,
+        "extra": w.encode(state.extra),
     }
-    data = _frame(w, body, step_count=step_count)
-    return StateSnapshot(data, _digest(data), step_count)
+    header = _pack({"byteorder": sys.byteorder, "step_count": state.step_count, "table": w.table,
+                    "body": _pack(body)})
+    data = b"".join([_HEAD.pack(MAGIC, VERSION, len(header)), header, *w.blobs])
+    return StateSnapshot(data, _digest(data), state.step_count)
 
 
-def _frame(w: _Writer, body: Any, **fields: Any) -> bytes:
-    header = _pack({"byteorder": sys.byteorder, **fields, "table": w.table, "body": _pack(body)})
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(header)), header, *w.blobs])
-
-
-def pack_value(value: Any) -> bytes:
-    """Any nested state (dicts, lists and tuples of tensors, numpy arrays, numbers, strings) as
-    bytes in this module's format, with no pickle: what fttree.DistributedOptimizer sends a
-    joiner. Decoding it is a msgpack header plus one copy per tensor."""
-    w = _Writer()
-    return _frame(w, w.encode(value))
-
-
-def unpack_value(data: bytes) -> Any:
-    """The value `pack_value` encoded; StateError on bytes that are not one."""
+def decode(data: bytes) -> TrainingState:
+    """The state `encode` wrote (its digest is the caller's to check); StateError on bytes
+    that are not one."""
     try:
         outer, hook = _read(data)
-        return _unpack(outer["body"], hook)
-    except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
+        body = _unpack(outer["body"], hook)
+        if not isinstance(body, dict) or not isinstance(body["extra"], dict):
+            raise TypeError(f"the state's body is a {type(body).__name__} without the training state's fields")
+        return TrainingState(model={str(name): t for name, t in body["model"]}, optimizer=body["optimizer"],
+                             scheduler=body["scheduler"], extra=body["extra"], step_count=int(outer["step_count"]))
+    except StateError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, msgpack.UnpackException) as e:
         raise StateError(f"the state's body cannot be decoded: {e}") from e
+
+
+def snapshot(model: Model, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+             extra: Extra | None = None, step_count: int | None = None) -> StateSnapshot:
+    """Capture the training state as of now (call it at a step boundary) as bytes: `encode`
+    of `capture` (see there for the arguments)."""
+    return encode(capture(model, optimizer, scheduler, extra, step_count))
 
 
 @dataclass(frozen=True)
@@ -299,9 +360,7 @@ def _describe(t: Any) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _check_model(saved: list[list[Any]], model: torch.nn.Module) -> None:
-    mine = model.state_dict()
-    theirs = dict((name, t) for name, t in saved)
+def _check_model(theirs: Mapping[str, Any], mine: Mapping[str, torch.Tensor]) -> None:
     problems = []
     missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     if missing:
@@ -334,13 +393,50 @@ def _check_optimizer(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer)
                                     f"{_describe(value)}, parameter {_describe(p)}")
 
 
-def restore(state: StateSnapshot | bytes | Iterable[Chunk | bytes], model: torch.nn.Module,
+def load(state: TrainingState, model: Model, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+         extra: Extra | None = None) -> None:
+    """Put `state` into the model, optimizer, scheduler and extra state (the setters), and
+    its step count into the optimizer's `step_count` attribute if it has one.
+
+    Checks first that it fits (parameter names, shapes and dtypes; the optimizer's groups; a
+    scheduler and every extra name on both sides) and changes nothing on a mismatch, which
+    raises StateMismatch naming it.
+    """
+    own = _model_state(model)
+    _check_model(state.model, own)
+    if (state.optimizer is None) != (optimizer is None):
+        raise StateMismatch(f"snapshot {'has no' if state.optimizer is None else 'has an'} optimizer state; "
+                            f"restore was given {'one' if optimizer is not None else 'none'}")
+    if (state.scheduler is None) != (scheduler is None):
+        raise StateMismatch(f"snapshot {'has no' if state.scheduler is None else 'has a'} scheduler state; "
+                            f"restore was given {'one' if scheduler is not None else 'none'}")
+    if optimizer is not None:
+        _check_optimizer(state.optimizer, optimizer)
+    setters = dict((name, put) for name, (_, put) in (extra or {}).items())
+    missing_extra = sorted(set(setters) - set(state.extra))
+    if missing_extra:
+        raise StateMismatch(f"extra state {missing_extra} is registered here but not in the snapshot "
+                            f"(it has {sorted(state.extra)})")
+    with torch.no_grad():
+        for name, t in state.model.items():
+            own[name].copy_(t)
+    if optimizer is not None:
+        optimizer.load_state_dict(state.optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(state.scheduler)
+    for name, put in setters.items():
+        put(state.extra[name])
+    if optimizer is not None and hasattr(optimizer, "step_count"):
+        optimizer.step_count = state.step_count
+
+
+def restore(state: StateSnapshot | bytes | Iterable[Chunk | bytes], model: Model,
             optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
             extra: Extra | None = None) -> Restored:
     """Load a snapshot (or its bytes, or its chunks) so training continues bit for bit.
 
-    Checks the digest and that the snapshot fits (parameter names, shapes and dtypes; the
-    optimizer's groups) before anything is changed; a mismatch raises StateMismatch naming it.
+    Checks the digest, then `load`s it: it checks that the snapshot fits before anything is
+    changed; a mismatch raises StateMismatch naming it.
     """
     if isinstance(state, bytes | bytearray):
         data = bytes(state)
@@ -352,42 +448,15 @@ def restore(state: StateSnapshot | bytes | Iterable[Chunk | bytes], model: torch
         snap = state
     else:
         snap = StateSnapshot.from_chunks(state)
-    outer, hook = _read(snap.data)
-    body = _unpack(outer["body"], hook)
-    _check_model(body["model"], model)
-    if (body["optimizer"] is None) != (optimizer is None):
-        raise StateMismatch(f"snapshot {'has no' if body['optimizer'] is None else 'has an'} optimizer state; "
-                            f"restore was given {'one' if optimizer is not None else 'none'}")
-    if (body["scheduler"] is None) != (scheduler is None):
-        raise StateMismatch(f"snapshot {'has no' if body['scheduler'] is None else 'has a'} scheduler state; "
-                            f"restore was given {'one' if scheduler is not None else 'none'}")
-    if optimizer is not None:
-        _check_optimizer(body["optimizer"], optimizer)
-    setters = dict((name, put) for name, (_, put) in (extra or {}).items())
-    missing_extra = sorted(set(setters) - set(body["extra"]))
-    if missing_extra:
-        raise StateMismatch(f"extra state {missing_extra} is registered here but not in the snapshot "
-                            f"(it has {sorted(body['extra'])})")
-    own = model.state_dict()
-    with torch.no_grad():
-        for name, t in body["model"]:
-            own[name].copy_(t)
-    if optimizer is not None:
-        optimizer.load_state_dict(body["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(body["scheduler"])
-    for name, put in setters.items():
-        put(body["extra"][name])
-    step_count = int(outer["step_count"])
-    if optimizer is not None and hasattr(optimizer, "step_count"):
-        optimizer.step_count = step_count
-    return Restored(step_count, snap.hexdigest, tuple(sorted(body["extra"])))
+    values = decode(snap.data)
+    load(values, model, optimizer, scheduler, extra)
+    return Restored(values.step_count, snap.hexdigest, tuple(sorted(values.extra)))
 
 
 # ---- sync over the fttree torch.distributed backend ----------------------------------------
 
 
-def sync_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+def sync_state(model: Model, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                src: int | None = None, extra: Extra | None = None, group: Any = None) -> Restored:
     """Make every rank's training state equal to `src`'s (default: the lowest rank).
 
