@@ -10,15 +10,20 @@ test_double_tree.py runs 7 workers on both families.
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 import numpy as np
 import pytest
 
 from fttree import StepResult
+from fttree.core import topology as topo
 from fttree.core.config import Config
 from fttree.core.protocol import TreeMachine
+from fttree.core.topology import Neighbours
 from fttree.core.trees import tree_count, tree_of
 from fttree.core.view import View
+from fttree.errors import ConfigError
 from fttree.status.cli import render as render_status
 from fttree.status.metrics import render as render_metrics
 from fttree.status.monitor import Monitor
@@ -73,6 +78,109 @@ def test_chunks_spread_evenly_and_a_one_chunk_step_stays_on_tree_0() -> None:
     assert machine.cfg.trees == ROTATED  # the default
     assert len(machine.trees) == 7
     assert machine.peers == tuple(range(1, 7))  # neighbours in some tree: here everyone
+
+
+# ---- computed, not stored: the same trees as the eager builder --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerTree:
+    """A tree as View.tree built it before the trees were computed (one per tree, each with its
+    member order, slot index, every rank's neighbours and subtree, stored): the reference."""
+
+    members: tuple[int, ...]
+    slot: dict[int, int]
+    neighbours: dict[int, Neighbours]
+    subtree: dict[int, frozenset[int]]
+
+    @classmethod
+    def build(cls, family: str, tree: int, members: tuple[int, ...]) -> EagerTree:
+        order = members if tree == 0 else tuple(reversed(members)) if family == "double" else (
+            members[tree:] + members[:tree])
+        n = len(order)
+        neighbours, subtree = {}, {}
+        for s, rank in enumerate(order):
+            slots = topo.neighbours(s, n)
+            neighbours[rank] = Neighbours(
+                rank=rank, world=n, parent=None if slots.parent is None else order[slots.parent],
+                children=tuple(order[c] for c in slots.children),
+                brother=None if slots.brother is None else order[slots.brother],
+                uncle=None if slots.uncle is None else order[slots.uncle],
+                nephews=tuple(order[c] for c in slots.nephews), height=slots.height, depth=slots.depth)
+            below, stack = set(), [s]  # the walk down the heap, slot by slot
+            while stack:
+                at = stack.pop()
+                below.add(order[at])
+                stack.extend(c for c in (2 * at + 1, 2 * at + 2) if c < n)
+            subtree[rank] = frozenset(below)
+        return cls(order, {rank: s for s, rank in enumerate(order)}, neighbours, subtree)
+
+
+def _views(world: int) -> tuple[View, ...]:
+    shuffled = View(5, tuple(np.random.default_rng(world).permutation(world * 3)[:world].tolist()), pace=7)
+    return View.initial(world), shuffled
+
+
+def _assert_same_tree(lazy: View, ref: EagerTree, view: View) -> None:
+    assert lazy.members == ref.members
+    assert (lazy.epoch, lazy.pace, lazy.size, lazy.root) == (view.epoch, view.pace, len(ref.members), ref.members[0])
+    assert lazy == View(view.epoch, ref.members, view.pace)
+    assert hash(lazy) == hash(View(view.epoch, ref.members, view.pace))
+    assert repr(lazy) == f"View(epoch={view.epoch}, members={ref.members!r}, pace={view.pace})"
+    for rank in ref.members:
+        assert rank in lazy
+        assert lazy.slot_of(rank) == ref.slot[rank]
+        assert lazy.neighbours(rank) == ref.neighbours[rank], (rank, lazy)
+        assert lazy.subtree(rank) == ref.subtree[rank], (rank, lazy)
+    assert -1 not in lazy
+    assert max(ref.members) + 1 not in lazy
+
+
+@pytest.mark.parametrize("world", [*range(1, 41), 64, 127])
+def test_every_rotated_tree_is_the_one_the_eager_builder_stored(world: int) -> None:
+    for view in _views(world):
+        for t in range(world):
+            _assert_same_tree(view.tree(t, ROTATED), EagerTree.build(ROTATED, t, view.members), view)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 15, 16, 33])
+def test_both_double_trees_and_the_single_tree_are_the_ones_the_eager_builder_stored(world: int) -> None:
+    for view in _views(world):
+        _assert_same_tree(view.tree(0, "single"), EagerTree.build("single", 0, view.members), view)
+        for t in range(min(2, world)):
+            _assert_same_tree(view.tree(t, "double"), EagerTree.build("double", t, view.members), view)
+
+
+@pytest.mark.parametrize("world", [1, 2, 5, 16, 31, 40])
+def test_each_rank_holds_in_every_tree_what_the_eager_trees_gave_it(world: int) -> None:
+    """What the protocol keeps per tree (its neighbours and its children's subtrees) and what it
+    asks of a tree's view (a neighbour's neighbours, for relays) are the eager builder's."""
+    for view in _views(world):
+        ref = [EagerTree.build(ROTATED, t, view.members) for t in range(world)]
+        for rank in view.members:
+            machine = TreeMachine(rank, view, Config())
+            assert len(machine.trees) == world
+            for t, tree in enumerate(machine.trees):
+                assert tree.me == ref[t].neighbours[rank]
+                assert tree.subtrees == {c: ref[t].subtree[c] for c in ref[t].neighbours[rank].children}
+                for other in tree.me.all:
+                    assert tree.view.neighbours(other) == ref[t].neighbours[other]
+            assert machine.peers == tuple(sorted({r for t in ref for r in t.neighbours[rank].all}))
+
+
+def test_a_tree_of_a_tree_and_a_missing_tree() -> None:
+    view = View(3, (9, 4, 7, 1, 0, 5))
+    two = view.tree(2, ROTATED)
+    assert two.tree(3, ROTATED).members == view.tree(5, ROTATED).members
+    assert two.tree(1, "double").members == tuple(reversed(two.members))
+    assert two.without([7], 4) == View(4, (4, 1, 0, 5, 9))  # the last slot fills the hole
+    assert str(two) == "view 3 [7, 1, 0, 5, 9, 4]"
+    with pytest.raises(ConfigError, match=r"tree 6 does not exist: trees='rotated' builds 6 over 6 workers"):
+        view.tree(6, ROTATED)
+    with pytest.raises(ConfigError, match="rank 2 is not a member of view 3"):
+        two.slot_of(2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        two.epoch = 4  # type: ignore[misc]
 
 
 # ---- bytes per rank ----------------------------------------------------------------------------------

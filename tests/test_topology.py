@@ -58,3 +58,18 @@ def test_render_shows_every_rank_with_backups() -> None:
     for r in range(7):
         assert f"rank {r}" in text
     assert "rank 3  [brother 4, uncle 2]" in text
+
+
+@pytest.mark.parametrize("world", [*range(1, 34), 64, 100, 127, 128])
+def test_a_subtree_is_one_run_of_consecutive_ranks_per_level(world: int) -> None:
+    for rank in range(world):
+        below, stack = set(), [rank]  # the walk down, child by child
+        while stack:
+            r = stack.pop()
+            below.add(r)
+            stack.extend(topo.children_of(r, world))
+        spans = topo.subtree_spans(rank, world)
+        assert [r for span in spans for r in span] == sorted(below)
+        assert [topo.neighbours(span[0], world).depth for span in spans] == list(
+            range(topo.neighbours(rank, world).depth, topo.neighbours(rank, world).depth + len(spans)))
+        assert topo.subtree_of(rank, world) == below

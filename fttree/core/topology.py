@@ -69,14 +69,20 @@ def uncle_of(rank: int, world: int) -> int | None:
     return None if parent is None else brother_of(parent, world)
 
 
+def subtree_spans(rank: int, world: int) -> list[range]:
+    """The subtree rooted at `rank`, one range per level: a heap's subtree holds consecutive
+    ranks at each depth ((rank + 1) * 2^k - 1 to (rank + 2) * 2^k - 2, k levels down)."""
+    out = []
+    lo = hi = rank
+    while lo < world:
+        out.append(range(lo, min(hi + 1, world)))
+        lo, hi = 2 * lo + 1, 2 * hi + 2
+    return out
+
+
 def subtree_of(rank: int, world: int) -> frozenset[int]:
     """All ranks in the subtree rooted at `rank` (itself included)."""
-    out, stack = set(), [rank]
-    while stack:
-        r = stack.pop()
-        out.add(r)
-        stack.extend(children_of(r, world))
-    return frozenset(out)
+    return frozenset(r for span in subtree_spans(rank, world) for r in span)
 
 
 def _height(rank: int, world: int) -> int:

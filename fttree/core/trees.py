@@ -51,12 +51,54 @@ def tree_of(family: str, chunk: int, chunks: int, size: int) -> int:
     return (chunk * size) // chunks
 
 
-def tree_order(family: str, tree: int, members: tuple[int, ...]) -> tuple[int, ...]:
-    """The members in tree `tree`'s slot order (its heap's slot s holds the s-th of them)."""
-    count = tree_count(family, len(members))
+def check_tree(family: str, tree: int, size: int) -> None:
+    count = tree_count(family, size)
     if not 0 <= tree < count:
         raise ConfigError(f"tree {tree} does not exist: trees={family!r} builds {count} over "
-                          f"{len(members)} workers (0..{count - 1})")
+                          f"{size} workers (0..{count - 1})")
+
+
+def base_slot(family: str, tree: int, slot: int, size: int) -> int:
+    """The slot of the view (tree 0) that holds the member in slot `slot` of tree `tree`.
+
+    Every tree is a permutation of the view's slots that takes O(1) to apply either way, so a
+    rank's place in any tree is computed from its slot rather than stored: the p rotated trees
+    cost nothing per tree (view.py)."""
+    if tree == 0:
+        return slot
+    if family == "double":
+        return size - 1 - slot
+    return (slot + tree) % size
+
+
+def tree_slot(family: str, tree: int, base: int, size: int) -> int:
+    """The slot of tree `tree` that the member in slot `base` of the view (tree 0) holds."""
+    if tree == 0:
+        return base
+    if family == "double":
+        return size - 1 - base
+    return (base - tree) % size
+
+
+def base_spans(family: str, tree: int, span: range, size: int) -> tuple[range, ...]:
+    """The view's slots of tree `tree`'s slots `span` (consecutive, inside 0..size-1), as at
+    most two ranges: a subtree's levels (topology.subtree_spans) are read off the view's order
+    in slices rather than slot by slot."""
+    if tree == 0 or not span:
+        return (span,)
+    if family == "double":
+        return (range(size - span.stop, size - span.start),)
+    lo, hi = span.start + tree, span.stop + tree
+    if lo >= size:
+        return (range(lo - size, hi - size),)
+    if hi <= size:
+        return (range(lo, hi),)
+    return range(lo, size), range(0, hi - size)
+
+
+def tree_order(family: str, tree: int, members: tuple[int, ...]) -> tuple[int, ...]:
+    """The members in tree `tree`'s slot order (its heap's slot s holds the s-th of them)."""
+    check_tree(family, tree, len(members))
     if tree == 0:
         return members
     if family == "double":

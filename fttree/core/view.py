@@ -12,39 +12,59 @@ agreed view changes (membership.py, "Pace").
 
 Large steps spread their chunks over several trees (trees.py): tree 0 is the heap over
 `members`, the others heaps over other orders of the same members (`View.tree(t, family)`), in
-the same epoch.
+the same epoch. A tree's order is a permutation of the view's slots that is O(1) to apply
+(trees.base_slot), so a tree's view shares the member order and slot index of the view it came
+from and computes a rank's slot, neighbours and subtree when asked: the default family's p
+trees cost O(p) per worker, not p orders and p indexes of p members each (docs/scale.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from . import topology as topo
 from .topology import Neighbours
-from .trees import tree_order
+from .trees import base_slot, base_spans, check_tree, tree_order, tree_slot
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False, repr=False, eq=False, match_args=False)
 class View:
-    epoch: int
-    members: tuple[int, ...]  # members[slot] = rank; slot 0 is the root
-    pace: int = 0  # bytes per second the group's steps are cut into chunks for (0: Config.uplink_bytes_per_s)
-    _slot: dict[int, int] = field(init=False, repr=False, compare=False)
-    _neighbours: dict[int, Neighbours] = field(init=False, repr=False, compare=False)
-    _trees: dict[tuple[str, int], View] = field(init=False, repr=False, compare=False)  # View.tree, built once
+    """`View(epoch, members, pace)`; two views are equal when those three are."""
 
-    def __post_init__(self) -> None:
-        if self.pace < 0:
-            raise ConfigError(f"view {self.epoch} pace must not be negative, got {self.pace}")
-        if not self.members:
-            raise ConfigError(f"view {self.epoch} has no members")
-        if len(set(self.members)) != len(self.members) or min(self.members) < 0:
-            raise ConfigError(f"view {self.epoch} members {list(self.members)} must be distinct ranks >= 0")
-        object.__setattr__(self, "_slot", {rank: slot for slot, rank in enumerate(self.members)})
-        object.__setattr__(self, "_neighbours", {})
-        object.__setattr__(self, "_trees", {})
+    __match_args__ = ("epoch", "members", "pace")
+
+    epoch: int
+    pace: int  # bytes per second the group's steps are cut into chunks for (0: Config.uplink_bytes_per_s)
+    _order: tuple[int, ...]  # the view's members in slot order (tree 0's); a tree's view shares it
+    _slot: dict[int, int]  # rank -> its slot in _order; shared the same way
+    _family: str  # this view is the heap of tree _tree of _family over _order (tree 0: the view's own)
+    _tree: int
+    _neighbours: dict[int, Neighbours] | None  # View.neighbours, kept by tree 0 only (O(p) at most)
+    _trees: dict[tuple[str, int], View] | None  # View.tree, kept by tree 0 only
+
+    def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0) -> None:
+        if pace < 0:
+            raise ConfigError(f"view {epoch} pace must not be negative, got {pace}")
+        if not members:
+            raise ConfigError(f"view {epoch} has no members")
+        if len(set(members)) != len(members) or min(members) < 0:
+            raise ConfigError(f"view {epoch} members {list(members)} must be distinct ranks >= 0")
+        self._fill(epoch, pace, members, {rank: slot for slot, rank in enumerate(members)}, "single", 0)
+
+    def _fill(self, epoch: int, pace: int, order: tuple[int, ...], slot: dict[int, int], family: str,
+              tree: int) -> None:
+        base = tree == 0
+        for name, value in (("epoch", epoch), ("pace", pace), ("_order", order), ("_slot", slot),
+                            ("_family", family), ("_tree", tree), ("_neighbours", {} if base else None),
+                            ("_trees", {} if base else None)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """members[slot] = rank; slot 0 is the root. Computed for a tree other than 0 (O(p))."""
+        return tree_order(self._family, self._tree, self._order)
 
     @classmethod
     def initial(cls, world: int) -> View:
@@ -53,11 +73,15 @@ class View:
 
     @property
     def size(self) -> int:
-        return len(self.members)
+        return len(self._order)
 
     @property
     def root(self) -> int:
-        return self.members[0]
+        return self._at(0)
+
+    def _at(self, slot: int) -> int:
+        """The rank in slot `slot` of this view's heap."""
+        return self._order[base_slot(self._family, self._tree, slot, len(self._order))]
 
     def __contains__(self, rank: object) -> bool:
         return rank in self._slot
@@ -66,32 +90,41 @@ class View:
         slot = self._slot.get(rank)
         if slot is None:
             raise ConfigError(f"rank {rank} is not a member of view {self.epoch} ({list(self.members)})")
-        return slot
+        return tree_slot(self._family, self._tree, slot, len(self._order))
 
     def neighbours(self, rank: int) -> Neighbours:
-        """Parent, children, brother, uncle and nephews of `rank`, as ranks."""
-        found = self._neighbours.get(rank)
+        """Parent, children, brother, uncle and nephews of `rank`, as ranks. Tree 0 keeps them
+        (at most one per member); another tree's view computes them each time, in O(1)."""
+        found = None if self._neighbours is None else self._neighbours.get(rank)
         if found is None:
             slots = topo.neighbours(self.slot_of(rank), self.size)
-            at = self.members
+            at = self._at
 
             def one(slot: int | None) -> int | None:
-                return None if slot is None else at[slot]
+                return None if slot is None else at(slot)
 
-            found = self._neighbours[rank] = Neighbours(
-                rank=rank, world=self.size, parent=one(slots.parent), children=tuple(at[s] for s in slots.children),
-                brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at[s] for s in slots.nephews),
+            found = Neighbours(
+                rank=rank, world=self.size, parent=one(slots.parent), children=tuple(at(s) for s in slots.children),
+                brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at(s) for s in slots.nephews),
                 height=slots.height, depth=slots.depth)
+            if self._neighbours is not None:
+                self._neighbours[rank] = found
         return found
 
     def tree(self, tree: int, family: str) -> View:
         """The view whose heap is tree `tree` of `family` (trees.py): this one for tree 0, the
-        same members in that tree's order (same epoch) for the others."""
+        same members in that tree's order (same epoch) for the others. It shares this view's
+        member order and slot index: O(1) memory, whatever the size."""
         if tree == 0:
             return self
+        if self._trees is None:  # a tree of a tree: over this one's order, which is computed
+            return View(self.epoch, self.members, self.pace).tree(tree, family)
         found = self._trees.get((family, tree))
         if found is None:
-            found = self._trees[(family, tree)] = View(self.epoch, tree_order(family, tree, self.members), self.pace)
+            check_tree(family, tree, self.size)
+            found = object.__new__(View)
+            found._fill(self.epoch, self.pace, self._order, self._slot, family, tree)
+            self._trees[(family, tree)] = found
         return found
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
@@ -111,7 +144,21 @@ class View:
 
     def subtree(self, rank: int) -> frozenset[int]:
         """Every rank in the subtree rooted at `rank`, itself included."""
-        return frozenset(self.members[s] for s in topo.subtree_of(self.slot_of(rank), self.size))
+        size, order = self.size, self._order
+        return frozenset(r for span in topo.subtree_spans(self.slot_of(rank), size)
+                         for part in base_spans(self._family, self._tree, span, size)
+                         for r in order[part.start:part.stop])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, View):
+            return NotImplemented
+        return self.epoch == other.epoch and self.pace == other.pace and self.members == other.members
+
+    def __hash__(self) -> int:
+        return hash((self.epoch, self.members, self.pace))
+
+    def __repr__(self) -> str:
+        return f"View(epoch={self.epoch!r}, members={self.members!r}, pace={self.pace!r})"
 
     def __str__(self) -> str:
         return f"view {self.epoch} {list(self.members)}"
