@@ -5,19 +5,28 @@ the end of that step, by message kind.
 
     python -m fttree.testing.scale --worlds 15,127,255,1023
 
-prints one line per world and fault (docs/scale.md holds a table of them).
+prints one line per world and fault (docs/scale.md holds a table of them). With --tree-cost,
+what one worker holds of its view and trees after a view change, and how long it takes to
+build them, instead:
+
+    python -m fttree.testing.scale --tree-cost --worlds 127,255,511,1023
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import time
+import tracemalloc
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.config import Config
 from ..core.messages import Kind
+from ..core.protocol import TreeMachine
+from ..core.view import View
 from .memory import MemoryNetwork
 from .sim import SimNetwork
 
@@ -58,11 +67,55 @@ def measure(world: int, fault: str) -> ScaleRun:
                     frames_per_rank=sum(sent.values()), by_kind=sent, wall_s=time.perf_counter() - began)
 
 
+@dataclass(frozen=True)
+class TreeCost:
+    world: int
+    family: str  # Config.trees
+    bytes: int  # what a worker holds of a new view and its trees (the tree machine of one rank)
+    seconds: float  # the fastest of three builds
+
+
+def tree_cost(world: int, family: str = "rotated") -> TreeCost:
+    """Build the view of `world` members and rank 1's tree machine over it, as a worker does at
+    every view change; what is shared by every worker of a process (the heap shapes of one size,
+    topology.neighbours) is built first and not counted."""
+    cfg = Config(trees=family)
+    rank = min(1, world - 1)
+
+    def build() -> TreeMachine:
+        return TreeMachine(rank, View(1, tuple(range(world))), cfg)
+
+    build()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        machine = build()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del machine
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        build()
+        times.append(time.perf_counter() - began)
+    return TreeCost(world=world, family=family, bytes=held, seconds=min(times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="15,127,255,1023", help="comma-separated world sizes")
     parser.add_argument("--faults", default="crash,hang", help="crash, hang or both")
+    parser.add_argument("--tree-cost", action="store_true",
+                        help="instead: what one worker holds of its view and trees, and the time to build them")
     args = parser.parse_args()
+    if args.tree_cost:
+        for world in (int(w) for w in args.worlds.split(",")):
+            for family in ("rotated", "single"):
+                cost = tree_cost(world, family)
+                print(f"{family:7s} world {world:5d}: {cost.bytes / 1e6:.2f} MB per worker, "
+                      f"{cost.seconds * 1e3:.0f} ms to build", flush=True)
+        return
     logging.disable(logging.WARNING)  # a view change logs on every rank
     for fault in args.faults.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
