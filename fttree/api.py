@@ -430,7 +430,7 @@ class FTTreeAllreduce:
         return None if self.node is None else self.node.joined_at
 
     def send_frame(self, dst: int, msg: Any) -> None:
-        """Queue a frame (fttree.core.messages.Message) for rank `dst` from any thread: the
+        """Queue a frame (fttree.core.messages.Frame) for rank `dst` from any thread: the
         training layer's state transfer uses the node's links."""
         loop, node = self._loop, self.node
         if loop is not None and node is not None and not loop.is_closed():

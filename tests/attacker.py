@@ -25,17 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
 
-from fttree.core.messages import PREFIX, VERSION, Kind, Message, encode
+from fttree.core.admission import Query
+from fttree.core.messages import PREFIX, VERSION, Agreement, Detection, Join, Kind, Message, Notice, State, encode
 from fttree.net import handshake as hs
 
 FORGED = [
-    Message(kind=Kind.JOIN, src=1, code=1, incarnation=99, addresses=((1, "127.0.0.100:1"),)),
-    Message(kind=Kind.JOIN, src=1000, code=1, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
-    Message(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
-    Message(kind=Kind.SUSPECT, src=0, target=2, code=1),
-    Message(kind=Kind.MINORITY, src=1000, members=(1000,), world=3),
-    Message(kind=Kind.LEAVE, src=2),
-    Message(kind=Kind.STATE_REQUEST, src=1, user_step=0),
+    Join(kind=Kind.JOIN, src=1, code=Query.ADMIT_ME, incarnation=99, addresses=((1, "127.0.0.100:1"),)),
+    Join(kind=Kind.JOIN, src=1000, code=Query.ADMIT_ME, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
+    Agreement(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
+    Detection(kind=Kind.SUSPECT, src=0, target=2, gone=True),
+    Agreement(kind=Kind.MINORITY, src=1000, promised=(1000,), view_size=3),
+    Notice(kind=Kind.LEAVE, src=2),
+    State(kind=Kind.STATE_REQUEST, src=1, user_step=0),
     Message(kind=Kind.ABORT, src=0, step=0, reason="forged", code=1),
 ]
 

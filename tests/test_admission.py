@@ -7,7 +7,7 @@ from __future__ import annotations
 from fttree.core.admission import MAX_CANDIDATES, Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from fttree.core.config import Config
 from fttree.core.lifecycle import Phase
-from fttree.core.messages import Kind, Message
+from fttree.core.messages import Join, Kind
 from fttree.core.protocol import Send
 from fttree.core.replica import JoinFrame, Replica
 from fttree.core.view import View
@@ -16,7 +16,7 @@ VIEW = View(0, (0, 1, 2, 3))
 
 
 def ask(rank: int, incarnation: int, code: Query = Query.IS_RUNNING) -> JoinFrame:
-    return JoinFrame(msg=Message(kind=Kind.JOIN, src=rank, code=code, incarnation=incarnation,
+    return JoinFrame(msg=Join(kind=Kind.JOIN, src=rank, code=code, incarnation=incarnation,
                                  addresses=((rank, f"127.0.0.{rank + 1}:29500"),)))
 
 
@@ -83,7 +83,7 @@ def test_a_start_settles_on_a_majority_saying_starting_only_after_the_grace() ->
 def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_was_told() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
     assert joiner.life.phase is Phase.ASKING
-    running = Message(kind=Kind.JOIN_REPLY, src=0, code=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
+    running = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
                       addresses=((0, "127.0.0.1:1"), (1, "127.0.0.2:1")))
     out = joiner.step(JoinFrame(msg=running), 0.0)
     assert joiner.admission.asked() == (0, 1, 2, 3)
@@ -91,7 +91,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
     assert Answered() in out
     assert joiner.may_send(2)
     assert not joiner.may_send(9)
-    admitted = Message(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 2, 3, 4),
+    admitted = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 2, 3, 4),
                        step=60, user_step=6, addresses=((4, "127.0.0.5:1"), (3, "127.0.0.4:1")))
     out = joiner.step(JoinFrame(msg=admitted), 0.1)
     assert Joined(first_step=60, user_step=6) in out
@@ -104,7 +104,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
 
 def test_an_admission_naming_other_ranks_only_is_not_taken() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
-    other = Message(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
+    other = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
     out = joiner.step(JoinFrame(msg=other), 0.0)
     assert not [a for a in out if isinstance(a, Joined)]
     assert joiner.life.phase is Phase.ASKING

@@ -486,7 +486,7 @@ def test_workers_that_cut_a_step_differently_fail_it_naming_the_settings() -> No
     world = 7
     net = SimNetwork(world, timeout_policy="static", step_timeout_s=5.0, uplink_bytes_per_s=12.5e6)
     fast = Config.build(net.config, uplink_bytes_per_s=125e6)  # rank 3 says its uplink is 1 Gbit/s
-    net.nodes[3].cfg = net.nodes[3].machine.cfg = fast
+    net.nodes[3].cfg = net.nodes[3].steps.cfg = net.nodes[3].machine.cfg = fast  # what cuts and runs its steps
     data = [np.full(407_050, r + 1, dtype=np.float32) for r in range(world)]
     net.submit_all(0, data)
     net.run_until_finished(0)

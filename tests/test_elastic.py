@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fttree
-from fttree.core.messages import STATE_DTYPE, Kind, Message
+from fttree.core.messages import Kind, State
 from fttree.errors import GroupLeft
 from fttree.training import elastic, optim
 from fttree.training.state import Extra, TrainingState, capture, encode
@@ -317,8 +317,8 @@ def die_mid_transfer(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimize
         total = -(-len(data) // size)
         for i in range(total // 2):
             piece = data[i * size:(i + 1) * size]
-            ar.send_frame(due[0], Message(kind=Kind.STATE, src=ar.rank, user_step=user_step, chunk=i, world=total,
-                                          signature=digest, dtype=STATE_DTYPE, numel=len(piece), payload=piece))
+            ar.send_frame(due[0], State(kind=Kind.STATE, src=ar.rank, user_step=user_step, piece=i, pieces=total,
+                                        digest=digest, numel=len(piece), payload=piece))
         ar.crash(f"test: donor rank {ar.rank} killed in the middle of a transfer")
 
     transfer.serve = serve  # type: ignore[method-assign]

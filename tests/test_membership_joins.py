@@ -3,9 +3,10 @@ other directly (sans-IO), so the order of events is the test's, not the schedule
 
 from __future__ import annotations
 
+from fttree.core.admission import Query
 from fttree.core.config import Config
 from fttree.core.membership import ControlReceived, Fence, Fenced, Installed, Membership, MemberState, MemberTimer
-from fttree.core.messages import Kind, Message
+from fttree.core.messages import Agreement, Detection, Frame, Join, Kind, Notice
 from fttree.core.protocol import TimerKey, TimerKind
 from fttree.core.view import View
 
@@ -21,13 +22,14 @@ class Group:
         self.installed: dict[int, list[Installed]] = {r: [] for r in members}
         self.prepares = 0
 
-    def deliver(self, dst: int, msg: Message) -> None:
+    def deliver(self, dst: int, msg: Frame) -> None:
         pending = [(dst, msg)]
         while pending:
             to, frame = pending.pop(0)
             if to not in self.m:
                 continue  # the joiner's own process is not simulated here
             self.prepares += frame.kind is Kind.VIEW_PREPARE
+            assert isinstance(frame, Agreement | Detection | Join | Notice)
             actions = self.m[to].handle(ControlReceived(msg=frame), 0.0)
             while actions:
                 action = actions.pop(0)
@@ -40,7 +42,7 @@ class Group:
 
     def ask(self, joiner: int) -> None:
         """`joiner` asks the coordinator (rank 0) to be admitted."""
-        self.deliver(0, Message(kind=Kind.JOIN, src=joiner, code=1))
+        self.deliver(0, Join(kind=Kind.JOIN, src=joiner, code=Query.ADMIT_ME))
 
 
 def test_a_second_join_waits_until_the_first_has_taken_effect() -> None:
@@ -81,7 +83,7 @@ def test_a_leave_before_a_join_takes_effect_forms_its_view_without_the_unaware_j
     g.ask(4)
     assert all(4 in g.m[r].view for r in (0, 1, 2, 3))
     epoch = g.m[0].view.epoch
-    g.deliver(0, Message(kind=Kind.LEAVE, src=2, epoch=epoch))
+    g.deliver(0, Notice(kind=Kind.LEAVE, src=2, epoch=epoch))
     assert not [i for i in g.installed[0] if 2 not in i.view.members]  # waiting for rank 4's promise
     actions = g.m[0].handle(MemberTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0)), 1.0)
     for action in actions:

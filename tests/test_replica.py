@@ -3,9 +3,10 @@ membership and the life cycle, and the test pumps the frames between replicas it
 
 from __future__ import annotations
 
+from fttree.core.admission import Query
 from fttree.core.config import Config
-from fttree.core.membership import ControlReceived, MemberTimer
-from fttree.core.messages import Kind, Message
+from fttree.core.membership import ControlReceived, MemberFrame, MemberTimer
+from fttree.core.messages import Agreement, Detection, Join, Kind, Notice
 from fttree.core.protocol import Send, TimerKey, TimerKind
 from fttree.core.replica import Admit, JoinInEffect, Replica, ReplicaAction, StepBoundary, ViewApplied
 from fttree.core.view import View
@@ -18,7 +19,7 @@ class Group:
         for m in members:
             self.r[m].step(StepBoundary(user_step=user_step, first_step=user_step), 0.0)
         self.seen: dict[int, list[ReplicaAction]] = {m: [] for m in members}
-        self.promises: list[Message] = []
+        self.promises: list[Agreement] = []
 
     def pump(self, rank: int, actions: list[ReplicaAction]) -> None:
         queue = [(rank, a) for a in actions]
@@ -26,18 +27,20 @@ class Group:
             src, action = queue.pop(0)
             self.seen[src].append(action)
             if isinstance(action, Send) and action.dst in self.r:
-                if action.msg.kind is Kind.VIEW_PROMISE:
-                    self.promises.append(action.msg)
-                out = self.r[action.dst].step(ControlReceived(msg=action.msg), 0.0)
+                msg = action.msg
+                assert isinstance(msg, Agreement | Detection | Join | Notice)
+                if isinstance(msg, Agreement) and msg.kind is Kind.VIEW_PROMISE:
+                    self.promises.append(msg)
+                out = self.r[action.dst].step(ControlReceived(msg=msg), 0.0)
                 queue += [(action.dst, a) for a in out]
 
-    def deliver(self, dst: int, msg: Message) -> None:
+    def deliver(self, dst: int, msg: MemberFrame) -> None:
         self.pump(dst, self.r[dst].step(ControlReceived(msg=msg), 0.0))
 
 
 def test_a_join_is_kept_until_its_training_step_and_taken_in_at_the_boundary() -> None:
     g = Group((0, 1, 2, 3), user_step=5)
-    g.deliver(0, Message(kind=Kind.JOIN, src=4, code=1))
+    g.deliver(0, Join(kind=Kind.JOIN, src=4, code=Query.ADMIT_ME))
     for m in (0, 1, 2, 3):
         (admit,) = [a for a in g.seen[m] if isinstance(a, Admit)]
         assert admit.installed.activate_at == 6
@@ -53,11 +56,11 @@ def test_a_join_is_kept_until_its_training_step_and_taken_in_at_the_boundary() -
 
 def test_a_view_change_fences_with_the_steps_held_and_supersedes_a_join_not_in_effect() -> None:
     g = Group((0, 1, 2, 3, 4), user_step=5)
-    g.deliver(0, Message(kind=Kind.JOIN, src=5, code=1))
+    g.deliver(0, Join(kind=Kind.JOIN, src=5, code=Query.ADMIT_ME))
     assert all(len(g.r[m].pending) == 1 for m in range(5))
     g.r[1].completed.append(4)  # rank 1 holds the result of step 4
     epoch = g.r[0].membership.view.epoch
-    g.deliver(0, Message(kind=Kind.LEAVE, src=3, epoch=epoch))
+    g.deliver(0, Notice(kind=Kind.LEAVE, src=3, epoch=epoch))
     # the coordinator waits for rank 5's promise (it does not know it is a member): time runs out
     g.pump(0, g.r[0].step(MemberTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0)), 1.0))
     assert any(p.src == 1 and p.steps == (4,) for p in g.promises)  # fenced, answering with what it holds

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from fttree.core.messages import STATE_DTYPE, Kind, Message
+from fttree.core.messages import Frame, Kind, State
 from fttree.core.view import View
 from fttree.errors import PeerError
 from fttree.training import elastic
@@ -26,9 +26,9 @@ class FakeHandle:
     view: View = field(default_factory=lambda: View(epoch=0, members=(0, 1, 2, 3)))
     config: Any = field(default_factory=lambda: SimpleNamespace(step_timeout_s=5.0))
     node: Any = field(default_factory=lambda: SimpleNamespace(elastic_listeners=[]))
-    sent: list[tuple[int, Message]] = field(default_factory=list)
+    sent: list[tuple[int, Frame]] = field(default_factory=list)
 
-    def send_frame(self, dst: int, msg: Message) -> None:
+    def send_frame(self, dst: int, msg: Frame) -> None:
         self.sent.append((dst, msg))
 
 
@@ -48,10 +48,10 @@ def a_snapshot() -> tuple[bytes, str]:
     return snap.data, snap.hexdigest
 
 
-def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: int = 12) -> list[Message]:
+def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: int = 12) -> list[State]:
     total = -(-len(data) // size)
-    return [Message(kind=Kind.STATE, src=donor, user_step=user_step, chunk=i, world=total, signature=digest,
-                    dtype=STATE_DTYPE, numel=len(data[i * size:(i + 1) * size]), payload=data[i * size:(i + 1) * size])
+    return [State(kind=Kind.STATE, src=donor, user_step=user_step, piece=i, pieces=total, digest=digest,
+                  numel=len(data[i * size:(i + 1) * size]), payload=data[i * size:(i + 1) * size])
             for i in range(total)]
 
 

@@ -125,19 +125,19 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
     """Without a key (loopback) a process can complete the handshake as a rank the job does not
     have. Its commit, minority, suspicion, leave and passed-on join are dropped by the sender rules before they
     change anything (before: one such frame evicted a healthy rank or stopped every rank)."""
-    from fttree.core.messages import Kind, Message
+    from fttree.core.messages import Agreement, Detection, Join, Kind, Notice, State
 
     from .rawpeer import message_frame
 
     with cluster(3, timeout_s=0.3, step_timeout_s=20) as handles:
         addr = handles[0].peers[0]
-        forged = [Message(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
-                  Message(kind=Kind.MINORITY, src=1000, members=(1000,), world=3),
-                  Message(kind=Kind.SUSPECT, src=1000, target=2, code=1),
-                  Message(kind=Kind.LEAVE, src=1000),
-                  Message(kind=Kind.STATE_REQUEST, src=1000, user_step=0),
+        forged = [Agreement(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
+                  Agreement(kind=Kind.MINORITY, src=1000, promised=(1000,), view_size=3),
+                  Detection(kind=Kind.SUSPECT, src=1000, target=2, gone=True),
+                  Notice(kind=Kind.LEAVE, src=1000),
+                  State(kind=Kind.STATE_REQUEST, src=1000, user_step=0),
                   # passed on "for" rank 2 with a new process: taken, it would evict rank 2 as restarted
-                  Message(kind=Kind.JOIN_ASK, src=1000, target=2, incarnation=7, addresses=((2, "127.0.0.9:1"),))]
+                  Join(kind=Kind.JOIN_ASK, src=1000, target=2, incarnation=7, addresses=((2, "127.0.0.9:1"),))]
         for target in handles:
             a = target.peers[target.rank]
             with connect(a.host, a.port) as sock:

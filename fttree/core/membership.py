@@ -67,10 +67,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from .admission import Query
 from .config import Config
-from .messages import Kind, Message
+from .messages import Agreement, Detection, Frame, Join, Kind, Notice
 from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .view import View
 
@@ -79,7 +80,6 @@ MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is s
 # lost too: where a link to a neighbour has lost packets, the node deadline covers three tries
 # (the timeout, then twice and four times it).
 RETRANSMIT_TRIES = 1 + 2 + 4
-PACE_ROUND = 1  # VIEW_PREPARE's code: a pace round (nothing is fenced, new steps wait)
 MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; more ask again later
 MAX_STALLS = 3  # a view change stalled this many times (3 node deadlines each) stops this rank
 JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
@@ -88,8 +88,6 @@ PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far 
 RELAYED_KINDS = frozenset(
     {Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT}
 )
-#: the view change's own messages
-AGREEMENT_KINDS = RELAYED_KINDS | {Kind.VIEW_NACK, Kind.MINORITY}
 SLOTS = 1 << 16  # ballot = round * SLOTS + (SLOTS - 1 - the coordinator's slot): later rounds, then earlier slots win
 
 
@@ -120,9 +118,12 @@ class Busy:
     step: int = -1
 
 
+MemberFrame = Detection | Agreement | Join | Notice  # the frames the membership takes (messages.py)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlReceived:
-    msg: Message
+    msg: MemberFrame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,13 +232,13 @@ class ViewValue:
     pace: int = 0  # the view's pace (view.py)
 
     @classmethod
-    def of(cls, msg: Message) -> ViewValue | None:
+    def of(cls, msg: Agreement) -> ViewValue | None:
         if not msg.proposed:
             return None
         return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan,
                    user_step=msg.user_step, pace=msg.pace)
 
-    def fields(self) -> dict[str, object]:
+    def fields(self) -> dict[str, Any]:
         return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan,
                 "user_step": self.user_step, "pace": self.pace}
 
@@ -390,9 +391,9 @@ class Membership:
         out: list[MemberAction] = []
         if peer in self._refute:
             self._refute.discard(peer)
-            self._to_all(self._msg(Kind.ALIVE, target=peer), out)
+            self._to_all(Detection(kind=Kind.ALIVE, src=self.rank, epoch=self.view.epoch, target=peer), out)
         if self._suspects.pop(peer, None) is not None:
-            self._to_all(self._msg(Kind.SUSPECT, target=peer, code=0), out)
+            self._to_all(Detection(kind=Kind.SUSPECT, src=self.rank, epoch=self.view.epoch, target=peer), out)
             self._report(self.rank, peer, False, now, out)
         return out
 
@@ -460,7 +461,8 @@ class Membership:
             self._pace_wanted[self.rank] = target
             self._maybe_pace_round(now, out)
         else:
-            out.append(Send(dst=coordinator, msg=self._msg(Kind.PACE, rate=target)))
+            out.append(Send(dst=coordinator, msg=Notice(kind=Kind.PACE, src=self.rank, epoch=self.view.epoch,
+                                                         rate=target)))
 
     def _maybe_pace_round(self, now: float, out: list[MemberAction]) -> None:
         """As coordinator: run a pace round that members asked for, when nothing else is being
@@ -484,13 +486,13 @@ class Membership:
 
     def _tell_done(self, out: list[MemberAction]) -> None:
         ranks = tuple(sorted(self.done))
-        self._to_all(self._msg(Kind.DONE, step=self.done[self.rank], members=ranks,
-                               steps=tuple(self.done[r] for r in ranks)), out)
+        self._to_all(Notice(kind=Kind.DONE, src=self.rank, epoch=self.view.epoch, step=self.done[self.rank],
+                            finished=ranks, last_steps=tuple(self.done[r] for r in ranks)), out)
 
-    def _on_done(self, msg: Message, out: list[MemberAction]) -> None:
+    def _on_done(self, msg: Notice, out: list[MemberAction]) -> None:
         """Ranks that finished their job (the sender, and those it knows of): a finished rank
         passes on what it learns, so the news goes around a cut link."""
-        told = dict(zip(msg.members, msg.steps, strict=False)) if len(msg.members) == len(msg.steps) else {}
+        told = dict(zip(msg.finished, msg.last_steps, strict=True)) if len(msg.finished) == len(msg.last_steps) else {}
         told.setdefault(msg.src, msg.step)
         new = False
         for r, last in told.items():
@@ -522,7 +524,7 @@ class Membership:
         self.node_deadline_s = min(max(self.cfg.node_deadline_s, answered, RETRANSMIT_TRIES * self._retransmit_s),
                                    MAX_NODE_DEADLINE_S)
 
-    def stale_sender(self, msg: Message) -> list[MemberAction]:
+    def stale_sender(self, msg: Frame) -> list[MemberAction]:
         """A frame of an older view: a rank not in ours missed the change that left it out (it
         was cut off, or stopped and resumed); a member may have missed the commit of a change
         that kept it (a cut link between it and the coordinator). Tell it, once per rank and
@@ -534,12 +536,12 @@ class Membership:
             if self._decided is None or self._decided[0] != msg.epoch:
                 return out
             self._told[msg.src] = self.view.epoch
-            out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
-                                                     **self._decided[1].fields())))  # type: ignore[arg-type]
+            out.append(Send(dst=msg.src, msg=Agreement(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                       **self._decided[1].fields())))
             return out
         self._told[msg.src] = self.view.epoch
-        out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
-                                                 proposed=self.view.epoch, members=self.view.members)))
+        out.append(Send(dst=msg.src, msg=Agreement(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                   proposed=self.view.epoch, members=self.view.members)))
         return out
 
     def status(self) -> MemberStatus:
@@ -550,8 +552,9 @@ class Membership:
 
     # ---- detection -----------------------------------------------------------------------------
 
-    def _msg(self, kind: Kind, **kw: object) -> Message:
-        return Message(kind=kind, src=self.rank, epoch=self.view.epoch, **kw)  # type: ignore[arg-type]
+    def _agree(self, kind: Kind, **kw: Any) -> Agreement:
+        """A frame of the view change, from this rank in its view."""
+        return Agreement(kind=kind, src=self.rank, epoch=self.view.epoch, **kw)
 
     def _neighbours(self) -> tuple[int, ...]:
         return self.view.neighbours(self.rank).all
@@ -588,7 +591,7 @@ class Membership:
 
     def _ping(self, peer: int, now: float, out: list[MemberAction]) -> None:
         self._pinged[peer] = now
-        out.append(Send(dst=peer, msg=self._msg(Kind.PING)))
+        out.append(Send(dst=peer, msg=Detection(kind=Kind.PING, src=self.rank, epoch=self.view.epoch)))
 
     def _suspect(self, peer: int, why: str, now: float, out: list[MemberAction]) -> None:
         if peer in self._suspects:
@@ -596,7 +599,8 @@ class Membership:
         self._suspects[peer] = why
         self._suspicions_total += 1
         out.append(Suspected(peer=peer, reason=why))
-        self._to_all(self._msg(Kind.SUSPECT, target=peer, code=1), out, but=(peer,))
+        self._to_all(Detection(kind=Kind.SUSPECT, src=self.rank, epoch=self.view.epoch, target=peer, gone=True), out,
+                     but=(peer,))
         self._report(self.rank, peer, True, now, out)
 
     def _report(self, reporter: int, suspect: int, on: bool, now: float, out: list[MemberAction]) -> None:
@@ -649,7 +653,7 @@ class Membership:
         else:
             self._maybe_admit(now, out)
 
-    def _pass_on_join(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _pass_on_join(self, msg: Join, now: float, out: list[MemberAction]) -> None:
         """A member that is not the coordinator passes a join request on (at most once a
         second per joiner): the joiner's own frames to the coordinator may not get through."""
         coordinator = next((r for r in self.view.members if r not in self._leaving), self.rank)
@@ -660,8 +664,9 @@ class Membership:
         if msg.src not in self._passed_on and len(self._passed_on) >= MAX_WAITING_JOINS:
             self._passed_on.clear()
         self._passed_on[msg.src] = now
-        out.append(Send(dst=coordinator, msg=self._msg(Kind.JOIN_ASK, target=msg.src, incarnation=msg.incarnation,
-                                                       addresses=msg.addresses)))
+        out.append(Send(dst=coordinator, msg=Join(kind=Kind.JOIN_ASK, src=self.rank, epoch=self.view.epoch,
+                                                  target=msg.src, incarnation=msg.incarnation,
+                                                  addresses=msg.addresses)))
 
     def _may_change(self) -> bool:
         """May a join or pace change be agreed now (nothing else agreed or waiting to take effect)?"""
@@ -692,24 +697,24 @@ class Membership:
         mine = self._suspects.get(peer)
         return f"suspected by ranks {reporters}" + (f" (here: {mine})" if mine else "")
 
-    def _to_all(self, msg: Message, out: list[MemberAction], but: tuple[int, ...] = ()) -> None:
+    def _to_all(self, msg: Frame, out: list[MemberAction], but: tuple[int, ...] = ()) -> None:
         for r in self.view.members:
             if r != self.rank and r not in but:
                 self._send(r, msg, out)
 
-    def _send(self, dst: int, msg: Message, out: list[MemberAction]) -> None:
+    def _send(self, dst: int, msg: Frame, out: list[MemberAction]) -> None:
         """Send; a message of the agreement also goes a second way, through a relay, so that one
         silent link between the coordinator and a member does not leave the member out. Never
         through a rank that anyone reported: relaying through a crashed rank got every member's
         connection refused, and each refusal became a suspicion sent to every member (n^2)."""
         out.append(Send(dst=dst, msg=msg))
-        if msg.kind in RELAYED_KINDS:
+        if isinstance(msg, Agreement) and msg.kind in RELAYED_KINDS:
             relay = next((m for m in self.view.members if m not in (self.rank, dst) and m not in self._suspects
                           and m not in self._gone and not self._reports.get(m)), None)
             if relay is not None:
                 out.append(Send(dst=relay, msg=msg.but(target=dst)))
 
-    def _relayed(self, msg: Message, out: list[MemberAction]) -> Message | None:
+    def _relayed(self, msg: Agreement, out: list[MemberAction]) -> Agreement | None:
         """A copy of an agreement message sent through this rank: pass it on (once: the copy
         names its first sender in `origin`) and return None; or, relayed to this rank, the
         message as its first sender sent it."""
@@ -729,7 +734,7 @@ class Membership:
                      joining: tuple[int, ...] = (), *, pace: bool = False) -> None:
         alive = [m for m in self.view.members if m not in dead]
         if not self._majority(alive):  # this side of the network cannot form the next view
-            minority = self._msg(Kind.MINORITY, ballot=0, members=tuple(alive), world=self.view.size)
+            minority = self._agree(Kind.MINORITY, ballot=0, promised=tuple(alive), view_size=self.view.size)
             for m in alive:
                 if m != self.rank:
                     out.append(Send(dst=m, msg=minority))
@@ -738,8 +743,8 @@ class Membership:
         self._max_round += 1
         ballot = self._max_round * SLOTS + (SLOTS - 1 - self.view.slot_of(self.rank))
         self._round = _Round(ballot=ballot, dead=dead, joining=joining, pace=pace)
-        prepare = self._msg(Kind.VIEW_PREPARE, ballot=ballot, missing=tuple(sorted(dead)), members=joining,
-                            code=PACE_ROUND if pace else 0)
+        prepare = self._agree(Kind.VIEW_PREPARE, ballot=ballot, dead=tuple(sorted(dead)), joining=joining,
+                              pace_round=pace)
         self._to_all(prepare, out, but=tuple(dead))
         self._on_prepare(prepare, now, out)  # this rank is a member too
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
@@ -750,7 +755,7 @@ class Membership:
     def _majority(self, ranks: Iterable[int]) -> bool:
         return 2 * len(set(ranks)) > self.view.size
 
-    def _on_promise(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_promise(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         r = self._round
         if r is None or r.accepting or msg.ballot != r.ballot:
             return
@@ -793,12 +798,12 @@ class Membership:
             r.value = ViewValue(epoch=new.epoch, members=new.members, committed=tuple(committed),
                                 plan=flatten_plan(plan), pace=new.pace)
         r.accepting = True
-        accept = self._msg(Kind.VIEW_ACCEPT, ballot=r.ballot, **r.value.fields())
+        accept = self._agree(Kind.VIEW_ACCEPT, ballot=r.ballot, **r.value.fields())
         self._to_all(accept, out, but=tuple(r.dead))
         self._on_accept(accept, now, out)
         out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_ROUND, -1, 0), at=now + self.node_deadline_s))
 
-    def _on_accepted(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_accepted(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         r = self._round
         if r is None or not r.accepting or msg.ballot != r.ballot:
             return
@@ -812,7 +817,7 @@ class Membership:
         r = self._round
         assert r is not None
         assert r.value is not None
-        commit = self._msg(Kind.VIEW_COMMIT, ballot=r.ballot, **r.value.fields())
+        commit = self._agree(Kind.VIEW_COMMIT, ballot=r.ballot, **r.value.fields())
         self._to_all(commit, out, but=tuple(d for d in r.dead if d not in self._leaving))
         self._install(commit, now, out)
 
@@ -844,8 +849,8 @@ class Membership:
             for rank in r.joining:
                 self._waiting_joins.setdefault(rank, False)
         else:
-            minority = self._msg(Kind.MINORITY, ballot=r.ballot, members=tuple(sorted(r.promises)),
-                                 world=self.view.size)  # the promisers stop with us
+            minority = self._agree(Kind.MINORITY, ballot=r.ballot, promised=tuple(sorted(r.promises)),
+                                   view_size=self.view.size)  # the promisers stop with us
             for m in r.promises:
                 if m != self.rank:
                     out.append(Send(dst=m, msg=minority))
@@ -863,11 +868,11 @@ class Membership:
 
     # ---- a member ----------------------------------------------------------------------------
 
-    def _on_prepare(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_prepare(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         if msg.epoch < self.view.epoch:
             self._tell_decided(msg, out)
             return
-        if msg.epoch > self.view.epoch or self.rank in msg.missing:
+        if msg.epoch > self.view.epoch or self.rank in msg.dead:
             return  # we are behind, or the one being left out: the decision will tell us
         self._max_round = max(self._max_round, msg.ballot // SLOTS)
         if msg.ballot == self._promised and msg.src != self.rank:
@@ -875,12 +880,12 @@ class Membership:
                 self._send_promise(msg.ballot, msg.src, now, out)
             return
         if msg.ballot < self._promised:
-            out.append(Send(dst=msg.src, msg=self._msg(Kind.VIEW_NACK, ballot=self._promised)))
+            out.append(Send(dst=msg.src, msg=self._agree(Kind.VIEW_NACK, ballot=self._promised)))
             return
         if self._round is not None and msg.src != self.rank and msg.ballot > self._round.ballot:
             self._round = None  # a better coordinator: follow it
         self._promised = msg.ballot
-        if (msg.members or msg.code == PACE_ROUND) and not msg.missing and self.state is MemberState.ACTIVE:
+        if (msg.joining or msg.pace_round) and not msg.dead and self.state is MemberState.ACTIVE:
             # a join: nothing is fenced (the steps in flight finish in this view); only the
             # next training step waits for the decision, which says where the new view starts
             if not self.holding:
@@ -903,7 +908,7 @@ class Membership:
     def _send_promise(self, ballot: int, coordinator: int, now: float, out: list[MemberAction]) -> None:
         assert self._held is not None
         accepted_ballot, value = self._accepted if self._accepted is not None else (0, None)
-        promise = self._msg(Kind.VIEW_PROMISE, ballot=ballot, steps=self._held, accepted=accepted_ballot,
+        promise = self._agree(Kind.VIEW_PROMISE, ballot=ballot, steps=self._held, accepted=accepted_ballot,
                             training_step=self.user_step, rate=self._target_pace(),
                             **(value.fields() if value is not None else {}))
         if coordinator == self.rank:
@@ -911,22 +916,22 @@ class Membership:
         else:
             self._send(coordinator, promise, out)
 
-    def _on_accept(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_accept(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         value = ViewValue.of(msg)
         if msg.epoch != self.view.epoch or value is None:
             return
         if msg.ballot < self._promised or self._held is None:  # only a fenced promiser may accept
-            out.append(Send(dst=msg.src, msg=self._msg(Kind.VIEW_NACK, ballot=self._promised)))
+            out.append(Send(dst=msg.src, msg=self._agree(Kind.VIEW_NACK, ballot=self._promised)))
             return
         self._promised = msg.ballot
         self._accepted = (msg.ballot, value)
-        accepted = self._msg(Kind.VIEW_ACCEPTED, ballot=msg.ballot)
+        accepted = self._agree(Kind.VIEW_ACCEPTED, ballot=msg.ballot)
         if msg.src == self.rank:
             self._on_accepted(accepted, now, out)
         else:
             self._send(msg.src, accepted, out)
 
-    def _on_nack(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_nack(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         if msg.proposed and msg.epoch < self.view.epoch:
             return
         if msg.proposed:  # the sender installed a change of our view already: so do we
@@ -937,11 +942,11 @@ class Membership:
         if r is not None:
             r.refusals.add(msg.src)
 
-    def _tell_decided(self, msg: Message, out: list[MemberAction]) -> None:
+    def _tell_decided(self, msg: Agreement, out: list[MemberAction]) -> None:
         """A proposal for a view we already left: answer with the change we installed from it."""
         if self._decided is not None and self._decided[0] == msg.epoch:
-            out.append(Send(dst=msg.src, msg=Message(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
-                                                     **self._decided[1].fields())))  # type: ignore[arg-type]
+            out.append(Send(dst=msg.src, msg=Agreement(kind=Kind.VIEW_NACK, src=self.rank, epoch=msg.epoch,
+                                                       **self._decided[1].fields())))
 
     def _supersede(self, view: View, evicted: tuple[int, ...], admitting: tuple[int, ...]) -> None:
         """A view installed before a decided join took effect leaves its joiners out (they did
@@ -965,7 +970,7 @@ class Membership:
         self._evicted_total += len(evicted)
         del self._evictions[:-16]
 
-    def _install(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _install(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
         value = ViewValue.of(msg)
         if msg.epoch != self.view.epoch or value is None:
             return
@@ -1076,21 +1081,24 @@ class Membership:
 
     # ---- dispatch ------------------------------------------------------------------------------
 
-    def _on_message(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_message(self, msg: MemberFrame, now: float, out: list[MemberAction]) -> None:
+        match msg:
+            case Agreement():
+                self._on_agreement(msg, now, out)
+            case Detection():
+                self._on_detection(msg, now, out)
+            case Join():
+                self._on_join_request(msg, now, out)
+            case Notice():
+                self._on_notice(msg, now, out)
+
+    def _on_agreement(self, msg: Agreement, now: float, out: list[MemberAction]) -> None:
+        """The view change's messages (single-decree Paxos, then MINORITY)."""
         if msg.kind in RELAYED_KINDS:
             relayed = self._relayed(msg, out)
             if relayed is None:
                 return
             msg = relayed
-        if msg.kind in AGREEMENT_KINDS:
-            self._on_agreement(msg, now, out)
-        elif msg.kind in (Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.PACE):
-            self._on_membership_request(msg, now, out)
-        else:
-            self._on_detection(msg, now, out)
-
-    def _on_agreement(self, msg: Message, now: float, out: list[MemberAction]) -> None:
-        """The view change's messages (single-decree Paxos, then MINORITY)."""
         match msg.kind:
             case Kind.VIEW_PREPARE:
                 self._on_prepare(msg, now, out)
@@ -1109,17 +1117,21 @@ class Membership:
             case Kind.MINORITY:
                 # from the coordinator we promised, or (ballot 0) from the rank that would coordinate
                 # this side and finds it has no majority: either way nothing here can form a view
-                if msg.epoch == self.view.epoch and self.rank in msg.members and msg.ballot in (0, self._promised):
-                    self._stop(MemberState.MINORITY, self._minority_reason(len(msg.members), msg.world), out)
+                if msg.epoch == self.view.epoch and self.rank in msg.promised and msg.ballot in (0, self._promised):
+                    self._stop(MemberState.MINORITY, self._minority_reason(len(msg.promised), msg.view_size), out)
 
-    def _on_membership_request(self, msg: Message, now: float, out: list[MemberAction]) -> None:
-        """Asks to change who is in the view, or how it runs: joins, leaves, done, pace."""
+    def _on_join_request(self, msg: Join, now: float, out: list[MemberAction]) -> None:
+        """A process asks to be admitted, or a member passes such a request on."""
         match msg.kind:
             case Kind.JOIN if msg.code == Query.ADMIT_ME:
                 self._on_join(msg.src, now, out)
                 self._pass_on_join(msg, now, out)
             case Kind.JOIN_ASK if msg.src in self.view and msg.target not in self._gone:
                 self._on_join(msg.target, now, out)
+
+    def _on_notice(self, msg: Notice, now: float, out: list[MemberAction]) -> None:
+        """A member changes how the view runs: it leaves, it is done, its uplink is off the pace."""
+        match msg.kind:
             case Kind.LEAVE if msg.epoch == self.view.epoch and msg.src in self.view:
                 self._leaving.add(msg.src)
                 self._evaluate(now, out)
@@ -1129,16 +1141,16 @@ class Membership:
                 self._pace_wanted[msg.src] = self._uplinks[msg.src] = msg.rate
                 self._maybe_pace_round(now, out)
 
-    def _on_detection(self, msg: Message, now: float, out: list[MemberAction]) -> None:
+    def _on_detection(self, msg: Detection, now: float, out: list[MemberAction]) -> None:
         """Failure detection: pings and what members report of each other."""
         match msg.kind:
             case Kind.PING:
-                out.append(Send(dst=msg.src, msg=self._msg(Kind.PONG)))
+                out.append(Send(dst=msg.src, msg=Detection(kind=Kind.PONG, src=self.rank, epoch=self.view.epoch)))
             case Kind.PONG:
                 self._pong(msg.src, now)  # `heard` counted it as life
             case Kind.SUSPECT if msg.epoch == self.view.epoch and msg.target in self.view:
-                self._report(msg.src, msg.target, msg.code == 1, now, out)
-                if msg.code == 1 and msg.target in self._neighbours() and msg.target not in self._suspects:
+                self._report(msg.src, msg.target, msg.gone, now, out)
+                if msg.gone and msg.target in self._neighbours() and msg.target not in self._suspects:
                     # check it for the others: only a frame heard after this ping refutes it
                     self._refute.add(msg.target)
                     self._ping(msg.target, now, out)

@@ -13,10 +13,11 @@ and `decode_header` validate everything a hostile or broken peer could get wrong
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from enum import Enum, IntEnum
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, Self
 
 import msgpack
 import numpy as np
@@ -117,32 +118,70 @@ class Sender(Enum):
 
     MEMBER = "a member of the receiver's view, of a view it has decided to take, or a rank it is admitting"
     PROVEN = "any rank that proved the job's key: a process asking to join, or answering one"
-    HANDSHAKE = "the other end of a connection, during its handshake (never a Message)"
+    HANDSHAKE = "the other end of a connection, during its handshake (never a Frame)"
 
 
-#: the sender rule of every kind
-SENDER_RULES: dict[Kind, Sender] = {
-    **dict.fromkeys(Kind, Sender.MEMBER),
-    Kind.JOIN: Sender.PROVEN,  # a restarted or new process: not in the view yet
-    Kind.JOIN_REPLY: Sender.PROVEN,  # to such a process, which knows no view yet
-    Kind.HELLO: Sender.HANDSHAKE, Kind.CHALLENGE: Sender.HANDSHAKE, Kind.PROOF: Sender.HANDSHAKE,
-}
+# ---- the message types ------------------------------------------------------------------------
+#
+# One type per family of kinds, with the fields that family needs and each field with one
+# meaning; the kinds of a family and who may send each sit next to its fields (`RULES`). The
+# wire keys of a family's fields are in `WIRE`: (header key, field, what errors call it, type).
+
+_INT, _INTS, _STR, _BOOL, _ADDRS = range(5)
+Payload = bytes | bytearray | memoryview
 
 
 @dataclass(slots=True, kw_only=True)
-class Message:
-    """One protocol message. `step` and `chunk` name the collective op it belongs to;
-    `origin` is the rank whose subtree sum (or confirmation) it is about; `target` the rank
-    it concerns or must be relayed to; `contributors` the ranks summed into `payload`.
+class Frame:
+    """What every frame has: its kind, the rank that sent it (the transport proves it), the
+    view it belongs to, and the raw bytes that follow its header, if any.
 
-    Treat it as immutable: one message may sit in several links' queues. It is not declared
+    Treat it as immutable: one frame may sit in several links' queues. It is not declared
     frozen because a frozen dataclass sets each of its fields through `object.__setattr__`:
     6.5 us to build one against 1.7 us, and every frame builds one on each side. To change a
     field, take a copy with `but`."""
 
+    RULES: ClassVar[Mapping[Kind, Sender]] = {}
+    WIRE: ClassVar[tuple[tuple[str, str, str, int], ...]] = ()
+
     kind: Kind
     src: int
-    epoch: int = 0  # the membership view the message belongs to (view.py)
+    epoch: int = 0  # the membership view the frame belongs to (view.py)
+    payload: Payload | None = field(default=None, repr=False)
+
+    def but(self, **changes: Any) -> Self:
+        """A copy with `changes` applied (a field-by-field copy: `dataclasses.replace` builds
+        through `__init__` and costs four times as much)."""
+        cls = type(self)
+        names = _SLOTS[cls]
+        copy = object.__new__(cls)
+        for name in names:
+            setattr(copy, name, getattr(self, name))
+        for name, value in changes.items():
+            if name not in names:
+                raise TypeError(f"{cls.__name__} has no field {name!r}")
+            setattr(copy, name, value)
+        return copy
+
+
+@dataclass(slots=True, kw_only=True)
+class Message(Frame):
+    """A frame of a step (protocol.py): the reduce, the broadcast, their confirmations and
+    relays, link probes, a committed result for a rank that lacks it, an abort. `step` and
+    `chunk` name the op; `origin` is the rank whose subtree sum (or confirmation) it is about;
+    `target` the rank it concerns or must be relayed to; `contributors` the ranks summed into
+    `payload`."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
+        (*sorted(TREE_OP_KINDS), Kind.CATCHUP, Kind.ABORT), Sender.MEMBER)
+    WIRE = (("s", "step", "step", _INT), ("c", "chunk", "chunk", _INT), ("tr", "tree", "tree", _INT),
+            ("nc", "chunks", "chunk count", _INT), ("o", "origin", "origin", _INT), ("t", "target", "target", _INT),
+            ("n", "contributors", "contributors", _INTS), ("d", "dtype", "dtype", _STR),
+            ("e", "numel", "numel", _INT), ("g", "signature", "signature", _STR),
+            ("qb", "queued_bytes", "queued bytes", _INT), ("rt", "rate", "rate", _INT),
+            ("an", "answer", "answer", _BOOL), ("pl", "planned", "planned", _BOOL),
+            ("r", "reason", "reason", _STR), ("m", "missing", "missing", _INTS), ("ab", "code", "abort code", _INT))
+
     step: int = -1
     chunk: int = 0
     tree: int = 0  # which tree the op runs on (trees.py)
@@ -153,56 +192,168 @@ class Message:
     dtype: str = ""
     numel: int = 0  # elements of the payload
     signature: str = ""  # full tensor's dtype and shape, to catch mismatched workers
-    reason: str = ""  # ABORT: why, for the user
-    missing: tuple[int, ...] = ()  # ABORT: ranks whose contributions never arrived
-    code: int = 0  # ABORT: an AbortCode
     queued_bytes: int = 0  # META_*_SENT: bytes the sender had queued ahead, not yet acknowledged (timeouts.py)
     rate: int = 0  # META_*_SENT: the sender's measured uplink in bytes per second (0: not measured yet)
     answer: bool = False  # META_*_SENT: answers a check; queued_bytes is what the link to `target` still holds
     planned: bool = False  # DATA_REDUCE(_REQUEST): sent around a link marked failed, not after a loss
-    ballot: int = 0  # VIEW_*: the Paxos ballot (round and coordinator)
-    accepted: int = 0  # VIEW_PROMISE: the ballot of the value accepted before (0: none)
-    proposed: int = 0  # VIEW_*: the epoch of the proposed view (0: no value in this message)
-    members: tuple[int, ...] = ()  # VIEW_*: the proposed view's ranks in slot order; MINORITY: who promised
-    committed: tuple[int, ...] = ()  # VIEW_*: the steps the proposed view keeps (results some member holds)
-    plan: tuple[int, ...] = ()  # VIEW_*: the catch-up plan, flattened (see membership.py)
-    steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
-    user_step: int = -1  # VIEW_*: the training step a join takes effect at; JOIN_REPLY, STATE*: a training step
-    pace: int = 0  # VIEW_*, JOIN_REPLY: the proposed view's pace, bytes per second (view.py; 0: the configured one)
-    incarnation: int = 0  # JOIN: which start of the sender's process this is
-    training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
-    world: int = 0  # HELLO: the job's size; MINORITY: the size of the view that lost its majority
-    addresses: tuple[tuple[int, str], ...] = ()  # JOIN*: (rank, "host:port") of the ranks it names
-    payload: bytes | bytearray | memoryview | None = field(default=None, repr=False)
+    reason: str = ""  # ABORT: why, for the user
+    missing: tuple[int, ...] = ()  # ABORT: ranks whose contributions never arrived
+    code: int = 0  # ABORT: an AbortCode (protocol.py)
 
     @property
     def op(self) -> tuple[int, int]:
         return (self.step, self.chunk)
 
-    def but(self, **changes: Any) -> Message:
-        """A copy with `changes` applied (a field-by-field copy: `dataclasses.replace` builds
-        through `__init__` and costs four times as much)."""
-        copy = object.__new__(Message)
-        for name in _MESSAGE_SLOTS:
-            setattr(copy, name, getattr(self, name))
-        for name, value in changes.items():
-            if name not in _MESSAGE_FIELDS:
-                raise TypeError(f"Message has no field {name!r}")
-            setattr(copy, name, value)
-        return copy
+
+@dataclass(slots=True, kw_only=True)
+class Detection(Frame):
+    """Failure detection (membership.py): a ping and its answer, and what a member reports of
+    another (`target`)."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
+        (Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE), Sender.MEMBER)
+    WIRE = (("t", "target", "target", _INT), ("gn", "gone", "gone", _BOOL))
+
+    target: int = -1  # SUSPECT, ALIVE: the rank reported
+    gone: bool = False  # SUSPECT: silent or gone to the sender (False: heard again)
 
 
-_MESSAGE_SLOTS: tuple[str, ...] = tuple(f.name for f in dataclass_fields(Message))
-_MESSAGE_FIELDS = frozenset(_MESSAGE_SLOTS)
+@dataclass(slots=True, kw_only=True)
+class Agreement(Frame):
+    """The view change (membership.py): single-decree Paxos over the view after `epoch`, whose
+    value is (`proposed` epoch, `members`, `committed` steps, catch-up `plan`, `user_step`,
+    `pace`); MINORITY when it finds no majority. Relayed copies name their first sender in
+    `origin` and their addressee in `target`."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
+        (Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT,
+         Kind.VIEW_NACK, Kind.MINORITY), Sender.MEMBER)
+    WIRE = (("t", "target", "target", _INT), ("o", "origin", "origin", _INT), ("bl", "ballot", "ballot", _INT),
+            ("ac", "accepted", "accepted ballot", _INT), ("pp", "proposed", "proposed epoch", _INT),
+            ("mb", "members", "members", _INTS), ("cm", "committed", "committed", _INTS),
+            ("pn", "plan", "plan", _INTS), ("us", "user_step", "user step", _INT), ("pc", "pace", "pace", _INT),
+            ("st", "steps", "steps", _INTS), ("ts", "training_step", "training step", _INT),
+            ("rt", "rate", "rate", _INT), ("dd", "dead", "dead", _INTS), ("jn", "joining", "joining", _INTS),
+            ("pr", "pace_round", "pace round", _BOOL), ("pm", "promised", "promised", _INTS),
+            ("w", "view_size", "view size", _INT))
+
+    target: int = -1
+    origin: int = -1
+    ballot: int = 0  # the Paxos ballot (round and coordinator); MINORITY: 0 from a rank that would coordinate
+    accepted: int = 0  # VIEW_PROMISE: the ballot of the value accepted before (0: none)
+    proposed: int = 0  # the value's epoch (0: no value in this frame)
+    members: tuple[int, ...] = ()  # the value's ranks in slot order
+    committed: tuple[int, ...] = ()  # the value's steps kept (results some member holds)
+    plan: tuple[int, ...] = ()  # the value's catch-up plan, flattened (membership.py)
+    user_step: int = -1  # the value's training step a join or pace change takes effect at (-1: at once)
+    pace: int = 0  # the value's pace, bytes per second (view.py; 0: the configured one)
+    steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
+    training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
+    rate: int = 0  # VIEW_PROMISE: the sender's measured uplink, bytes per second
+    dead: tuple[int, ...] = ()  # VIEW_PREPARE: the ranks the coordinator finds dead
+    joining: tuple[int, ...] = ()  # VIEW_PREPARE: the ranks asking to join
+    pace_round: bool = False  # VIEW_PREPARE: the round changes the pace only
+    promised: tuple[int, ...] = ()  # MINORITY: the ranks that promised (or answered)
+    view_size: int = 0  # MINORITY: the size of the view that lost its majority
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
+@dataclass(slots=True, kw_only=True)
+class Join(Frame):
+    """The join handshake (admission.py): JOIN asks whether a group runs or to be let in,
+    JOIN_ASK is a member passing such a request on, JOIN_REPLY answers."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = {
+        Kind.JOIN: Sender.PROVEN,  # a restarted or new process: not in the view yet
+        Kind.JOIN_REPLY: Sender.PROVEN,  # to such a process, which knows no view yet
+        Kind.JOIN_ASK: Sender.MEMBER,
+    }
+    WIRE = (("q", "code", "code", _INT), ("in", "incarnation", "incarnation", _INT),
+            ("t", "target", "target", _INT), ("ad", "addresses", "addresses", _ADDRS),
+            ("mb", "members", "members", _INTS), ("s", "step", "step", _INT), ("us", "user_step", "user step", _INT),
+            ("pc", "pace", "pace", _INT))
+
+    code: int = 0  # JOIN, JOIN_ASK: a Query; JOIN_REPLY: an Answer (admission.py)
+    incarnation: int = 0  # JOIN, JOIN_ASK: which start of the asking process this is
+    target: int = -1  # JOIN_ASK: the rank asking to be admitted
+    addresses: tuple[tuple[int, str], ...] = ()  # (rank, "host:port") of the ranks the frame names
+    members: tuple[int, ...] = ()  # JOIN_REPLY: the view's ranks
+    step: int = -1  # JOIN_REPLY, ADMITTED: the allreduce step the joiner takes part from
+    user_step: int = -1  # JOIN_REPLY, ADMITTED: the training step that is
+    pace: int = 0  # JOIN_REPLY: the view's pace
+
+
+@dataclass(slots=True, kw_only=True)
+class Notice(Frame):
+    """What a member tells the others of itself (membership.py, farewell.py): it leaves, it
+    finished (with the finished ranks it knows of), it has an outcome of a finished peer's last
+    step, its uplink is far from the view's pace."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
+        (Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE), Sender.MEMBER)
+    WIRE = (("s", "step", "step", _INT), ("rt", "rate", "rate", _INT), ("fn", "finished", "finished", _INTS),
+            ("ls", "last_steps", "last steps", _INTS))
+
+    step: int = -1  # DONE: the sender's last step; DONE_ACK: the step it has an outcome of
+    rate: int = 0  # PACE: the sender's uplink, bytes per second
+    finished: tuple[int, ...] = ()  # DONE: the ranks the sender knows to be finished...
+    last_steps: tuple[int, ...] = ()  # ...and their last steps, in the same order
+
+
+@dataclass(slots=True, kw_only=True)
+class State(Frame):
+    """A joiner's training state from a peer (training/elastic.py)."""
+
+    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys((Kind.STATE_REQUEST, Kind.STATE), Sender.MEMBER)
+    WIRE = (("us", "user_step", "user step", _INT), ("c", "piece", "piece", _INT),
+            ("np", "pieces", "pieces", _INT), ("dg", "digest", "digest", _STR), ("e", "numel", "numel", _INT))
+
+    user_step: int = -1  # the training step the state is of (STATE_REQUEST: or later)
+    piece: int = 0  # STATE: which piece this is...
+    pieces: int = 0  # ...of how many
+    digest: str = ""  # STATE: the whole state's digest (training/state.py)
+    numel: int = 0  # STATE: the payload's bytes
+
+
+FAMILIES: tuple[type[Frame], ...] = (Message, Detection, Agreement, Join, Notice, State)
+#: the type of every kind's frames
+FAMILY_OF: dict[Kind, type[Frame]] = {kind: family for family in FAMILIES for kind in family.RULES}
+#: the sender rule of every kind
+SENDER_RULES: dict[Kind, Sender] = {
+    **{kind: rule for family in FAMILIES for kind, rule in family.RULES.items()},
+    Kind.HELLO: Sender.HANDSHAKE, Kind.CHALLENGE: Sender.HANDSHAKE, Kind.PROOF: Sender.HANDSHAKE,
+}
+_EVERY_TYPE: tuple[type[Frame], ...] = (Frame, *FAMILIES)
+_SLOTS: dict[type[Frame], frozenset[str]] = {
+    cls: frozenset(f.name for f in dataclass_fields(cls)) for cls in _EVERY_TYPE}
+
+
+def make(kind: Kind, src: int, **fields: Any) -> Frame:
+    """A frame of `kind` (of its family's type); TypeError names a field the family lacks."""
+    family = FAMILY_OF.get(kind)
+    if family is None:
+        raise TypeError(f"{kind.name} travels in the handshake's frames, not as a Frame")
+    return family(kind=kind, src=src, **fields)
+
+
+def encode(msg: Frame) -> list[bytes | memoryview]:
     """Buffers to write for one frame; the payload is passed through untouched."""
     header: dict[str, Any] = {"k": int(msg.kind), "f": msg.src}
-    if msg.kind != Kind.HELLO:
-        header.update(s=msg.step, c=msg.chunk)
     if msg.epoch:
         header["ep"] = msg.epoch
+    if type(msg) is Message:
+        _encode_step_fields(msg, header)
+    else:
+        _encode_fields(msg, header)
+    head = msgpack.packb(header)
+    payload = b"" if msg.payload is None else memoryview(msg.payload).cast("B")
+    prefix = PREFIX.pack(MAGIC, VERSION, len(head), len(payload))
+    return [prefix + head, payload] if len(payload) else [prefix + head]
+
+
+def _encode_step_fields(msg: Message, header: dict[str, Any]) -> None:
+    """A step's frame: hundreds a step, so written out field by field."""
+    header["s"] = msg.step
+    header["c"] = msg.chunk
     if msg.tree:
         header["tr"] = msg.tree
     if msg.chunks != 1:
@@ -223,36 +374,29 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         header["an"] = True
     if msg.planned:
         header["pl"] = True
-    if msg.kind not in TREE_OP_KINDS:  # the fields of aborts, views and joins: not on the hot path
-        _encode_rare_fields(msg, header)
-    head = msgpack.packb(header)
-    payload = b"" if msg.payload is None else memoryview(msg.payload).cast("B")
-    prefix = PREFIX.pack(MAGIC, VERSION, len(head), len(payload))
-    return [prefix + head, payload] if len(payload) else [prefix + head]
+    if msg.kind is Kind.ABORT:
+        if msg.code:
+            header["ab"] = msg.code
+        if msg.reason:
+            header["r"] = msg.reason
+        if msg.missing:
+            header["m"] = list(msg.missing)
 
 
-def _encode_rare_fields(msg: Message, header: dict[str, Any]) -> None:
-    if msg.code:
-        header["ab"] = msg.code
-    if msg.reason:
-        header["r"] = msg.reason
-    if msg.missing:
-        header["m"] = list(msg.missing)
-    if msg.world:
-        header["w"] = msg.world
-    for key, ints in (("mb", msg.members), ("cm", msg.committed), ("pn", msg.plan), ("st", msg.steps)):
-        if ints:
-            header[key] = list(ints)
-    for key, value in (("bl", msg.ballot), ("ac", msg.accepted), ("pp", msg.proposed), ("in", msg.incarnation),
-                       ("pc", msg.pace)):
-        if value:
-            header[key] = value
-    if msg.addresses:
-        header["ad"] = [list(pair) for pair in msg.addresses]
-    if msg.user_step >= 0:
-        header["us"] = msg.user_step
-    if msg.training_step >= 0:
-        header["ts"] = msg.training_step
+def _encode_fields(msg: Frame, header: dict[str, Any]) -> None:
+    """Any other family: the fields that differ from their defaults, by the family's WIRE."""
+    defaults = _DEFAULTS[type(msg)]
+    for key, name, _label, kind_of in msg.WIRE:
+        value = getattr(msg, name)
+        if value == defaults[name]:
+            continue
+        if kind_of == _ADDRS:
+            value = [list(pair) for pair in value]
+        elif kind_of == _INTS:
+            value = list(value)
+        header[key] = value
+    if msg.payload is not None:  # a STATE piece: raw bytes
+        header["d"] = STATE_DTYPE
 
 
 def decode_prefix(raw: bytes, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[int, int]:
@@ -269,53 +413,13 @@ def decode_prefix(raw: bytes, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BY
     return head_len, payload_len
 
 
-def _int(header: dict[Any, Any], key: str, default: int, name: str) -> int:
-    value = header.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise FrameError(f"frame field {name} must be an integer, got {value!r}")
-    return value
-
-
-def _ints(header: dict[Any, Any], key: str, name: str) -> tuple[int, ...]:
-    value = header.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise FrameError(f"frame field {name} must be a list of integers")
-    return tuple(value)
-
-
-def _bool(header: dict[Any, Any], key: str, name: str) -> bool:
-    value = header.get(key, False)
-    if not isinstance(value, bool):
-        raise FrameError(f"frame field {name} must be true or false, got {value!r}")
-    return value
-
-
-def _str(header: dict[Any, Any], key: str, name: str) -> str:
-    value = header.get(key, "")
-    if not isinstance(value, str):
-        raise FrameError(f"frame field {name} must be a string")
-    return value
-
-
 _KINDS: dict[int, Kind] = {kind.value: kind for kind in Kind}
-_INT, _INTS, _STR, _BOOL, _ADDRS = range(5)
-#: header key -> (Message field, its name in errors, type)
-_FIELDS: dict[str, tuple[str, str, int]] = {
-    "f": ("src", "src", _INT), "ep": ("epoch", "epoch", _INT), "s": ("step", "step", _INT),
-    "c": ("chunk", "chunk", _INT), "tr": ("tree", "tree", _INT),
-    "nc": ("chunks", "chunk count", _INT), "o": ("origin", "origin", _INT),
-    "t": ("target", "target", _INT),
-    "n": ("contributors", "contributors", _INTS), "d": ("dtype", "dtype", _STR), "e": ("numel", "numel", _INT),
-    "g": ("signature", "signature", _STR), "r": ("reason", "reason", _STR), "m": ("missing", "missing", _INTS),
-    "ab": ("code", "abort code", _INT), "qb": ("queued_bytes", "queued bytes", _INT),
-    "rt": ("rate", "rate", _INT), "an": ("answer", "answer", _BOOL),
-    "pl": ("planned", "planned", _BOOL), "w": ("world", "world", _INT), "bl": ("ballot", "ballot", _INT),
-    "ac": ("accepted", "accepted ballot", _INT), "pp": ("proposed", "proposed epoch", _INT),
-    "mb": ("members", "members", _INTS), "cm": ("committed", "committed", _INTS), "pn": ("plan", "plan", _INTS),
-    "st": ("steps", "steps", _INTS), "us": ("user_step", "user step", _INT),
-    "in": ("incarnation", "incarnation", _INT), "ts": ("training_step", "training step", _INT),
-    "pc": ("pace", "pace", _INT), "ad": ("addresses", "addresses", _ADDRS),
-}
+_COMMON = (("f", "src", "src", _INT), ("ep", "epoch", "epoch", _INT))
+#: family -> header key -> (field, what errors call it, type)
+_FIELDS: dict[type[Frame], dict[str, tuple[str, str, int]]] = {
+    cls: {key: (name, label, kind_of) for key, name, label, kind_of in (*_COMMON, *cls.WIRE)} for cls in FAMILIES}
+_DEFAULTS: dict[type[Frame], dict[str, Any]] = {
+    cls: {f.name: f.default for f in dataclass_fields(cls)} for cls in FAMILIES}
 MAX_ADDRESSES = 4096  # a JOIN_REPLY names every member's address once
 
 
@@ -337,11 +441,12 @@ def unpack_map(head: bytes, what: str) -> dict[Any, Any]:
     return header
 
 
-def _header_fields(header: dict[Any, Any]) -> dict[str, Any]:
-    """The Message fields of a header, each checked for its type."""
+def _header_fields(header: dict[Any, Any], table: dict[str, tuple[str, str, int]]) -> dict[str, Any]:
+    """The fields of a header that its family has (`table`), each checked for its type; keys
+    the family lacks are ignored, as unknown ones are."""
     fields: dict[str, Any] = {"src": -1}
     for key, value in header.items():
-        spec = _FIELDS.get(key)
+        spec = table.get(key)
         if spec is None:
             continue
         name, label, kind_of = spec
@@ -360,42 +465,55 @@ def _header_fields(header: dict[Any, Any]) -> dict[str, Any]:
         elif type(value) is not bool:
             raise FrameError(f"frame field {label} must be true or false, got {value!r}")
         fields[name] = value
+    return fields
+
+
+def decode_header(head: bytes, payload: Payload | None) -> Frame:
+    """Build a frame of its kind's type from a header and payload, validating types, kind and
+    sizes. One pass over the header's keys: every frame goes through here, hundreds per step,
+    so it avoids a lookup and a call per field."""
+    header = unpack_map(head, "frame header")
+    raw_kind = header.get("k", -1)
+    if type(raw_kind) is not int:
+        raise FrameError(f"frame field kind must be an integer, got {raw_kind!r}")
+    kind = _KINDS.get(raw_kind)  # a dict: calling Kind(raw_kind) costs a microsecond per frame
+    if kind is None:
+        raise FrameError(f"unknown message kind {raw_kind}")
+    family = FAMILY_OF.get(kind)
+    if family is None:
+        raise FrameError(f"{kind.name} belongs to the handshake, not after it")
+    fields = _header_fields(header, _FIELDS[family])
+    payload_len = 0 if payload is None else len(payload)
+    if family is Message:
+        _check_step_payload(kind, fields, payload_len)
+    elif kind is Kind.STATE:
+        dtype = header.get("d", "")
+        if dtype != STATE_DTYPE or fields.get("numel", 0) != payload_len:
+            raise FrameError(f"STATE must carry {fields.get('numel', 0)} raw bytes as {STATE_DTYPE!r}, got "
+                             f"{payload_len} as {dtype!r}")
+    elif payload_len or fields.get("numel", 0):
+        raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {fields.get('numel', 0)})")
+    return family(kind=kind, payload=payload if payload_len else None, **fields)
+
+
+def _check_step_payload(kind: Kind, fields: dict[str, Any], payload_len: int) -> None:
+    """A step's payload is `numel` wire-dtype elements (data kinds), or none."""
     if fields.get("tree", 0) < 0:
         raise FrameError(f"frame field tree must not be negative, got {fields['tree']!r}")
     if fields.get("chunks", 1) < 1:
         raise FrameError(f"frame field chunk count must be at least 1, got {fields['chunks']!r}")
-    return fields
-
-
-def decode_header(head: bytes, payload: bytes | bytearray | memoryview | None) -> Message:
-    """Build a Message from a header and payload, validating types, kind and sizes.
-
-    One pass over the header's keys (unknown keys are ignored): every frame goes through
-    here, hundreds per step, so it avoids a lookup and a call per Message field."""
-    header = unpack_map(head, "frame header")
-    raw_kind = _int(header, "k", -1, "kind")
-    kind = _KINDS.get(raw_kind)  # a dict: calling Kind(raw_kind) costs a microsecond per frame
-    if kind is None:
-        raise FrameError(f"unknown message kind {raw_kind}")
-    fields = _header_fields(header)
-    payload_len = 0 if payload is None else len(payload)
-    # the payload is what the header says: raw state bytes, `numel` wire-dtype elements, or none
     dtype: str = fields.get("dtype", "")
     numel: int = fields.get("numel", 0)
-    if kind is Kind.STATE:
-        if dtype != STATE_DTYPE or numel != payload_len:
-            raise FrameError(f"STATE must carry {numel} raw bytes as {STATE_DTYPE!r}, got {payload_len} as {dtype!r}")
-    elif kind in DATA_KINDS:
+    if kind in DATA_KINDS:
         if dtype not in WIRE_DTYPES:
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
         if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
-    return Message(kind=kind, payload=payload if payload_len else None, **fields)
 
 
-def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
+def decode(frame: bytes | bytearray, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
     """Decode one whole frame held in memory (tests and the simulator use this)."""
     if len(frame) < PREFIX.size:
         raise FrameError(f"frame of {len(frame)} bytes is shorter than its {PREFIX.size}-byte prefix")

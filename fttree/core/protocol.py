@@ -61,7 +61,7 @@ import numpy as np
 
 from .buffers import BufferPool
 from .config import Config
-from .messages import BF16, COMPRESSIONS, Kind, Message, from_wire, to_wire
+from .messages import BF16, COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire
 from .reduce_ops import REDUCE_OPS
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
@@ -229,7 +229,7 @@ Event = Submit | Received | TimerFired | LinkDown
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Send:
     dst: int
-    msg: Message
+    msg: Frame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,7 +46,7 @@ from .membership import (
     Membership,
     Stopped,
 )
-from .messages import Kind, Message
+from .messages import Frame, Join, Kind, Message
 from .protocol import Action, Event, LinkDown, Received, Send, Submit, TimerFired, TreeMachine
 from .view import View
 
@@ -70,7 +70,7 @@ class Heard(NamedTuple):
 class StaleSender:
     """`msg` came from a view before ours: its sender may not know it was left out."""
 
-    msg: Message
+    msg: Frame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +84,7 @@ class Finish:
 class JoinFrame:
     """A frame of the join handshake: JOIN, JOIN_ASK or JOIN_REPLY."""
 
-    msg: Message
+    msg: Join
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,7 +236,7 @@ class Replica:
             return group is None or rank in group[1]
         return False
 
-    def _join_frame(self, msg: Message, now: float, out: list[ReplicaAction]) -> None:
+    def _join_frame(self, msg: Join, now: float, out: list[ReplicaAction]) -> None:
         if msg.kind is Kind.JOIN_REPLY:
             self._join_answer(msg, out)
             return
@@ -259,7 +259,7 @@ class Replica:
         out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == joiner)
         self._member(ControlReceived(msg=msg), now, out)
 
-    def _join_answer(self, msg: Message, out: list[ReplicaAction]) -> None:
+    def _join_answer(self, msg: Join, out: list[ReplicaAction]) -> None:
         """A starting or joining process hears: the group is starting too, is running in this
         view, or admits this rank from this step."""
         phase = self.life.phase

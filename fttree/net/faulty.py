@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..core.faults import FaultSchedule
-from ..core.messages import VIEW_KINDS, Message
+from ..core.messages import VIEW_KINDS, Frame, Join, Message
 from .address import Address
 from .scheduler import Scheduler
 from .transport import LinkHealth, LinkState, Transport, TransportEvents, TransportStatus
@@ -83,16 +83,17 @@ class FaultyTransport:
 
     # ---- as the inner transport's events ---------------------------------------------------
 
-    def _step_of(self, msg: Message, *, inbound: bool) -> int | None:
+    def _step_of(self, msg: Frame, *, inbound: bool) -> int | None:
         """The user step a frame belongs to. Membership frames (pings, suspicions, the view
         agreement) carry no step of their own: they belong to the step this rank is in now, so a
         cut, an isolation or a partition silences them too, as a firewall would."""
         if msg.kind in VIEW_KINDS:
             current = self.marks.next_step - 1
             return self.marks.user_step(current) if current >= 0 else None
-        return self.marks.user_step(msg.step, inbound=inbound)
+        step = msg.step if isinstance(msg, Message | Join) else -1  # STATE frames name a training step only
+        return self.marks.user_step(step, inbound=inbound)
 
-    def on_message(self, msg: Message) -> None:
+    def on_message(self, msg: Frame) -> None:
         assert self._events is not None
         if self.schedule:
             step = self._step_of(msg, inbound=True)
@@ -105,7 +106,7 @@ class FaultyTransport:
         assert self._events is not None
         self._events.on_link_down(peer, reason, refused)
 
-    def is_stale(self, msg: Message) -> bool:
+    def is_stale(self, msg: Frame) -> bool:
         assert self._events is not None
         return self._events.is_stale(msg)
 
@@ -125,7 +126,7 @@ class FaultyTransport:
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         await self.inner.wait_for_peers(peers, deadline_s)
 
-    def send(self, dst: int, msg: Message) -> None:
+    def send(self, dst: int, msg: Frame) -> None:
         step = self._step_of(msg, inbound=False) if self.schedule else None
         if step is not None:
             verdict = self.schedule.verdict(self.rank, dst, step)
@@ -138,7 +139,7 @@ class FaultyTransport:
                 return
         self.inner.send(dst, msg)
 
-    def _hold(self, dst: int, msg: Message, delay_s: float) -> None:
+    def _hold(self, dst: int, msg: Frame, delay_s: float) -> None:
         """Send `msg` after `delay_s`, as a far link would deliver it: held frames count as
         queued (link_state, backlog_bytes) and close() waits for them, as it does for a
         socket's unsent bytes."""

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from ..core.admission import Query
 from ..core.config import Config
 from ..core.lifecycle import Life
-from ..core.messages import Kind, Message
+from ..core.messages import Join, Kind
 from ..core.replica import Replica
 from ..errors import PeerError
 from . import handshake as hs
@@ -42,7 +42,7 @@ class Asker:
         self._timer: Handle | None = None
 
     def query(self, code: Query, ranks: Iterable[int]) -> None:
-        msg = Message(kind=Kind.JOIN, src=self.rank, code=code, incarnation=self.incarnation,
+        msg = Join(kind=Kind.JOIN, src=self.rank, code=code, incarnation=self.incarnation,
                       addresses=((self.rank, self.transport.status().address),))
         for r in ranks:
             if r != self.rank:

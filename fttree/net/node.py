@@ -34,6 +34,7 @@ from ..core.membership import (
     Hold,
     Installed,
     MemberEvent,
+    MemberFrame,
     Membership,
     MemberState,
     MemberStatus,
@@ -43,7 +44,19 @@ from ..core.membership import (
     Suspected,
     Uplink,
 )
-from ..core.messages import ELASTIC_KINDS, LINK_QUERY_KINDS, SENDER_RULES, VIEW_KINDS, Kind, Message, Sender
+from ..core.messages import (
+    LINK_QUERY_KINDS,
+    SENDER_RULES,
+    Agreement,
+    Detection,
+    Frame,
+    Join,
+    Kind,
+    Message,
+    Notice,
+    Sender,
+    State,
+)
 from ..core.protocol import (
     CancelTimer,
     Cause,
@@ -95,8 +108,8 @@ _MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, Ti
                             TimerKind.MEMBER_STALL})
 _WATCH_TIMERS = frozenset({TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH})  # a peer may still need us
 _STEP_DEADLINES = frozenset({TimerKind.DEADLINE, TimerKind.ROOT_DEADLINE})
-_NO_EVENT_KINDS = frozenset({Kind.HELLO, Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED,
-                             Kind.JOIN_REPLY}) | VIEW_KINDS | ELASTIC_KINDS
+#: a step's frames about links or committed results: never stale (is_stale)
+_NEVER_STALE = frozenset({Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,7 +159,7 @@ class Node:
         self.note_counts: Counter[NoteKind] = Counter()
         self.note_listeners: list[Callable[[Note], None]] = []
         self.view_listeners: list[Callable[[Installed], None]] = []
-        self.elastic_listeners: list[Callable[[Message], None]] = []  # STATE and STATE_REQUEST frames
+        self.elastic_listeners: list[Callable[[State], None]] = []  # STATE and STATE_REQUEST frames
         self.foreign_frames = 0  # frames dropped because their sender may not send them (SENDER_RULES)
         self._foreign_logged: set[int] = set()
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
@@ -165,7 +178,7 @@ class Node:
             transport.add_peer(CONTACT, contact)
         self.asker = Asker(rank, config, transport, scheduler, self.replica, incarnation=self.incarnation,
                            contact=contact is not None)
-        self._early: list[Message] = []  # a joiner's frames from before its admission
+        self._early: list[Frame] = []  # a joiner's frames from before its admission
         self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
         self._hold_queue: list[Callable[[], None]] = []
         self._marked = False  # the caller marks training steps (boundary); else each step is one
@@ -427,9 +440,9 @@ class Node:
 
     # ---- transport events ------------------------------------------------------------------
 
-    def on_message(self, msg: Message) -> None:
+    def on_message(self, msg: Frame) -> None:
         rule = SENDER_RULES[msg.kind]
-        if rule is Sender.PROVEN:
+        if rule is Sender.PROVEN and isinstance(msg, Join):
             self._replica_step(JoinFrame(msg=msg))
             return
         if rule is not Sender.MEMBER or not self.replica.may_send(msg.src):
@@ -440,10 +453,10 @@ class Node:
             # early. A restarted process may be handed frames its previous incarnation's peers
             # had queued (probes, relays): answered from view 0 as if this were the first start,
             # the stale answer would draw the view that leaves this rank out.
-            if msg.kind not in VIEW_KINDS and len(self._early) < self.cfg.max_ops_ahead:
+            if isinstance(msg, Message | State) and len(self._early) < self.cfg.max_ops_ahead:
                 self._early.append(msg)
             return
-        if msg.kind in ELASTIC_KINDS:
+        if isinstance(msg, State):
             for listener in self.elastic_listeners:
                 listener(msg)
             return
@@ -454,8 +467,9 @@ class Node:
                 self._do_all(heard)
         if msg.payload is not None:
             self._data_at[msg.src] = now
-        if msg.kind in VIEW_KINDS:
-            self._view_frame(msg)
+        if not isinstance(msg, Message):
+            if isinstance(msg, Agreement | Detection | Join | Notice):
+                self._view_frame(msg)
             return
         if msg.epoch < self.replica.membership.view.epoch and self.stopped is None:
             self._replica_step(StaleSender(msg=msg))
@@ -464,19 +478,19 @@ class Node:
         else:
             self._handle(Received(msg=msg))
 
-    def _view_frame(self, msg: Message) -> None:
-        if msg.kind is Kind.DONE_ACK:
+    def _view_frame(self, msg: MemberFrame) -> None:
+        if isinstance(msg, Notice) and msg.kind is Kind.DONE_ACK:
             self.farewell.peer_has(msg.src, msg.step)
             self._quiet.set()
-        elif msg.kind is Kind.JOIN_ASK:
+        elif isinstance(msg, Join):
             self._replica_step(JoinFrame(msg=msg))
         else:
             self._member(ControlReceived(msg=msg))
-            if msg.kind is Kind.DONE:
+            if isinstance(msg, Notice) and msg.kind is Kind.DONE:
                 self.farewell.peer_done(msg.src, msg.step)
                 self._ack_done()
 
-    def _foreign(self, msg: Message, rule: Sender) -> None:
+    def _foreign(self, msg: Frame, rule: Sender) -> None:
         """A frame its sender may not send: dropped before it changes anything, counted, and
         logged once per sender. A rank the group left out is told so (it may not know)."""
         self.foreign_frames += 1
@@ -496,8 +510,8 @@ class Node:
             if heard:
                 self._do_all(heard)
 
-    def is_stale(self, msg: Message) -> bool:
-        if msg.kind in _NO_EVENT_KINDS or msg.answer:
+    def is_stale(self, msg: Frame) -> bool:
+        if type(msg) is not Message or msg.kind in _NEVER_STALE or msg.answer:
             return False  # about links, views or committed results; or answers about an op we let go of
         # A frame of an op that finished here is still owed to its peer: behind a slow uplink a
         # child's share of the result waits in the bulk queue for longer than the op lingers.
@@ -595,7 +609,7 @@ class Node:
         self._stamped = (msg, out)
         return out
 
-    def _send(self, dst: int, msg: Message) -> None:
+    def _send(self, dst: int, msg: Frame) -> None:
         if dst == self.rank:  # a message to ourselves (a coordinator is a member too)
             self.scheduler.call_later(0.0, lambda: self.on_message(msg))
         else:
@@ -621,7 +635,7 @@ class Node:
     def _do(self, action: ReplicaAction, voided: set[int]) -> None:
         match action:
             case Send(dst=dst, msg=msg):
-                if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT):
+                if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT) and isinstance(msg, Message):
                     msg = self._stamp_backlog(msg)
                 self._send(dst, msg)
                 if msg.payload is not None:
@@ -694,7 +708,7 @@ class Node:
         """A JOIN_REPLY, with where the view's members listen (as far as this rank knows)."""
         view = reply.view
         addresses = tuple((r, a) for r in view.members if (a := self.transport.address_of(r)))
-        self.transport.send(reply.dst, Message(kind=Kind.JOIN_REPLY, src=self.rank, code=reply.answer,
+        self.transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=self.rank, code=reply.answer,
                                                epoch=view.epoch, members=view.members, step=reply.first_step,
                                                user_step=reply.user_step, pace=view.pace, addresses=addresses))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..core.buffers import BufferPool
-from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Message, decode_header, decode_prefix, encode
+from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Frame, decode_header, decode_prefix, encode
 from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address
@@ -122,7 +122,7 @@ class _Channel:
         self.t = link.t
         self.peer = link.peer
         self.bulk = bulk
-        self.queue: deque[Message] = deque()
+        self.queue: deque[Frame] = deque()
         self.queued_bytes = 0  # payload bytes in `queue`, kept as frames come and go
         self.slices: deque[memoryview] = deque()  # what is left of the frame being written (bulk)
         self.slice_bytes = 0
@@ -188,7 +188,7 @@ class _Channel:
 
     # ---- sending -------------------------------------------------------------------------------
 
-    def push(self, msg: Message) -> None:
+    def push(self, msg: Frame) -> None:
         if self.idle.is_set() and not self.bulk and self._write_now(msg):
             return
         self.queue.append(msg)
@@ -198,7 +198,7 @@ class _Channel:
         self.wake.set()
         self.t.busy()
 
-    def _write_now(self, msg: Message) -> bool:
+    def _write_now(self, msg: Frame) -> bool:
         """Write a frame at once when the link is idle: connected, nothing queued, the socket
         not backed up. A small step sends one frame at a time to each peer, and waking the
         writer task for each cost more than the rest of the send. False: queue it instead
@@ -215,7 +215,7 @@ class _Channel:
             self.wake.set()
         return True
 
-    def _encode_fresh(self, msg: Message) -> list[bytes | memoryview]:
+    def _encode_fresh(self, msg: Frame) -> list[bytes | memoryview]:
         """The frame's buffers, counted as sent; none, counted as dropped, if its op has
         finished here (a frame queued meanwhile, or sent late by the fault layer's delay)."""
         stats = self.t.stats[self.peer]
@@ -473,7 +473,7 @@ class _OutLink:
     def channels(self) -> tuple[_Channel, ...]:
         return (self.control,) if self._bulk is None else (self.control, self._bulk)
 
-    def push(self, msg: Message) -> None:
+    def push(self, msg: Frame) -> None:
         payload = msg.payload
         if payload is not None and len(payload) > CONTROL_MAX_PAYLOAD:
             self.bulk.push(msg)
@@ -706,7 +706,7 @@ class TcpTransport:
             link = self._out[peer] = _OutLink(self, peer)
         return link
 
-    def send(self, dst: int, msg: Message) -> None:
+    def send(self, dst: int, msg: Frame) -> None:
         """Queue a frame for `dst`; never blocks."""
         self._link(dst).push(msg)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from ..core.messages import Message
+from ..core.messages import Frame
 from ..core.protocol import LinkState
 from .address import Address
 
@@ -22,13 +22,13 @@ __all__ = ["LinkHealth", "LinkState", "LinkStatus", "Transport", "TransportEvent
 class TransportEvents(Protocol):
     """What a transport tells its node."""
 
-    def on_message(self, msg: Message) -> None: ...
+    def on_message(self, msg: Frame) -> None: ...
 
     def on_link_down(self, peer: int, reason: str, refused: bool = False) -> None:
         """A hard failure on the link to `peer`: reset or closed, or (`refused`) a reconnect
         that nobody answered, which is what a dead process looks like."""
 
-    def is_stale(self, msg: Message) -> bool:
+    def is_stale(self, msg: Frame) -> bool:
         """May a queued frame be dropped unsent (its op finished here)?"""
 
     def on_progress(self, peer: int) -> None:
@@ -94,7 +94,7 @@ class Transport(Protocol):
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable."""
 
-    def send(self, dst: int, msg: Message) -> None: ...
+    def send(self, dst: int, msg: Frame) -> None: ...
 
     def add_peer(self, rank: int, address: Address) -> None:
         """A rank that joined after the start, reachable from now on at `address`."""

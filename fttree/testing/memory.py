@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..core.messages import Kind, Message, decode, encode
+from ..core.messages import Frame, Kind, decode, encode
 from ..net.address import Address
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .clock import SimClock
@@ -63,7 +63,7 @@ class MemoryTransport:
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         return None
 
-    def send(self, dst: int, msg: Message) -> None:
+    def send(self, dst: int, msg: Frame) -> None:
         self.network.transmit(self.rank, dst, msg)
 
     def add_peer(self, rank: int, address: Address) -> None:
@@ -118,7 +118,7 @@ class MemoryNetwork:
         self._delay: dict[Pair, float] = {}
         self.crashed: set[int] = set()
         self.process: defaultdict[int, int] = defaultdict(int)  # rank -> its process (a restart counts up)
-        self._hung: dict[int, list[Message]] = {}  # rank -> frames waiting for it
+        self._hung: dict[int, list[Frame]] = {}  # rank -> frames waiting for it
         self.lost_at: dict[tuple[int, int], float] = {}  # (src, dst) -> when a frame was last dropped
         self.in_flight: defaultdict[tuple[int, int], int] = defaultdict(int)  # (src, dst) -> bytes on their way
 
@@ -184,7 +184,7 @@ class MemoryNetwork:
 
     # ---- carrying frames ---------------------------------------------------------------------
 
-    def transmit(self, src: int, dst: int, msg: Message) -> None:
+    def transmit(self, src: int, dst: int, msg: Frame) -> None:
         self.stats.sent += 1
         self.stats.by_kind[msg.kind] += 1
         if src in self.crashed:
@@ -219,7 +219,7 @@ class MemoryNetwork:
             self.clock.call_at(at, functools.partial(self._deliver, dst, msg, size if copy == 0 else 0,
                                                      (self.process[src], self.process[dst])))
 
-    def _deliver(self, dst: int, msg: Message, acked: int = 0, processes: tuple[int, int] | None = None) -> None:
+    def _deliver(self, dst: int, msg: Frame, acked: int = 0, processes: tuple[int, int] | None = None) -> None:
         if acked:
             self.in_flight[(msg.src, dst)] -= acked
         if dst in self.crashed or msg.src in self.crashed:  # a killed process's unsent data is lost with it

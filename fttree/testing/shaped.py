@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..core.messages import Message, decode, encode
+from ..core.messages import Frame, decode, encode
 from ..net.address import Address
 from ..net.tcp import CONTROL_MAX_PAYLOAD, MIN_CHANNEL_BUDGET, STALL_MIN_S, STALL_RETRANSMITS
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
@@ -62,7 +62,7 @@ class _Stream:
     src: int
     dst: int
     bulk: bool
-    frames: deque[tuple[int, Message]] = field(default_factory=deque)  # (end offset, frame), not yet delivered
+    frames: deque[tuple[int, Frame]] = field(default_factory=deque)  # (end offset, frame), not yet delivered
     unsent: deque[tuple[int, int]] = field(default_factory=deque)  # (start, end) of bytes not yet in the queue
     written: int = 0  # bytes handed to the stream (its next frame starts here)
     acked: int = 0  # cumulatively acknowledged
@@ -77,7 +77,7 @@ class _Stream:
     frames_sent: int = 0
     bytes_sent: int = 0
     lost: int = 0  # segments of this stream lost on the way (TCP sent them again)
-    waiting: dict[int, Message] = field(default_factory=dict)  # bulk frames not begun yet, by start offset
+    waiting: dict[int, Frame] = field(default_factory=dict)  # bulk frames not begun yet, by start offset
     voided: set[int] = field(default_factory=set)  # end offsets of frames found stale as they began
 
     @property
@@ -113,7 +113,7 @@ class ShapedTransport:
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         return None
 
-    def send(self, dst: int, msg: Message) -> None:
+    def send(self, dst: int, msg: Frame) -> None:
         self.network.transmit(self.rank, dst, msg)
 
     def add_peer(self, rank: int, address: Address) -> None:
@@ -174,7 +174,7 @@ class ShapedNetwork:
         self._drop: dict[Pair, float] = {}
         self._delay: dict[Pair, float] = {}
         self.crashed: set[int] = set()
-        self._hung: dict[int, list[tuple[_Stream, Message]]] = {}  # rank -> frames its kernel took meanwhile
+        self._hung: dict[int, list[tuple[_Stream, Frame]]] = {}  # rank -> frames its kernel took meanwhile
         self._hung_bytes: dict[int, int] = {}
         self.lost_at: dict[tuple[int, int], float] = {}  # (src, dst) -> when frames went with a dead peer
 
@@ -266,7 +266,7 @@ class ShapedNetwork:
             self._by_src.setdefault(src, []).append(s)
         return s
 
-    def transmit(self, src: int, dst: int, msg: Message) -> None:
+    def transmit(self, src: int, dst: int, msg: Frame) -> None:
         self.stats.sent += 1
         if src in self.crashed:
             return
@@ -456,7 +456,7 @@ class ShapedNetwork:
             if t.events is not None:
                 t.events.on_progress(s.src)
 
-    def _hand_up(self, s: _Stream, msg: Message) -> None:
+    def _hand_up(self, s: _Stream, msg: Frame) -> None:
         if s.dst in self._hung:
             self._hung[s.dst].append((s, msg))
             return

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.messages import STATE_DTYPE, Kind, Message
+from ..core.messages import Kind, State
 from ..errors import PeerError
 from .state import StateError, TrainingState, decode, encode, new_hasher
 
@@ -103,7 +103,7 @@ class StateTransfer:
         with self._lock:
             self._incoming = None
         log.info("rank %d asks rank %d for the training state as of step %d", self.ar.rank, donor, user_step)
-        self.ar.send_frame(donor, Message(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=user_step))
+        self.ar.send_frame(donor, State(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=user_step))
 
     def poll(self, user_step: int) -> tuple[int, TrainingState] | None:
         """The state, once fully received and checked: (its training step, the state).
@@ -140,16 +140,15 @@ class StateTransfer:
         for j in due:
             for i in range(total):
                 piece = view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
-                self.ar.send_frame(j, Message(kind=Kind.STATE, src=self.ar.rank, user_step=user_step, chunk=i,
-                                              world=total, signature=digest, dtype=STATE_DTYPE, numel=len(piece),
-                                              payload=piece))
+                self.ar.send_frame(j, State(kind=Kind.STATE, src=self.ar.rank, user_step=user_step, piece=i,
+                                            pieces=total, digest=digest, numel=len(piece), payload=piece))
             self.served += 1
             log.info("rank %d sent rank %d the training state as of step %d (%d bytes in %d pieces)", self.ar.rank, j,
                      user_step, len(data), total)
 
     # ---- frames (the node's loop thread) -----------------------------------------------------
 
-    def _on_frame(self, msg: Message) -> None:
+    def _on_frame(self, msg: State) -> None:
         if msg.kind is Kind.STATE_REQUEST:
             with self._lock:
                 self._requests[msg.src] = max(msg.user_step, self._requests.get(msg.src, -1))
@@ -158,13 +157,13 @@ class StateTransfer:
             return
         with self._lock:
             inc = self._incoming
-            if inc is None or (inc.donor, inc.user_step, inc.digest) != (msg.src, msg.user_step, msg.signature):
+            if inc is None or (inc.donor, inc.user_step, inc.digest) != (msg.src, msg.user_step, msg.digest):
                 if not self._asked or msg.src != self._asked[-1]:
                     return  # from a donor given up on
-                inc = self._incoming = _Incoming(donor=msg.src, user_step=msg.user_step, total=msg.world,
-                                                 digest=msg.signature)
-            if 0 <= msg.chunk < inc.total:
-                inc.pieces[msg.chunk] = bytes(msg.payload)
+                inc = self._incoming = _Incoming(donor=msg.src, user_step=msg.user_step, total=msg.pieces,
+                                                 digest=msg.digest)
+            if 0 <= msg.piece < inc.total:
+                inc.pieces[msg.piece] = bytes(msg.payload)
 
     def _advance(self, inc: _Incoming) -> tuple[int, TrainingState] | None:
         """One bounded piece of the joiner's work on a received state, per training step: hash
