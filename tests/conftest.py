@@ -54,9 +54,12 @@ def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
         if errors:
             raise errors[0]
         yield handles
-    finally:
-        for h in handles:
-            h.close()
+    finally:  # together: a rank's close may wait for its peers' (a cut link between them)
+        closers = [threading.Thread(target=h.close) for h in handles]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
 
 
 @pytest.fixture

@@ -36,7 +36,9 @@ def _line(output: str, *needles: str) -> str:
 
 def test_status_draws_the_tree_with_the_cut_link_and_the_recovery(tmp_path: Path) -> None:
     runner = CliRunner()
-    with cluster(3, timeout_s=0.1, http_port=0, faults="cut 1-0 @1") as hs:
+    # the cut outlasts the steps, so at close ranks 0 and 1 cannot tell each other they are done
+    # (rank 2, which would pass it on, closed first): each waits its step timeout
+    with cluster(3, timeout_s=0.1, step_timeout_s=5.0, http_port=0, faults="cut 1-0 @1") as hs:
         _steps(hs, range(2))
         (tmp_path / "http.txt").write_text("".join(f"{h.http_address}\n" for h in hs))
         result = runner.invoke(status, ["--launch-dir", str(tmp_path)])
