@@ -705,12 +705,15 @@ class Node:
                 self._answer_event.set()
 
     def _reply(self, reply: Reply) -> None:
-        """A JOIN_REPLY, with where the view's members listen (as far as this rank knows)."""
+        """A JOIN_REPLY; RUNNING and ADMITTED name the view's members and where they listen (as far
+        as this rank knows). STARTING names nobody: at a first start every rank answers every
+        other, again every poll, and p answers of p addresses each would be p^2 per poll."""
         view = reply.view
-        addresses = tuple((r, a) for r in view.members if (a := self.transport.address_of(r)))
+        members = () if reply.answer is Answer.STARTING else view.members
+        addresses = tuple((r, a) for r in members if (a := self.transport.address_of(r)))
         self.transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=self.rank, code=reply.answer,
-                                               epoch=view.epoch, members=view.members, step=reply.first_step,
-                                               user_step=reply.user_step, pace=view.pace, addresses=addresses))
+                                            epoch=view.epoch, members=members, step=reply.first_step,
+                                            user_step=reply.user_step, pace=view.pace, addresses=addresses))
 
     def _view_applied(self, applied: ViewApplied, voided: list[int]) -> None:
         """A new view is in effect: the steps it voided run again (or fail, by policy), then
