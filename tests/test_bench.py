@@ -14,10 +14,16 @@ from click.testing import CliRunner
 from fttree.core.faults import FaultSchedule
 from fttree.errors import ConfigError
 from fttree.tools import analyze, longrun
-from fttree.tools import bench as b
 from fttree.tools.bench_cli import analyze as analyze_cmd
 from fttree.tools.bench_cli import bench as bench_cmd
+from fttree.tools.bench_patterns import HANG_STEPS, NODE_LATER, PATTERNS, WARMUP_STEPS, pattern_links
+from fttree.tools.bench_plan import BenchOptions, fault_plan, plan
+from fttree.tools.bench_report import render
+from fttree.tools.bench_run import execute, machine_info, worker_commands
+from fttree.tools.bench_spec import RunResult, RunSpec
+from fttree.tools.bench_summary import Summary
 from fttree.tools.bench_worker import Payload
+from fttree.tools.units import parse_size
 
 from .test_protocol_sim import bridgeable as protocol_bridgeable
 
@@ -57,18 +63,18 @@ def test_analyze_command_writes_json_and_png(tmp_path: Path) -> None:
 
 
 def test_sizes_parse_to_float32_elements() -> None:
-    assert b.parse_size("4KB") == 1000
-    assert b.parse_size("mlp") == 407_050
-    assert b.parse_size("100MB") == 25_000_000
-    assert b.parse_size("1MiB") == 262_144
-    assert b.parse_size("12") == 12
+    assert parse_size("4KB") == 1000
+    assert parse_size("mlp") == 407_050
+    assert parse_size("100MB") == 25_000_000
+    assert parse_size("1MiB") == 262_144
+    assert parse_size("12") == 12
     for bad in ("4XB", "", "2B"):
         with pytest.raises(ConfigError):
-            b.parse_size(bad)
+            parse_size(bad)
 
 
 def test_fault_plan_puts_the_first_window_at_steps_5_to_10() -> None:
-    steps, schedule, windows, skipped = b.fault_plan(7, b.PATTERNS, window=6, gap=4, clean_steps=10)
+    steps, schedule, windows, skipped = fault_plan(7, PATTERNS, window=6, gap=4, clean_steps=10)
     assert windows == (("1", 5, 10), ("2p", 15, 20), ("2s", 25, 30))
     assert steps == 35
     assert skipped == []
@@ -84,12 +90,12 @@ def test_fault_plan_puts_the_first_window_at_steps_5_to_10() -> None:
 
 
 def test_two_faults_are_not_applicable_to_three_workers() -> None:
-    _steps, schedule, windows, skipped = b.fault_plan(3, b.PATTERNS, window=6, gap=4, clean_steps=10)
+    _steps, schedule, windows, skipped = fault_plan(3, PATTERNS, window=6, gap=4, clean_steps=10)
     assert windows == (("1", 5, 10),)
     assert schedule == "cut 1-0 @5..10"
     assert skipped == ["2p", "2s"]
-    assert b.pattern_links(3, "2p") is None
-    assert b.pattern_links(7, "2p") == [(3, 1), (5, 2)]
+    assert pattern_links(3, "2p") is None
+    assert pattern_links(7, "2p") == [(3, 1), (5, 2)]
 
 
 def test_payload_sum_is_checked_exactly() -> None:
@@ -103,9 +109,9 @@ def test_payload_sum_is_checked_exactly() -> None:
 
 
 def _fake_run(world: int, timeout_s: float, times: dict[str, float], windows: tuple[tuple[str, int, int], ...],
-              steps: int, kind: str = "fttree") -> b.RunResult:
-    spec = b.RunSpec(kind=kind, world=world, size=407_050, steps=steps, timeout_s=timeout_s, windows=windows)
-    res = b.RunResult(spec=spec)
+              steps: int, kind: str = "fttree") -> RunResult:
+    spec = RunSpec(kind=kind, world=world, size=407_050, steps=steps, timeout_s=timeout_s, windows=windows)
+    res = RunResult(spec=spec)
     for s in range(steps):
         for r in range(world):
             t = times[spec.pattern_of(s)] * (1 + 0.01 * r)
@@ -114,29 +120,29 @@ def _fake_run(world: int, timeout_s: float, times: dict[str, float], windows: tu
 
 
 def test_summary_medians_targets_and_table() -> None:
-    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
-    steps, _, windows, _ = b.fault_plan(7, b.PATTERNS, 6, 4, 10)
+    opts = BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
+    steps, _, windows, _ = fault_plan(7, PATTERNS, 6, 4, 10)
     ft = _fake_run(7, 0.5, {"none": 0.05, "1": 0.55, "2p": 0.62, "2s": 1.4}, windows, steps)
     plain = _fake_run(7, 0.5, {"none": 0.045}, (), 12, kind="plain")
     gloo = _fake_run(7, 0.5, {"none": 0.04}, (), 12, kind="gloo")
-    summary = b.Summary(opts=opts, results=[ft, plain, gloo], notes=["a note"])
+    summary = Summary(opts=opts, results=[ft, plain, gloo], notes=["a note"])
     assert ft.median("1") == pytest.approx(0.55 * 1.06)  # slowest of 7 ranks
-    assert len(ft.times("none")) == steps - b.WARMUP_STEPS - 18
+    assert len(ft.times("none")) == steps - WARMUP_STEPS - 18
     targets = dict((text.split(":")[0], met) for met, text in summary.targets())
     assert targets["no fault, 7 workers, 1.63 MB"] is False  # 0.053 > gloo's 0.0424
     assert targets["no fault, 7 workers"] is True  # 1.11 x plain
     assert targets["1 fault, 7 workers, t=0.5 s"] is True
     assert targets["2 serial, 7 workers, t=0.5 s"] is False  # 2.6 t extra
-    table = b.render(summary)
+    table = render(summary)
     for expected in ("[0.033]", "[1.449]", "[1.495]", "[2.822]", "fttree/gloo", "MISS", "note: a note"):
         assert expected in table
-    data = summary.to_json(b.machine_info(), ["fttree", "bench"])
+    data = summary.to_json(machine_info(), ["fttree", "bench"])
     assert json.loads(json.dumps(data, default=str))["runs"][0]["medians_s"]["2s"] == pytest.approx(1.4 * 1.06)
 
 
 def test_failed_steps_stay_out_of_medians_and_miss_the_target() -> None:
-    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
-    steps, _, windows, _ = b.fault_plan(7, b.PATTERNS, 6, 4, 10)
+    opts = BenchOptions(workers=(7,), timeouts=(0.5,), policies=("static",), sweep_workers=(), sweep_sizes=())
+    steps, _, windows, _ = fault_plan(7, PATTERNS, 6, 4, 10)
     ft = _fake_run(7, 0.5, {"none": 0.05, "1": 0.3, "2p": 0.3, "2s": 0.3}, windows, steps)
     for rec in ft.records[5].values():  # the first step of the 1-fault window
         rec.update(duration_s=15.0, exact=False, error="step 5 aborted: no contribution from ranks [1]")
@@ -144,27 +150,27 @@ def test_failed_steps_stay_out_of_medians_and_miss_the_target() -> None:
     assert not ft.ok
     assert max(ft.times("1")) < 1.0
     assert ft.first_of_window("1") is None
-    summary = b.Summary(opts=opts, results=[ft], notes=[])
+    summary = Summary(opts=opts, results=[ft], notes=[])
     met = {text.split(":")[0]: m for m, text in summary.targets()}
     assert met["1 fault, 7 workers, t=0.5 s"] is False
     assert met["2 serial, 7 workers, t=0.5 s"] is True
-    assert "no contribution from ranks [1]" in b.render(summary)
+    assert "no contribution from ranks [1]" in render(summary)
 
 
 def test_both_timeout_policies_get_a_column() -> None:
-    opts = b.BenchOptions(workers=(7,), timeouts=(0.5,), sweep_workers=(), gloo=False, plain=False,
+    opts = BenchOptions(workers=(7,), timeouts=(0.5,), sweep_workers=(), gloo=False, plain=False,
                           node_patterns=())
-    runs, _ = b.plan(opts)
+    runs, _ = plan(opts)
     assert [r.policy for r in runs] == ["static", "adaptive"]
-    cmd = b.worker_commands(runs[1], Path("/tmp"))[0]
+    cmd = worker_commands(runs[1], Path("/tmp"))[0]
     assert cmd[cmd.index("--timeout-policy") + 1] == "adaptive"
 
 
 @pytest.mark.slow
 def test_fault_run_records_every_rank_and_the_recovery(tmp_path: Path) -> None:
-    spec = b.RunSpec(kind="fttree", world=3, size=64, steps=3, warmup=1, timeout_s=0.2, faults="cut 1-0 @2",
+    spec = RunSpec(kind="fttree", world=3, size=64, steps=3, warmup=1, timeout_s=0.2, faults="cut 1-0 @2",
                      windows=(("1", 2, 2),), step_timeout_s=20)
-    res = b.execute(spec, tmp_path)
+    res = execute(spec, tmp_path)
     assert res.ok, (res.error, res.stderr_tail)
     assert res.complete_steps() == [0, 1, 2]
     assert res.exit_codes == {0: 0, 1: 0, 2: 0}
@@ -175,8 +181,8 @@ def test_fault_run_records_every_rank_and_the_recovery(tmp_path: Path) -> None:
 
 
 def test_a_worker_that_dies_ends_the_run_with_its_reason(tmp_path: Path) -> None:
-    spec = b.RunSpec(kind="fttree", world=2, size=8, steps=2, faults="cut 5-0")  # rank 5 is not in a world of 2
-    res = b.execute(spec, tmp_path)
+    spec = RunSpec(kind="fttree", world=2, size=8, steps=2, faults="cut 5-0")  # rank 5 is not in a world of 2
+    res = execute(spec, tmp_path)
     assert not res.ok
     assert "exited" in res.error
     assert any("rank 5" in line for tail in res.stderr_tail.values() for line in tail), res.stderr_tail
@@ -208,8 +214,8 @@ def test_long_run_figure_compares_the_last_500_steps_with_steps_100_to_599() -> 
     spec = longrun.spec(2000)
     assert (spec.world, spec.size, spec.chunk_bytes) == (3, 25_600, 4096)  # 25 chunks a step
 
-    def run(step_time: Callable[[int], float]) -> b.RunResult:
-        res = b.RunResult(spec=spec)
+    def run(step_time: Callable[[int], float]) -> RunResult:
+        res = RunResult(spec=spec)
         for s in range(2000):
             for r in range(3):
                 res.records[s][r] = {"rank": r, "step": s, "duration_s": step_time(s) * (1 + 0.01 * r),
@@ -230,8 +236,8 @@ def test_long_run_figure_compares_the_last_500_steps_with_steps_100_to_599() -> 
 def test_long_run_reports_the_largest_rank_s_bookkeeping_at_step_599_at_the_end_and_at_its_peak(tmp_path: Path) -> None:
     spec = longrun.spec(1200)
     assert spec.footprint_every == longrun.FOOTPRINT_EVERY
-    assert "--footprint-every" in b.worker_commands(spec, tmp_path)[0]
-    res = b.RunResult(spec=spec)
+    assert "--footprint-every" in worker_commands(spec, tmp_path)[0]
+    res = RunResult(spec=spec)
     for s in range(1200):
         for r in range(3):
             res.records[s][r] = {"rank": r, "step": s, "duration_s": 0.02, "exact": True, "error": "", "events": []}
@@ -247,9 +253,9 @@ def test_long_run_reports_the_largest_rank_s_bookkeeping_at_step_599_at_the_end_
 
 
 def test_node_patterns_are_runs_of_their_own_beside_a_plain_tree_of_the_survivors() -> None:
-    opts = b.BenchOptions(workers=(3, 7), timeouts=(0.5,), policies=("static", "adaptive"), sweep_workers=(),
+    opts = BenchOptions(workers=(3, 7), timeouts=(0.5,), policies=("static", "adaptive"), sweep_workers=(),
                           gloo=False, plain=False)
-    runs, notes = b.plan(opts)
+    runs, notes = plan(opts)
     node = {(r.world, r.node_faults) for r in runs if r.purpose == "node"}
     assert node == {(7, "crash 4 @8"), (7, "crash 1 @8"), (7, "crash 0 @8"), (7, "hang 2 @8..10"),
                     (3, "crash 2 @8"), (3, "crash 0 @8"), (3, "hang 2 @8..10")}
@@ -257,7 +263,7 @@ def test_node_patterns_are_runs_of_their_own_beside_a_plain_tree_of_the_survivor
     assert sorted(r.world for r in runs if r.purpose == "survivors") == [2, 6]
     assert any("crash interior" in n and n.startswith("3 workers") for n in notes)
     hang = next(r for r in runs if r.node_faults.startswith("hang") and r.world == 7)
-    assert hang.steps == 8 + b.HANG_STEPS + b.NODE_LATER
+    assert hang.steps == 8 + HANG_STEPS + NODE_LATER
     assert hang.pattern_of(7) == "none"
     assert hang.pattern_of(10) == "hang"
     assert hang.pattern_of(11) == "after"
@@ -288,9 +294,9 @@ def test_node_failure_pattern_runs_and_prints_its_columns(tmp_path: Path) -> Non
     assert link["evictions"] == []
 
 
-def _loopback_run(kind: str, size: int, step_s: float, cpu_s: float, trees: str = "rotated") -> b.RunResult:
-    spec = b.RunSpec(kind=kind, world=7, size=size, steps=5, warmup=1, purpose="sweep", trees=trees)
-    res = b.RunResult(spec=spec)
+def _loopback_run(kind: str, size: int, step_s: float, cpu_s: float, trees: str = "rotated") -> RunResult:
+    spec = RunSpec(kind=kind, world=7, size=size, steps=5, warmup=1, purpose="sweep", trees=trees)
+    res = RunResult(spec=spec)
     for s in range(5):
         for r in range(7):
             res.records[s][r] = {"rank": r, "step": s, "duration_s": step_s, "cpu_s": cpu_s / 7, "exact": True,
@@ -299,9 +305,9 @@ def _loopback_run(kind: str, size: int, step_s: float, cpu_s: float, trees: str 
 
 
 def test_loopback_targets_are_issue_14s_step_time_and_cpu_against_gloo() -> None:
-    opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(4_000_000, 25_000_000),
+    opts = BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(4_000_000, 25_000_000),
                           sweep_policies=("static",), trees=("rotated",))
-    summary = b.Summary(opts=opts, notes=[], results=[
+    summary = Summary(opts=opts, notes=[], results=[
         _loopback_run("fttree", 4_000_000, 0.20, 0.33), _loopback_run("gloo", 4_000_000, 0.13, 0.15),
         _loopback_run("fttree", 25_000_000, 0.60, 0.72), _loopback_run("gloo", 25_000_000, 0.65, 0.80)])
     met = {text: m for m, text in summary.targets()}

@@ -14,89 +14,96 @@ import pytest
 
 from fttree.core.config import Config
 from fttree.errors import ConfigError
-from fttree.tools import bench as b
+from fttree.tools.bench_plan import BenchOptions, plan, uplink_timeouts
+from fttree.tools.bench_plots import plot_steps
+from fttree.tools.bench_report import render
+from fttree.tools.bench_run import execute, worker_commands
+from fttree.tools.bench_spec import RunResult, RunSpec
+from fttree.tools.bench_summary import Summary
+from fttree.tools.bench_uplinks import Uplinks
+from fttree.tools.units import format_rate, parse_rate, ring_bound_bytes
 
 from .test_realnet import realnet_missing
 from .test_uplink import tc_missing
 
 
 def test_rates_parse_to_bits_per_second() -> None:
-    assert b.parse_rate("100mbit") == 100e6
-    assert b.parse_rate("1gbit") == 1e9
-    assert b.parse_rate("10mbps") == 80e6
-    assert b.format_rate(100e6) == "100 Mbit/s"
+    assert parse_rate("100mbit") == 100e6
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("10mbps") == 80e6
+    assert format_rate(100e6) == "100 Mbit/s"
     for bad in ("", "fast", "10xbit", "0bit"):
         with pytest.raises(ConfigError):
-            b.parse_rate(bad)
+            parse_rate(bad)
 
 
 def test_the_bound_is_the_rings_bytes_per_rank() -> None:
-    assert b.ring_bound_bytes(1000, 7) == pytest.approx(2 * 4000 * 6 / 7)
-    assert b.ring_bound_bytes(1000, 1) == 0
+    assert ring_bound_bytes(1000, 7) == pytest.approx(2 * 4000 * 6 / 7)
+    assert ring_bound_bytes(1000, 1) == 0
 
 
 def test_uplink_plan_shapes_every_run_and_binds_gloo(tmp_path: Path) -> None:
-    opts = b.BenchOptions(workers=(), sweep_workers=(3,), sweep_sizes=(1000,), uplink="100mbit",
+    opts = BenchOptions(workers=(), sweep_workers=(3,), sweep_sizes=(1000,), uplink="100mbit",
                           compressions=("bf16",), sweep_policies=("static",))
-    runs, _ = b.plan(opts)
+    runs, _ = plan(opts)
     assert {r.kind for r in runs} == {"fttree", "gloo"}
     assert all(r.uplink_bps == 100e6 for r in runs)
     # the defaults (rotated trees), the double tree, and bf16 on the rotated trees
     assert [(r.compression, r.trees) for r in runs if r.kind == "fttree"] == [
         ("", "rotated"), ("", "double"), ("bf16", "rotated")]
     for run, family in zip(runs, ("rotated", "double"), strict=False):
-        cmd = b.worker_commands(run, tmp_path)[0]
+        cmd = worker_commands(run, tmp_path)[0]
         assert cmd[cmd.index("--trees") + 1] == family
         assert "--set" not in cmd  # nothing derived from the declared rate
     assert "double trees" in runs[1].label
     gloo = next(r for r in runs if r.kind == "gloo")
-    cmds = b.worker_commands(gloo, tmp_path, bind=True)
+    cmds = worker_commands(gloo, tmp_path, bind=True)
     assert [c[c.index("--bind") + 1] for c in cmds] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    assert "--bind" not in b.worker_commands(gloo, tmp_path)[0]
+    assert "--bind" not in worker_commands(gloo, tmp_path)[0]
     comp = next(r for r in runs if r.compression)
-    assert "--compression" in b.worker_commands(comp, tmp_path)[0]
+    assert "--compression" in worker_commands(comp, tmp_path)[0]
     assert "uplinks 100 Mbit/s" in comp.label
     assert "bf16" in comp.label
-    assert comp.deadline_s() > b.RunSpec(kind="fttree", world=3, size=1000, steps=comp.steps).deadline_s()
-    lossy = b.plan(b.BenchOptions(workers=(), sweep_workers=(3,), sweep_sizes=(1000,), uplink="100mbit", loss=2.0,
+    assert comp.deadline_s() > RunSpec(kind="fttree", world=3, size=1000, steps=comp.steps).deadline_s()
+    lossy = plan(BenchOptions(workers=(), sweep_workers=(3,), sweep_sizes=(1000,), uplink="100mbit", loss=2.0,
                                   trees=()))[0]
     assert all(r.loss == 2.0 for r in lossy)
     assert "2% loss" in lossy[0].label
-    assert b.Uplinks("100mbit", name="x").wrap(["true"]) == ["ip", "netns", "exec", "x", "true"]
+    assert Uplinks("100mbit", name="x").wrap(["true"]) == ["ip", "netns", "exec", "x", "true"]
 
 
 def test_fttree_timeouts_scale_with_the_uplinks(tmp_path: Path) -> None:
     # 100 MB behind 100 Mbit/s: an interior rank sends 300 MB, 24 s
-    watch, step, settings = b.uplink_timeouts(25_000_000, 100e6, "", 0.5, 30.0)
+    watch, step, settings = uplink_timeouts(25_000_000, 100e6, "", 0.5, 30.0)
     assert watch == pytest.approx(24.0)
     assert step == pytest.approx(106.0)
     assert settings == (("adaptive_ceiling_s", "24"), ("uplink_bytes_per_s", "1.25e+07"))
-    assert b.uplink_timeouts(25_000_000, 100e6, "bf16", 0.5, 30.0)[0] == pytest.approx(12.0)
-    assert b.uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),
+    assert uplink_timeouts(25_000_000, 100e6, "bf16", 0.5, 30.0)[0] == pytest.approx(12.0)
+    assert uplink_timeouts(1000, 1e9, "", 0.5, 30.0) == (0.5, 30.0, (("adaptive_ceiling_s", "2"),
                                                                         ("uplink_bytes_per_s", "1.25e+08")))
-    opts = b.BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
+    opts = BenchOptions(workers=(), sweep_workers=(7,), sweep_sizes=(25_000_000,), uplink="100mbit",
                           sweep_policies=("adaptive",), trees=(), tuned=True)
-    default, tuned = [r for r in b.plan(opts)[0] if r.kind == "fttree"]
+    default, tuned = [r for r in plan(opts)[0] if r.kind == "fttree"]
     assert (default.tuned, tuned.tuned) == (False, True)
     assert default.label.startswith("fttree defaults")
-    cmd = b.worker_commands(default, tmp_path)[0]
+    cmd = worker_commands(default, tmp_path)[0]
     assert "--set" not in cmd
     assert cmd[cmd.index("--step-timeout") + 1] == str(Config().step_timeout_s)
-    cmd = b.worker_commands(tuned, tmp_path)[0]
+    cmd = worker_commands(tuned, tmp_path)[0]
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
     assert sets == ["adaptive_ceiling_s=24", "uplink_bytes_per_s=1.25e+07"]
     assert cmd[cmd.index("--step-timeout") + 1] == "106.0"
     assert tuned.deadline_s() > tuned.steps * 106
-    summary = b.Summary(opts=opts, results=[b.RunResult(spec=default), b.RunResult(spec=tuned)], notes=[])
+    summary = Summary(opts=opts, results=[RunResult(spec=default), RunResult(spec=tuned)], notes=[])
     assert summary.find("fttree", 7, 25_000_000, 0.5, "adaptive", trees="rotated") is summary.results[0]
     assert summary.find("fttree", 7, 25_000_000, None, "adaptive", trees="rotated", tuned=True) is summary.results[1]
 
 
 def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int], steps: int = 4,
-          compression: str = "", trees: str = "rotated", policy: str = "static") -> b.RunResult:
-    spec = b.RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",
+          compression: str = "", trees: str = "rotated", policy: str = "static") -> RunResult:
+    spec = RunSpec(kind=kind, world=world, size=size, steps=steps, warmup=1, purpose="sweep",
                      uplink_bps=100e6, compression=compression, trees=trees, policy=policy)
-    res = b.RunResult(spec=spec, sent_bytes=sent)
+    res = RunResult(spec=spec, sent_bytes=sent)
     for s in range(steps):
         for r in range(world):
             res.records[s][r] = {"rank": r, "step": s, "duration_s": step_s, "exact": True, "error": "", "events": []}
@@ -105,13 +112,13 @@ def _fake(kind: str, world: int, size: int, step_s: float, sent: dict[int, int],
 
 def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
     world, size, steps = 7, 4_000_000, 4
-    bound = b.ring_bound_bytes(size, world)
-    opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
+    bound = ring_bound_bytes(size, world)
+    opts = BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
                           compressions=("bf16",), sweep_policies=("static",), trees=())
     tree = {r: int(steps * (3 if r in (1, 2) else 2 if r == 0 else 1) * size * 4) for r in range(world)}
     ring = {r: int(steps * bound * 1.01) for r in range(world)}
     half = {r: v // 2 for r, v in tree.items()}
-    summary = b.Summary(opts=opts, results=[_fake("fttree", world, size, 4.0, tree),
+    summary = Summary(opts=opts, results=[_fake("fttree", world, size, 4.0, tree),
                                             _fake("fttree", world, size, 2.0, half, compression="bf16"),
                                             _fake("gloo", world, size, 2.3, ring)], notes=[])
     rows = {r["system"]: r for r in summary.bandwidth_rows()}
@@ -121,26 +128,26 @@ def test_bandwidth_table_and_targets(tmp_path: Path) -> None:
     targets = {text: met for met, text in summary.targets()}
     assert any("fttree rotated: busiest rank sends 1.75x" in t and not met for t, met in targets.items())
     assert any("fttree rotated bf16: step/gloo 0.87 (target <= 0.55)" in t and not met for t, met in targets.items())
-    table = b.render(summary)
+    table = render(summary)
     assert "Bytes on the wire, uplinks 100mbit" in table
     assert "Wire compression" in table
     assert "Tables 1-2" not in table  # no matrix under --uplink
     data = json.loads(json.dumps(summary.to_json({}, ["fttree", "bench"]), default=str))
     assert len(data["bandwidth"]) == 3
     pytest.importorskip("matplotlib")
-    assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
+    assert [p.name for p in plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 
 
 def test_each_tree_family_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Path) -> None:
     world, size, steps = 7, 4_000_000, 4
-    n, bound = size * 4, b.ring_bound_bytes(size, world)
-    opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
+    n, bound = size * 4, ring_bound_bytes(size, world)
+    opts = BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
                           compressions=("bf16",), sweep_policies=("static",), trees=("single", "double", "rotated"))
     single = {r: steps * (3 if r in (1, 2) else 2 if r == 0 else 1) * n for r in range(world)}
     # chunks alternate: interior in one tree 3 x N/2 + N/2 as a leaf of the other
     double = {r: steps * (2 * n if r in (1, 2, 4, 5) else 3 * n // 2 if r in (0, 6) else n) for r in range(world)}
     rotated = {r: int(steps * bound) for r in range(world)}  # every rank at the bound
-    summary = b.Summary(opts=opts, results=[
+    summary = Summary(opts=opts, results=[
         _fake("fttree", world, size, 4.0, single, trees="single"),
         _fake("fttree", world, size, 2.6, double, trees="double"),
         _fake("fttree", world, size, 2.2, rotated, trees="rotated"),
@@ -153,7 +160,7 @@ def test_each_tree_family_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Pa
     assert rows["fttree double"]["max_bytes"] / bound == pytest.approx(7 / 6)  # the double tree's floor, 2N
     assert rows["fttree single"]["max_bytes"] / bound == pytest.approx(1.75)
     assert rows["fttree rotated"]["max_bytes"] / bound == pytest.approx(1.0, abs=1e-6)
-    table = b.render(summary)
+    table = render(summary)
     assert "ft double" in table
     assert "ft rotated" in table
     assert "(rotated trees)" in table  # the compression table compares bf16 with float32 on the same trees
@@ -161,7 +168,7 @@ def test_each_tree_family_is_a_system_of_its_own_in_tables_and_plot(tmp_path: Pa
     assert any("fttree double: busiest rank sends 1.17x" in t and not met for t, met in targets.items())
     assert any("fttree rotated: busiest rank sends 1.00x" in t and met for t, met in targets.items())
     pytest.importorskip("matplotlib")
-    assert [p.name for p in b.plot_steps(summary, tmp_path)] == ["size_sweep.png"]
+    assert [p.name for p in plot_steps(summary, tmp_path)] == ["size_sweep.png"]
 
 
 def test_false_events_on_healthy_links_are_counted_and_fail_the_target() -> None:
@@ -169,7 +176,7 @@ def test_false_events_on_healthy_links_are_counted_and_fail_the_target() -> None
     eviction or a change of members is a false event, and fttree at its defaults must show none
     and stay within 1.15x gloo's step."""
     world, size, steps = 7, 407_050, 4
-    opts = b.BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
+    opts = BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit",
                           sweep_policies=("adaptive",), trees=())
     sent = {r: steps * size * 8 for r in range(world)}
     clean = _fake("fttree", world, size, 0.25, sent, policy="adaptive")
@@ -188,12 +195,12 @@ def test_false_events_on_healthy_links_are_counted_and_fail_the_target() -> None
                                     "view_changes": 1}
     gloo = _fake("gloo", world, size, 0.24, sent)
     for run, met in ((clean, True), (noisy, False)):
-        summary = b.Summary(opts=opts, results=[run, gloo], notes=[])
+        summary = Summary(opts=opts, results=[run, gloo], notes=[])
         targets = [(ok, text) for ok, text in summary.targets() if text.startswith("defaults")]
         assert [ok for ok, _ in targets] == [met, met], targets
-        assert "False events on healthy links" in b.render(summary)
+        assert "False events on healthy links" in render(summary)
     assert "expiries 1, relays 1, detours 1, suspicions 2, evictions 1, view_changes 1" in " ".join(
-        text for _, text in b.Summary(opts=opts, results=[noisy, gloo], notes=[]).targets())
+        text for _, text in Summary(opts=opts, results=[noisy, gloo], notes=[]).targets())
 
 
 # ---- against the kernel -------------------------------------------------------------------
@@ -205,15 +212,15 @@ def _namespaces() -> set[str]:
 
 
 @pytest.fixture
-def uplinks() -> b.Uplinks:
-    missing = realnet_missing() or tc_missing() or b.Uplinks.missing()
+def uplinks() -> Uplinks:
+    missing = realnet_missing() or tc_missing() or Uplinks.missing()
     if missing:
         pytest.skip(missing)
-    return b.Uplinks("1gbit", name=f"fttree-test-bench-{os.getpid()}")
+    return Uplinks("1gbit", name=f"fttree-test-bench-{os.getpid()}")
 
 
 @pytest.mark.realnet
-def test_uplinks_go_away_when_the_bench_fails(uplinks: b.Uplinks) -> None:
+def test_uplinks_go_away_when_the_bench_fails(uplinks: Uplinks) -> None:
     def failing_run() -> None:
         with uplinks:
             uplinks.start(3)
@@ -228,12 +235,12 @@ def test_uplinks_go_away_when_the_bench_fails(uplinks: b.Uplinks) -> None:
 
 
 @pytest.mark.realnet
-def test_a_run_under_uplinks_reads_every_ranks_counter(uplinks: b.Uplinks, tmp_path: Path) -> None:
+def test_a_run_under_uplinks_reads_every_ranks_counter(uplinks: Uplinks, tmp_path: Path) -> None:
     size, world, steps = 50_000, 3, 3
-    spec = b.RunSpec(kind="fttree", world=world, size=size, steps=steps, warmup=1, uplink_bps=uplinks.bps)
+    spec = RunSpec(kind="fttree", world=world, size=size, steps=steps, warmup=1, uplink_bps=uplinks.bps)
     with uplinks:
         uplinks.start(world)
-        res = b.execute(spec, tmp_path, uplinks=uplinks)
+        res = execute(spec, tmp_path, uplinks=uplinks)
     assert res.ok, (res.error, res.stderr_tail)
     assert sorted(res.sent_bytes) == [0, 1, 2]
     per = res.bytes_per_step()
