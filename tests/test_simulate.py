@@ -92,15 +92,37 @@ def test_a_contribution_function_is_each_ranks_input() -> None:
     assert res.contributors == (0, 1, 2)
 
 
-def test_restart_and_join_are_refused_outside_the_simulator() -> None:
-    with pytest.raises(ConfigError, match="only the simulator does"):
+def test_restart_join_and_leave_are_refused_outside_the_simulator_naming_what_to_do() -> None:
+    with pytest.raises(ConfigError, match=r"fttree worker --join.*only the simulator does"):
         FaultSchedule("restart 1 @3", world=4)
+    with pytest.raises(ConfigError, match=r"SIGTERM.*leave\(\)"):
+        FaultSchedule("leave 1 @3", world=4)
+    with pytest.raises(ConfigError, match="a leave happens at one step"):
+        FaultSchedule("leave 1 @3..4", world=4, simulated=True)
     with pytest.raises(ConfigError, match="in the world of 4 already"):
         FaultSchedule("join 2 @3", world=4, simulated=True)
     with pytest.raises(ConfigError, match="a join happens at one step"):
         FaultSchedule("join 5 @3..4", world=4, simulated=True)
     with pytest.raises(ConfigError, match=r"new ranks are 4, 5, \.\.\. and join in that order"):
         simulate(4, "join 5 @3", 5)
+
+
+def test_a_rank_that_leaves_is_in_no_later_result_and_the_group_runs_on_without_a_timeout() -> None:
+    run = simulate(5, "leave 2 @4", 8, step_timeout_s=30.0)
+    run.check()
+    assert run.left == {2: 4}
+    assert contributors(run, 3) == {(0, 1, 2, 3, 4)}
+    assert all(c == {(0, 1, 3, 4)} for c in (contributors(run, s) for s in range(4, 8)))
+    assert "rank 2 left the group" in str(run.network.nodes[2].stopped)
+    # a graceful leave is no failure: the others wait for no deadline (30 s here) at step 4
+    assert max(run.network.finished_at[(r, 4)] for r in (0, 1, 3, 4)) < 2.0
+
+
+def test_the_oracle_catches_a_rank_that_left_but_still_counts() -> None:
+    run = simulate(5, "leave 2 @4", 6)
+    run.left[2] = 3  # pretend it left before step 3, which it took part in
+    with pytest.raises(AssertionError, match=r"rank 2 left before step 3 but is in the results of steps \[3"):
+        run.check()
 
 
 def test_a_minority_cut_off_gets_errors_not_results_and_nothing_hangs() -> None:
@@ -135,13 +157,13 @@ def test_a_member_fenced_with_no_coordinator_in_reach_stops_within_a_bounded_wai
 
 @st.composite
 def schedules(draw: st.DrawFn) -> tuple[int, str, int]:
-    """A world and a schedule that mixes every kind: at most two ranks fail or restart (a
+    """A world and a schedule that mixes every kind: at most two ranks fail, restart or leave (a
     majority stays), up to two new ranks join, up to two links fail for a while."""
     world = draw(st.integers(4, 7))
     rules: list[str] = []
     struck = draw(st.lists(st.integers(1, world - 1), max_size=2 if world >= 5 else 1, unique=True))
     for rank in struck:
-        kind = draw(st.sampled_from(["crash", "hang", "restart", "restart-late"]))
+        kind = draw(st.sampled_from(["crash", "hang", "restart", "restart-late", "leave"]))
         at = draw(st.integers(1, STEPS - 6))
         if kind == "hang":
             rules.append(f"hang {rank} @{at}..{at + draw(st.integers(0, 3))}")
@@ -163,7 +185,7 @@ EXAMPLES = int(os.environ.get("FTTREE_SIM_EXAMPLES", "300"))  # about 0.1 s each
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
-def test_random_schedules_of_faults_restarts_and_joins_hold_the_oracle(case: tuple[int, str, int]) -> None:
+def test_random_schedules_of_faults_restarts_joins_and_leaves_hold_the_oracle(case: tuple[int, str, int]) -> None:
     world, faults, seed = case
     run = simulate(world, faults, STEPS, seed=seed, jitter_s=0.002, contribution=counted(4))
     try:

@@ -101,9 +101,10 @@ class Admission:
 
     def request(self, rank: int, incarnation: int, view: View) -> bool:
         """Process `incarnation` asks to be admitted as `rank`: should the membership hear of
-        it? Not when it is a member's own late or repeated request (it is in already)."""
-        known = self.incarnations.get(rank)
-        if rank in view and (known in (None, incarnation) or self.candidates.get(rank) == incarnation):
+        it? Not when it is a member's own late or repeated request (it is in already). A new
+        process of a member asks again until admitted: each ask goes on (the membership keeps
+        one waiting join per rank), as the first may have found no coordinator to keep it."""
+        if rank in view and self.incarnations.get(rank) in (None, incarnation):
             return False
         if rank not in self.candidates and len(self.candidates) >= MAX_CANDIDATES:
             return False

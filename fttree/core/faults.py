@@ -40,15 +40,21 @@ class FaultKind(Enum):
     HANG = "hang"
     RESTART = "restart"  # simulator only: the rank's process dies and a new one rejoins
     JOIN = "join"  # simulator only: a new rank joins the running group
+    LEAVE = "leave"  # simulator only: the rank leaves the group for good instead of taking step S
 
 
 
 LINK_KINDS = frozenset({FaultKind.CUT, FaultKind.DROP, FaultKind.DELAY})  # name one link A-B
 # happen to a worker, not to frames
-NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RESTART, FaultKind.JOIN})
-# start processes, which only the simulator does (fttree.testing.simulate); on real workers,
-# start one with `fttree worker --join` (docs/failures.md, "Elastic jobs")
-SIMULATED_KINDS = frozenset({FaultKind.RESTART, FaultKind.JOIN})
+NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RESTART, FaultKind.JOIN, FaultKind.LEAVE})
+#: what only the simulator does (fttree.testing.simulate), and what real workers do instead
+#: (docs/failures.md, "Elastic jobs")
+SIMULATED_KINDS = {
+    FaultKind.RESTART: "starts a process: on real workers start one with `fttree worker --join`",
+    FaultKind.JOIN: "starts a process: on real workers start one with `fttree worker --join`",
+    FaultKind.LEAVE: "is the training loop's to do: on real workers send `fttree worker` SIGTERM, or call "
+                     "FTTreeAllreduce.leave()",
+}
 CERTAIN_DROPS = frozenset({FaultKind.CUT, FaultKind.ISOLATE, FaultKind.PARTITION})
 
 USAGE = {
@@ -62,6 +68,7 @@ USAGE = {
     FaultKind.HANG: "hang R @S[..E]",
     FaultKind.RESTART: "restart R @S[..E]",
     FaultKind.JOIN: "join R @S",
+    FaultKind.LEAVE: "leave R @S",
 }
 
 
@@ -151,7 +158,7 @@ def parse_rule(text: str) -> FaultRule:
         raise ConfigError(f"fault {text!r} has the wrong arguments: use {USAGE[kind]}")
     if kind in NODE_KINDS and first_step is None:
         raise ConfigError(f"fault {text!r} needs the step it happens at: use {USAGE[kind]}")
-    if kind in (FaultKind.CRASH, FaultKind.JOIN) and last_step != first_step:
+    if kind in (FaultKind.CRASH, FaultKind.JOIN, FaultKind.LEAVE) and last_step != first_step:
         raise ConfigError(f"fault {text!r}: a {kind.value} happens at one step; use {USAGE[kind]}")
     a, b, group = _where(kind, args[0], text)
     probability, delay_s = _amount(kind, args, text)
@@ -217,12 +224,13 @@ class FaultSchedule:
     def __init__(self, rules: list[FaultRule] | str | None = None, *, world: int | None = None,
                  seed: int = 0, simulated: bool = False) -> None:
         """`simulated`: the schedule drives a simulation, which alone may start processes
-        (restart, join); elsewhere those are refused, naming what to do instead."""
+        (restart, join) and make a training loop leave; elsewhere those are refused, naming
+        what to do instead."""
         self.rules = parse(rules) if isinstance(rules, str) or rules is None else list(rules)
         for rule in self.rules:
             if rule.kind in SIMULATED_KINDS and not simulated:
-                raise ConfigError(f"fault {str(rule)!r} starts a process, which only the simulator does "
-                                  "(fttree.testing.simulate); on real workers start one with `fttree worker --join`")
+                raise ConfigError(f"fault {str(rule)!r} {SIMULATED_KINDS[rule.kind]}; only the simulator does "
+                                  "it itself (fttree.testing.simulate)")
         joiners = {r.a for r in self.rules if r.kind is FaultKind.JOIN}
         if world is not None:
             for rule in self.rules:
@@ -266,7 +274,7 @@ class FaultSchedule:
         return any(r.kind in CERTAIN_DROPS and r.touches(src, dst) and r.active(step) for r in self._link_rules)
 
     def node_faults(self, rank: int | None = None) -> list[FaultRule]:
-        """The crash, hang, restart and join rules (of one rank, or all), for whoever runs the nodes."""
+        """The crash, hang, restart, join and leave rules (of one rank, or all), for whoever runs the nodes."""
         return [r for r in self.rules if r.kind in NODE_KINDS and (rank is None or r.a == rank)]
 
     def __str__(self) -> str:

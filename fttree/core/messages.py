@@ -337,6 +337,9 @@ def make(kind: Kind, src: int, **fields: Any) -> Frame:
 
 def encode(msg: Frame) -> list[bytes | memoryview]:
     """Buffers to write for one frame; the payload is passed through untouched."""
+    if FAMILY_OF.get(msg.kind) is not type(msg):  # would decode as another type, or not at all
+        raise TypeError(f"{msg.kind.name} travels as {getattr(FAMILY_OF.get(msg.kind), '__name__', 'no Frame')}, "
+                        f"not as {type(msg).__name__}")
     header: dict[str, Any] = {"k": int(msg.kind), "f": msg.src}
     if msg.epoch:
         header["ep"] = msg.epoch

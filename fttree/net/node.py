@@ -101,6 +101,7 @@ __all__ = ["Node", "NodeStatus", "StepResult"]
 
 log = logging.getLogger("fttree.net.node")
 
+LEAVE_POLL_S = 0.25  # a leaving rank tells the members again this often until the view leaves it out
 CONTACT_WAIT_S = 5.0  # a joiner's contact must take its connection this soon (the dials retry meanwhile)
 _LOGGED = (NoteKind.RECOVERY, NoteKind.TIMEOUT, NoteKind.PROTOCOL, NoteKind.LINK, NoteKind.NONFINITE)
 PROTOCOL_NOTES_LOGGED = 20  # protocol violations logged one by one; later ones are counted
@@ -163,7 +164,7 @@ class Node:
         self.foreign_frames = 0  # frames dropped because their sender may not send them (SENDER_RULES)
         self._foreign_logged: set[int] = set()
         self._quiet = asyncio.Event()  # set when we owe peers nothing (see quiesce)
-        self._answer_event = asyncio.Event()  # leave() waits for its view on this
+        self._on_left: Callable[[], None] | None = None  # depart's next look, at once when this rank stops
         self.joining = join or contact is not None  # this process asks a running group to admit it
         # what this worker decides (core/replica.py): the tree, the membership, the life cycle, joins
         self.replica = Replica(rank, view, config, join=self.joining)
@@ -291,18 +292,38 @@ class Node:
             self.on_message(msg)
 
     async def leave(self) -> None:
-        """Leave the group after the steps submitted here: tell every member, who drop this
-        rank from the next view at once (no detection, no timeout), and wait for that view."""
+        """Leave the group after the steps submitted here (see `depart`)."""
+        await _until(self.depart)
+
+    def depart(self, done: Callable[[None], None]) -> None:
+        """Leave the group after the steps submitted here: tell every member (again every
+        LEAVE_POLL_S), who drop this rank from the next view at once (no detection, no
+        timeout); `done(None)` once that view left this rank out, or after three node deadlines
+        (at least 2 s). Timers, not awaits: the simulator runs it too."""
         self.life.on(Life.LEAVE)
         end = self.scheduler.now() + max(3 * self.membership.node_deadline_s, 2.0)
-        while self.steps and self.scheduler.now() < end:  # the steps already submitted finish first
-            await self._settle(self._quiet, 0.1)
-        while self.stopped is None and self.scheduler.now() < end:
-            msg = Message(kind=Kind.LEAVE, src=self.rank, epoch=self.membership.view.epoch)
+
+        def tell() -> None:
+            self._on_left = None
+            if self.stopped is not None or self.scheduler.now() >= end:
+                done(None)
+                return
+            if self.steps:  # the steps already submitted finish first
+                self.scheduler.call_later(LEAVE_POLL_S / 2, tell)
+                return
+            msg = Notice(kind=Kind.LEAVE, src=self.rank, epoch=self.membership.view.epoch)
             for r in self.membership.view.members:
                 if r != self.rank:
                     self.transport.send(r, msg)
-            await self._settle(self._answer_event, 0.25)
+            timer = self.scheduler.call_later(LEAVE_POLL_S, tell)
+
+            def at_once() -> None:
+                timer.cancel()
+                tell()
+
+            self._on_left = at_once
+
+        tell()
 
     async def finish(self, limit_s: float) -> None:
         """The job is over here: tell every member (DONE, with the last step submitted), then stay
@@ -415,7 +436,7 @@ class Node:
     def _ack_done(self) -> None:
         for peer, step in self.farewell.due(last_submitted=self.steps.last_submitted,
                                             pending=self.steps.__contains__, stopped=self.stopped is not None):
-            self.transport.send(peer, Message(kind=Kind.DONE_ACK, src=self.rank, epoch=self.view.epoch, step=step))
+            self.transport.send(peer, Notice(kind=Kind.DONE_ACK, src=self.rank, epoch=self.view.epoch, step=step))
 
     def skipped_nonfinite(self, step: int) -> None:
         """Our contribution to `step` held NaN or Inf and was left out (nonfinite="skip"): a
@@ -702,7 +723,6 @@ class Node:
                 self.asker.joined_at = (first_step, user_step)
             case Answered():
                 self.asker.answered()
-                self._answer_event.set()
 
     def _reply(self, reply: Reply) -> None:
         """A JOIN_REPLY; RUNNING and ADMITTED name the view's members and where they listen (as far
@@ -742,7 +762,8 @@ class Node:
         self.stopped = reason
         self.life.on(Life.STOP)
         self.asker.answered()
-        self._answer_event.set()  # a leave() waits for this
+        if self._on_left is not None:  # a leave waits for this
+            self._on_left()
         self.steps.fail_all(lambda step: GroupLeft(step, reason))
         self._ack_done()
         self._do_rare(Hold(on=False))  # what waited for a join runs into GroupLeft now

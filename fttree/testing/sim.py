@@ -94,6 +94,7 @@ class SimNetwork:
                 (a.first_step or 0) > (b.first_step or 0) for a, b in itertools.pairwise(self._joins)):
             raise ConfigError(f"joins {[str(r) for r in self._joins]}: new ranks are {world}, {world + 1}, ... "
                               "and join in that order (a later step for a higher rank)")
+        self.leaves = {r.a: r.first_step or 0 for r in self.faults.node_faults() if r.kind is FaultKind.LEAVE}
         # (rank, its new process, None or the error that kept it out) once a restart or join is settled
         self.process_listeners: list[Callable[[int, Node, PeerError | None], None]] = []
         end = self.config.startup_timeout_s
@@ -247,7 +248,7 @@ class SimNetwork:
         schedule (crash R @S, hang R @S..E, restart R @S[..E]) strike when the rank reaches their
         step; `join R @S` starts rank R's process when the first member reaches step S."""
         for rule in self.faults.node_faults(rank):
-            if rule.first_step == step and rule.kind is not FaultKind.JOIN:
+            if rule.first_step == step and rule.kind not in (FaultKind.JOIN, FaultKind.LEAVE):
                 self._strike(rule)
         for rule in [r for r in self._joins if r.first_step is not None and r.first_step <= step]:
             self._joins.remove(rule)

@@ -2,8 +2,9 @@
 
 Every rank runs what a training loop does (mark the training step, allreduce its contribution,
 wait for the outcome, go on) on SimNetwork's fake clock, while the schedule strikes: link faults,
-`crash`, `hang`, and the two that start processes, `restart R @S[..E]` (a new process of rank R
-rejoins) and `join R @S` (a new rank asks in). The result holds every process's outcome of every
+`crash`, `hang`, the two that start processes, `restart R @S[..E]` (a new process of rank R
+rejoins) and `join R @S` (a new rank asks in), and `leave R @S` (rank R's loop leaves the group
+instead of taking step S). The result holds every process's outcome of every
 step it took part in, and `check()` is the oracle the property tests hold every run to.
 """
 
@@ -51,6 +52,7 @@ class Simulation:
     refused: dict[int, PeerError] = field(default_factory=dict)  # a process kept out, and why
     pending: set[tuple[int, int]] = field(default_factory=set)  # submitted, no outcome (yet)
     submitted_by: dict[tuple[int, int], int] = field(default_factory=dict)  # pending step -> its process
+    left: dict[int, int] = field(default_factory=dict)  # a rank that left -> the step it did not take
 
     def results(self, step: int) -> dict[int, StepResult]:
         """Every rank's StepResult of `step` (ranks that failed it are left out)."""
@@ -71,7 +73,9 @@ class Simulation:
         of the contributions of the ranks it names, each once; every rank that holds a result of
         a step holds the same one; every step of a live process has an outcome (nothing hangs);
         while the group runs on, a restarted or new process is admitted and, unless the group
-        leaves it out again, is among the contributors within JOINED_WITHIN steps of its first."""
+        leaves it out again, is among the contributors within JOINED_WITHIN steps of its first; a
+        rank that left is in no result of the step it left at or later, and the group's view no
+        longer holds it."""
         if self.pending:
             raise AssertionError(f"steps without an outcome (rank, step): {sorted(self.pending)}")
         for step in sorted({s for _r, s in self.outcomes}):
@@ -89,8 +93,20 @@ class Simulation:
                     raise AssertionError(f"step {step}: ranks hold different results: contributors "
                                          f"{list(first.contributors)} and rank {rank}'s {list(res.contributors)}")
         last = self.steps - 1
-        if self.refused and any(s == last for _r, s in self.results_held()):  # the group ran on without them
-            raise AssertionError(f"processes kept out of the group: {self.refused}")
+        # a join decided for a training step after the last is no process kept out: the job ended first
+        decided = {r for node in self.network.nodes if node.stopped is None
+                   for join in node.replica.pending for r in join.joined}
+        kept_out = {r: e for r, e in self.refused.items() if r not in decided}
+        if kept_out and any(s == last for _r, s in self.results_held()):  # the group ran on without them
+            raise AssertionError(f"processes kept out of the group: {kept_out}")
+        for rank, at in self.left.items():
+            late = sorted(s for (_r, s), o in self.outcomes.items()
+                          if s >= at and isinstance(o, StepResult) and rank in o.contributors)
+            if late:
+                raise AssertionError(f"rank {rank} left before step {at} but is in the results of steps {late}")
+            if any(s == last for _r, s in self.results_held()) and self.network.nodes[rank].stopped is None:
+                raise AssertionError(f"rank {rank} left before step {at}, and the group ran on, yet it never "
+                                     "saw the view without it")
         for rank, start in self.admitted.items():
             if any(isinstance(o, GroupLeft) for (r, s), o in self.outcomes.items() if r == rank and s >= start):
                 continue  # left out again (its links failed too): taking part is not owed then
@@ -113,6 +129,10 @@ class _Loop:
         if user_step >= run.steps:
             return
         step = user_step + self.offset
+        if step >= run.network.leaves.get(node.rank, run.steps):  # `leave R @S`: the loop leaves instead
+            run.left[node.rank] = step
+            node.depart(lambda _: None)
+            return
         node.boundary(user_step, step)
         run.pending.add((node.rank, step))
         run.submitted_by[(node.rank, step)] = self.process
@@ -136,7 +156,7 @@ class _Loop:
 def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribution: Contribution | None = None,
              seed: int = 0, limit_s: float = 600.0, **settings: Any) -> Simulation:
     """Run `steps` training steps on `world` simulated ranks under the fault schedule `faults`
-    (the fault language, plus `restart R @S[..E]` and `join R @S`), every rank contributing
+    (the fault language, plus `restart R @S[..E]`, `join R @S` and `leave R @S`), every rank contributing
     `contribution(rank, step)` (default: `counted()`). Settings are SimNetwork's and Config's
     (latency_s, jitter_s, step_timeout_s, ...); links keep their frames in order, as TCP does,
     unless `fifo=False`. Returns every outcome; `check()` is the oracle."""
