@@ -41,7 +41,7 @@ class View:
     _slot: dict[int, int]  # rank -> its slot in _order; shared the same way
     _family: str  # this view is the heap of tree _tree of _family over _order (tree 0: the view's own)
     _tree: int
-    _neighbours: dict[int, Neighbours] | None  # View.neighbours, kept by tree 0 only (O(p) at most)
+    _neighbours: dict[int, Neighbours]  # View.neighbours of the ranks asked (a worker asks of a few per tree)
     _trees: dict[tuple[str, int], View] | None  # View.tree, kept by tree 0 only
 
     def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0) -> None:
@@ -57,7 +57,7 @@ class View:
               tree: int) -> None:
         base = tree == 0
         for name, value in (("epoch", epoch), ("pace", pace), ("_order", order), ("_slot", slot),
-                            ("_family", family), ("_tree", tree), ("_neighbours", {} if base else None),
+                            ("_family", family), ("_tree", tree), ("_neighbours", {}),
                             ("_trees", {} if base else None)):
             object.__setattr__(self, name, value)
 
@@ -93,9 +93,11 @@ class View:
         return tree_slot(self._family, self._tree, slot, len(self._order))
 
     def neighbours(self, rank: int) -> Neighbours:
-        """Parent, children, brother, uncle and nephews of `rank`, as ranks. Tree 0 keeps them
-        (at most one per member); another tree's view computes them each time, in O(1)."""
-        found = None if self._neighbours is None else self._neighbours.get(rank)
+        """Parent, children, brother, uncle and nephews of `rank`, as ranks, kept once asked: the
+        protocol asks for the same few ranks' neighbours (its own, its children's, its parent's)
+        at every frame of every step, and computing them each time cost 18% of a 1.63 MB step.
+        A worker asks of a few ranks per tree, so what is kept stays O(p)."""
+        found = self._neighbours.get(rank)
         if found is None:
             slots = topo.neighbours(self.slot_of(rank), self.size)
             at = self._at
@@ -107,8 +109,7 @@ class View:
                 rank=rank, world=self.size, parent=one(slots.parent), children=tuple(at(s) for s in slots.children),
                 brother=one(slots.brother), uncle=one(slots.uncle), nephews=tuple(at(s) for s in slots.nephews),
                 height=slots.height, depth=slots.depth)
-            if self._neighbours is not None:
-                self._neighbours[rank] = found
+            self._neighbours[rank] = found
         return found
 
     def tree(self, tree: int, family: str) -> View:
