@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -32,6 +33,21 @@ def test_every_setting_is_described_and_every_flag_exists() -> None:
         assert set(configdoc.FLAGS.values()) <= flags, (command, set(configdoc.FLAGS.values()) - flags)
         assert "--set" in flags
     assert set(configdoc.FLAGS) <= set(names)
+
+
+def test_the_flags_defaults_and_choices_are_configs() -> None:
+    """A flag of a setting defaults to the setting's default and offers the choices Config
+    accepts, so the two cannot drift apart."""
+    defaults = Config()
+    for command in ("worker", "launch"):
+        params = {opt: p for p in cli.commands[command].params for opt in p.opts}
+        for name, flag in configdoc.FLAGS.items():
+            param = params[flag]
+            if isinstance(param, click.Option) and not param.is_flag and param.default is not None:
+                assert param.default == getattr(defaults, name), (command, flag)
+            if isinstance(param.type, click.Choice):
+                for choice in param.type.choices:
+                    Config.build(Config(), **{name: choice})  # every choice is one Config takes
 
 
 def test_every_setting_reads_from_its_variable() -> None:

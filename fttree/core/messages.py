@@ -95,19 +95,18 @@ class Kind(IntEnum):
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
-#: the frames of a step's reduce and broadcast and of link probes: hundreds per step, carrying
-#: only the op fields (no abort, view or join fields, which `encode` leaves out for them)
+#: the frames of a step's reduce and broadcast and of link probes: hundreds per step
 TREE_OP_KINDS = frozenset({Kind.DATA_REDUCE, Kind.META_REDUCE_SENT, Kind.META_REDUCE_RECEIVED,
                             Kind.META_REDUCE_REQUEST, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST,
                             Kind.META_BCAST_RECEIVED, Kind.META_BCAST_SENT, Kind.PROBE, Kind.PROBE_ACK,
                             Kind.META_BCAST_REQUEST, Kind.META_STALLED})
+#: the membership's kinds (Detection, Agreement, Join but JOIN_REPLY, Notice): frames of no step
 VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
                         Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
                         Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
 #: the kinds a backup node sends to ask whether a frame is getting through: the node hands the
 #: machine what its transport knows of the link to the message's `target` with them
 LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST})
-ELASTIC_KINDS = frozenset({Kind.JOIN_REPLY, Kind.STATE_REQUEST, Kind.STATE})  # the node's, not the tree's
 STATE_DTYPE = "|u1"  # STATE carries raw bytes
 
 

@@ -14,8 +14,9 @@ import click
 
 from .. import logs
 from ..core import topology as topo
-from ..core.config import Config
+from ..core.config import NODE_FAILURE_POLICIES, TIMEOUT_POLICIES, Config
 from ..core.faults import FaultSchedule
+from ..core.trees import TREE_FAMILIES
 from ..errors import FTTreeError
 from ..net.address import parse_peers
 from ..net.credentials import write_key
@@ -73,21 +74,25 @@ def _parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+_DEFAULTS = Config()  # the flags' defaults and choices are Config's (docs/configuration.md)
+
+
 def _job_options(f: F) -> F:
     f = click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
                      help="Allreduce steps to run.")(f)
     f = click.option("--size", type=click.IntRange(min=1), default=THESIS_MLP_PARAMS, show_default=True,
                      help="float32 elements per allreduce (default: the thesis MLP).")(f)
-    f = click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
-                     help="Backup-link watch timeout in seconds.")(f)
-    f = click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+    f = click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=_DEFAULTS.timeout_s,
+                     show_default=True, help="Backup-link watch timeout in seconds.")(f)
+    f = click.option("--step-timeout", type=click.FloatRange(min=0, min_open=True), default=_DEFAULTS.step_timeout_s,
                      show_default=True, help="Give up on a step after this many seconds.")(f)
-    f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-                     show_default=True, help="Wait this long for peers to come up.")(f)
+    f = click.option("--startup-timeout", type=click.FloatRange(min=0, min_open=True),
+                     default=_DEFAULTS.startup_timeout_s, show_default=True,
+                     help="Wait this long for peers to come up.")(f)
     f = click.option("--no-ft", is_flag=True, help="Plain tree: no backup links (baseline).")(f)
     f = click.option("--chunk-bytes", type=click.IntRange(min=1), default=None,
                      help="A step travels as chunks of this many bytes (default 4 MiB).")(f)
-    f = click.option("--trees", type=click.Choice(["rotated", "double", "single"]), default="rotated",
+    f = click.option("--trees", type=click.Choice(TREE_FAMILIES), default=_DEFAULTS.trees,
                      show_default=True,
                      help="The trees a step of two or more chunks spreads them over, the same on every worker: "
                           "rotated (p trees: each rank sends the ring's 2N(p-1)/p bytes), double (the double "
@@ -96,12 +101,13 @@ def _job_options(f: F) -> F:
                      help="A first guess of the workers' uplink speed in tc units (100mbit, 1gbit), the same on "
                           "every worker; never needed: each worker measures its own, and the group agrees on a pace "
                           "after the first step (default guess: a LAN's 50 MB/s).")(f)
-    f = click.option("--timeout-policy", type=click.Choice(["static", "adaptive"]), default="adaptive",
+    f = click.option("--timeout-policy", type=click.Choice(TIMEOUT_POLICIES), default=_DEFAULTS.timeout_policy,
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
     f = click.option("--no-link-memory", is_flag=True,
                      help="Pay the timeout on every step of a failure (the thesis), no routing around.")(f)
-    f = click.option("--on-node-failure", type=click.Choice(["forward", "abort", "rollback"]), default="forward",
+    f = click.option("--on-node-failure", type=click.Choice(NODE_FAILURE_POLICIES),
+                     default=_DEFAULTS.on_node_failure,
                      show_default=True,
                      help="A step in flight when a worker dies: finish it on the survivors, abort it, or run it "
                           "again (rollback: the demo job resubmits it).")(f)
