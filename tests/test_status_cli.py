@@ -127,6 +127,8 @@ def test_status_of_a_five_worker_launch_with_a_cut_link(tmp_path: Path) -> None:
         for rank in range(world):
             assert f"rank {rank}  step {steps - 1} idle" in out
         assert "rank 0: step 2: data 1->0 lost, forwarded by 2" in out
+        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C ends the lingering workers at once, not after --linger 60
+        proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)  # launch's own cleanup stops the lingering workers

@@ -12,6 +12,7 @@ import asyncio
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,11 +93,12 @@ def http_kwargs(rank: int, peers: Sequence[Address]) -> dict[str, Any]:
     return {"http_port": port, "http_host": o.get("http_host"), "http_token": o.get("http_token")}
 
 
-def linger(ar: Any) -> None:
-    """Keep a finished worker's control server up for --linger seconds."""
+def linger(ar: Any, stop: threading.Event | None = None) -> None:
+    """Keep a finished worker's control server up for --linger seconds, or until `stop` is set
+    (SIGTERM: `fttree launch` ending its workers, on Ctrl-C or at its end)."""
     seconds = float(_opts().get("linger") or 0.0)
     if seconds > 0 and getattr(ar, "http_address", None):
-        time.sleep(seconds)
+        (stop or threading.Event()).wait(seconds)
 
 
 def launch_linger_s() -> float:

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -182,7 +183,13 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     leave_asked: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: leave_asked.append(signum))
+    stopping = threading.Event()  # also ends a --linger
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        leave_asked.append(signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     gate = node_gate = None
     if gate_dir is not None:
         from .nodefaults import NODE_TAG, StepGate
@@ -209,7 +216,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
                 break
         if gate is not None:
             gate(steps)  # stay up (serving as a backup) until every rank has its last result
-        linger(ar)
+        linger(ar, stopping)
     except FTTreeError as exc:  # the real-fault gate; steps report their own errors
         raise click.ClickException(str(exc)) from None
     finally:
