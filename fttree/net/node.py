@@ -757,7 +757,7 @@ class Node:
     def _stopped(self, reason: str) -> None:
         left = self.leaving
         if left:
-            reason = f"rank {self.rank} left the group (view {self.membership.view.epoch} goes on without it)"
+            reason = f"rank {self.rank} left the group (the others go on without it)"
         log.log(logging.INFO if left else logging.ERROR, "rank %d: %s", self.rank, reason)
         self.stopped = reason
         self.life.on(Life.STOP)
