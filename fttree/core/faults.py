@@ -49,9 +49,10 @@ LINK_KINDS = frozenset({FaultKind.CUT, FaultKind.DROP, FaultKind.DELAY})  # name
 NODE_KINDS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RESTART, FaultKind.JOIN, FaultKind.LEAVE})
 #: what only the simulator does (fttree.testing.simulate), and what real workers do instead
 #: (docs/failures.md, "Elastic jobs")
+_STARTS_A_PROCESS = "starts a process: on real workers start one with `fttree worker --join`"
 SIMULATED_KINDS = {
-    FaultKind.RESTART: "starts a process: on real workers start one with `fttree worker --join`",
-    FaultKind.JOIN: "starts a process: on real workers start one with `fttree worker --join`",
+    FaultKind.RESTART: _STARTS_A_PROCESS,
+    FaultKind.JOIN: _STARTS_A_PROCESS,
     FaultKind.LEAVE: "is the training loop's to do: on real workers send `fttree worker` SIGTERM, or call "
                      "FTTreeAllreduce.leave()",
 }

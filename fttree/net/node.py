@@ -168,7 +168,7 @@ class Node:
         self.joining = join or contact is not None  # this process asks a running group to admit it
         # what this worker decides (core/replica.py): the tree, the membership, the life cycle, joins
         self.replica = Replica(rank, view, config, join=self.joining)
-        self.steps = StepBook(config, scheduler, lambda: self.replica, run_chunk=self._run_chunk,
+        self.steps = StepBook(config, scheduler, self.replica, run_chunk=self._run_chunk,
                               member=self._member, settled=self._step_settled)
         self.step_durations = self.steps.durations
         self.step_listeners = self.steps.listeners

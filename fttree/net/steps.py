@@ -66,12 +66,12 @@ class StepBook:
     replica, `member` tells the membership when the rank is busy, `settled` runs after a step
     finished or failed here (`True`: with a result)."""
 
-    def __init__(self, config: Config, scheduler: Scheduler, replica: Callable[[], Replica], *,
+    def __init__(self, config: Config, scheduler: Scheduler, replica: Replica, *,
                  run_chunk: Callable[[Submit], None], member: Callable[[MemberEvent], None],
                  settled: Callable[[bool], None]) -> None:
         self.cfg = config
         self.scheduler = scheduler
-        self._replica = replica
+        self.replica = replica  # the view steps are cut in; a whole result is recorded in its `completed`
         self._run_chunk = run_chunk
         self._member = member
         self._settled = settled
@@ -114,7 +114,7 @@ class StepBook:
                 req.future.set_exception(exc)
 
     def _cut(self, req: Request) -> None:
-        replica = self._replica()
+        replica = self.replica
         data = req.data
         # cut as every member cuts it: at the view's pace (view.py), never by the number of
         # members (a step run again after an eviction keeps its chunks)
@@ -136,7 +136,7 @@ class StepBook:
         req = run.request
         run.results.clear()
         run.contributors = None
-        run.epoch = self._replica().machine.view.epoch
+        run.epoch = self.replica.machine.view.epoch
         for chunk, start in run.offsets.items():
             self._run_chunk(Submit(step=req.step, chunk=chunk, chunks=len(run.offsets),
                                    data=req.data[start:start + run.per_chunk], signature=req.signature,
@@ -157,7 +157,7 @@ class StepBook:
             start = run.offsets[chunk]
             data[start:start + result.size] = result
         del self.running[done.step]
-        self._replica().completed.append(done.step)
+        self.replica.completed.append(done.step)
         duration = self.scheduler.monotonic() - run.started
         self.durations.append((done.step, duration))
         for listener in self.listeners:
@@ -184,7 +184,7 @@ class StepBook:
         run = self.running.get(step)
         if run is None or run.request.future.done():
             return
-        view = self._replica().machine.view
+        view = self.replica.machine.view
         what = (f"ranks {list(evicted)} failed during step {step}; the group went on without them in view "
                 f"{view.epoch} ({len(view.members)} workers)")
         policy = self.cfg.on_node_failure
