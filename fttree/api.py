@@ -34,6 +34,7 @@ from .net.credentials import Credentials, Tls, check_exposure, http_token
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
+from .net.session import Session
 from .net.tcp import TcpTransport
 from .status.monitor import Monitor
 
@@ -166,6 +167,7 @@ class FTTreeAllreduce:
         self.faults = faults
         self.transport: FaultyTransport | None = None
         self.node: Node | None = None
+        self.session: Session | None = None  # the node's asyncio waits (start, admit, leave, close)
         self.last: StepResult | None = None  # the newest completed step, whatever submitted it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -247,9 +249,10 @@ class FTTreeAllreduce:
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
                          contact=self.contact)
+        self.session = session = Session(self.node)
         self.monitor = Monitor(self.node, world=self.world)
         try:
-            loop.run_until_complete(self.node.start())
+            loop.run_until_complete(session.start())
             if self.http_port is not None:
                 loop.run_until_complete(self._start_control())
         except BaseException as exc:
@@ -297,14 +300,14 @@ class FTTreeAllreduce:
         (or has left the view; at most `step_timeout_s`), then while a peer may still need its
         relay or result for a finished step (up to the protocol's linger time, at most 10 s),
         then until what it sent is acknowledged."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and self.node is not None and self.node.started:
+        loop, node, session = self._loop, self.node, self.session
+        if loop is not None and not loop.is_closed() and node is not None and session is not None and node.started:
             finish = self.config.step_timeout_s
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self.node.finish(finish), loop).result(finish + 2)
+                asyncio.run_coroutine_threadsafe(session.finish(finish), loop).result(finish + 2)
             limit = min(self.config.linger_s, 10.0)
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self.node.quiesce(limit), loop).result(limit + 2)
+                asyncio.run_coroutine_threadsafe(session.quiesce(limit), loop).result(limit + 2)
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(loop.stop)
@@ -440,11 +443,11 @@ class FTTreeAllreduce:
         """Leave the group for good after the steps submitted so far: the others drop this rank
         from their next view at once, without detecting a failure or paying a timeout. Later
         steps here raise GroupLeft; close() afterwards."""
-        loop, node = self._loop, self.node
-        if loop is None or node is None or loop.is_closed():
+        loop, node, session = self._loop, self.node, self.session
+        if loop is None or node is None or session is None or loop.is_closed():
             return
         limit = max(3 * node.membership.node_deadline_s, 2.0) + 5
-        asyncio.run_coroutine_threadsafe(node.leave(), loop).result(timeout=limit)
+        asyncio.run_coroutine_threadsafe(session.leave(), loop).result(timeout=limit)
 
     @property
     def step(self) -> int:
@@ -460,12 +463,12 @@ class FTTreeAllreduce:
     def admit(self) -> None:
         """A joiner: be admitted into the running group now (its first step does this by itself).
         Afterwards `joined_at` and `step` say where in the group's steps this worker starts."""
-        loop, node = self._loop, self.node
-        if loop is None or node is None or not node.joining or node.joined_at is not None:
+        loop, node, session = self._loop, self.node, self.session
+        if loop is None or node is None or session is None or not node.joining or node.joined_at is not None:
             return
         limit = self.config.startup_timeout_s + 10
         try:
-            asyncio.run_coroutine_threadsafe(node.admit(), loop).result(timeout=limit)
+            asyncio.run_coroutine_threadsafe(session.admit(), loop).result(timeout=limit)
         except FutureTimeout:
             raise PeerError(f"rank {self.rank}: not admitted within {limit:g} s (event loop stuck?)") from None
         assert node.joined_at is not None

@@ -9,15 +9,15 @@ from fttree.core.config import Config
 from fttree.core.lifecycle import Phase
 from fttree.core.messages import Join, Kind
 from fttree.core.protocol import Send
-from fttree.core.replica import JoinFrame, Replica
+from fttree.core.replica import Arrived, Replica
 from fttree.core.view import View
 
 VIEW = View(0, (0, 1, 2, 3))
 
 
-def ask(rank: int, incarnation: int, code: Query = Query.IS_RUNNING) -> JoinFrame:
-    return JoinFrame(msg=Join(kind=Kind.JOIN, src=rank, code=code, incarnation=incarnation,
-                                 addresses=((rank, f"127.0.0.{rank + 1}:29500"),)))
+def ask(rank: int, incarnation: int, query: Query = Query.IS_RUNNING) -> Arrived:
+    return Arrived(msg=Join(kind=Kind.JOIN, src=rank, code=query, incarnation=incarnation,
+                            addresses=((rank, f"127.0.0.{rank + 1}:29500"),)))
 
 
 def test_a_member_answers_starting_to_a_peer_of_the_first_start_and_running_to_its_restart() -> None:
@@ -62,7 +62,7 @@ def test_candidates_are_bounded() -> None:
 
 def test_a_request_goes_to_the_membership_which_answers_with_a_prepare() -> None:
     member = Replica(0, VIEW, Config())
-    out = member.step(ask(4, incarnation=1, code=Query.ADMIT_ME), 0.0)
+    out = member.step(ask(4, incarnation=1, query=Query.ADMIT_ME), 0.0)
     assert LearnAddress(rank=4, address="127.0.0.5:29500") in out
     assert {a.msg.kind for a in out if isinstance(a, Send)} == {Kind.VIEW_PREPARE}
     assert member.may_send(4)  # a rank it is admitting may send it frames
@@ -85,7 +85,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
     assert joiner.life.phase is Phase.ASKING
     running = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
                       addresses=((0, "127.0.0.1:1"), (1, "127.0.0.2:1")))
-    out = joiner.step(JoinFrame(msg=running), 0.0)
+    out = joiner.step(Arrived(msg=running), 0.0)
     assert joiner.admission.asked() == (0, 1, 2, 3)
     assert LearnAddress(rank=1, address="127.0.0.2:1") in out
     assert Answered() in out
@@ -93,7 +93,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
     assert not joiner.may_send(9)
     admitted = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 2, 3, 4),
                        step=60, user_step=6, addresses=((4, "127.0.0.5:1"), (3, "127.0.0.4:1")))
-    out = joiner.step(JoinFrame(msg=admitted), 0.1)
+    out = joiner.step(Arrived(msg=admitted), 0.1)
     assert Joined(first_step=60, user_step=6) in out
     assert LearnAddress(rank=3, address="127.0.0.4:1") in out
     assert LearnAddress(rank=4, address="127.0.0.5:1") not in out  # its own address: nothing to learn
@@ -105,6 +105,6 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
 def test_an_admission_naming_other_ranks_only_is_not_taken() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
     other = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
-    out = joiner.step(JoinFrame(msg=other), 0.0)
+    out = joiner.step(Arrived(msg=other), 0.0)
     assert not [a for a in out if isinstance(a, Joined)]
     assert joiner.life.phase is Phase.ASKING

@@ -7,23 +7,27 @@ change fences the tree (the membership asks, the tree answers with the steps it 
 is applied to the tree when decided or, for a join, at a training-step boundary, and the
 boundary itself is news to the membership. Here they are decided in one place, without I/O:
 
-- tree events (Submit, Received, TimerFired, LinkDown) go to the tree machine;
-- membership events (PeerDown, Busy, ControlReceived, MemberTimer, Uplink; Heard, StaleSender,
-  Finish) go to the membership, and its Fence comes back as Fenced at once, with the steps this
-  rank holds results of;
+- `Arrived(frame)` is checked against the sender rules (messages.SENDER_RULES, `may_send`): a
+  frame its sender may not send comes back as `Foreign`, changing nothing. A member's frame
+  that comes before this process takes part waits (`keep_early`, until `connected`); then it is
+  news to the membership (its sender is alive) and goes to its part: a step's frame to the tree,
+  a membership frame to the membership, DONE/DONE_ACK to the farewell, model state out as
+  `Deliver`;
+- tree events (Submit, TimerFired) go to the tree machine, and `LinkLost` too while taking part;
+- membership events (PeerDown, Busy, ControlReceived, MemberTimer, Uplink, Heard, Finish) go to
+  the membership, and its Fence comes back as Fenced at once, with the steps this rank holds
+  results of;
 - `StepBoundary` takes decided joins into effect and tells the membership where training is;
 - a view is applied in one place, `_apply_view` (raft's ApplyConfChange): decided joins not in
-  effect yet are superseded, the tree installs it, holders send the catch-up results.
-
-- `JoinFrame` (JOIN, JOIN_ASK, JOIN_REPLY) goes to the join handshake (admission.py): a member
-  answers whether a group runs and takes requests to the membership; an asker hears the answers
-  and, once admitted, starts its machines in the view it was let into;
-- `may_send(rank)` is the sender rule MEMBER (messages.py): whose frames are taken at all.
+  effect yet are superseded, the tree installs it, holders send the catch-up results;
+- the join handshake's frames (JOIN, JOIN_ASK, JOIN_REPLY) go to admission.py: a member answers
+  whether a group runs and takes requests to the membership; an asker hears the answers and,
+  once admitted, starts its machines in the view it was let into.
 
 What comes back is for the driver (net/node.py) to carry out: frames, timers, results, and
 records of its own: `Admit` (a decided join), `ViewApplied` (run the steps held back during the
-change), `JoinInEffect` (tell the joiners from which step they take part), and the handshake's
-`Reply`, `LearnAddress`, `Answered` and `Joined`.
+change), `JoinInEffect` (tell the joiners from which step they take part), `Foreign`, `Deliver`,
+`Farewells`, and the handshake's `Reply`, `LearnAddress`, `Answered` and `Joined`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import NamedTuple
 
 from .admission import Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from .config import Config
+from .farewell import Farewell
 from .lifecycle import Life, Lifecycle, Phase
 from .membership import (
     Boundary,
@@ -43,12 +48,17 @@ from .membership import (
     Installed,
     MemberAction,
     MemberEvent,
+    MemberFrame,
     Membership,
+    PeerDown,
     Stopped,
 )
-from .messages import Frame, Join, Kind, Message
-from .protocol import Action, Event, LinkDown, Received, Send, Submit, TimerFired, TreeMachine
+from .messages import SENDER_RULES, Frame, Join, Kind, Message, Notice, Sender, State
+from .protocol import Action, Event, LinkDown, LinkState, Received, Send, Submit, TimerFired, TreeMachine
 from .view import View
+
+#: a step's frames about links or committed results: never stale (Replica.is_stale)
+_NEVER_STALE = frozenset({Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,18 +69,29 @@ class StepBoundary:
     first_step: int
 
 
-class Heard(NamedTuple):
-    """A frame, or bytes of one, came from `peer`: it is alive. (A tuple: one is made for every
-    frame, and a frozen dataclass costs several times as much to build.)"""
+class Arrived(NamedTuple):
+    """A frame came, claiming to be from `msg.src` (SENDER_RULES say whether it may be). `link`:
+    for LINK_QUERY_KINDS, this rank's link to `msg.target`, as the transport sees it. (A tuple:
+    one is made for every frame, and a frozen dataclass costs several times as much to build.)"""
 
-    peer: int
+    msg: Frame
+    link: LinkState | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StaleSender:
-    """`msg` came from a view before ours: its sender may not know it was left out."""
+class LinkLost:
+    """The transport lost its link to `peer`; `refused`: a connection to it was refused (its
+    process is likely gone, which the membership hears at once)."""
 
-    msg: Frame
+    peer: int
+    reason: str
+    refused: bool = False
+
+
+class Heard(NamedTuple):
+    """Bytes of a large frame are arriving from `peer`: it is alive, and its data is on its way."""
+
+    peer: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,10 +102,24 @@ class Finish:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class JoinFrame:
-    """A frame of the join handshake: JOIN, JOIN_ASK or JOIN_REPLY."""
+class Foreign:
+    """`msg` was dropped: its sender may not send it (`rule`). For the driver to count and log."""
 
-    msg: Join
+    msg: Frame
+    rule: Sender
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deliver:
+    """A piece of model state (or a request for it) from a member, for the elastic listeners."""
+
+    msg: State
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Farewells:
+    """A DONE or DONE_ACK changed `Replica.farewell`: acknowledge what is due, look again
+    whether this finished rank may close."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,10 +145,10 @@ class JoinInEffect:
     first_step: int
 
 
-ReplicaEvent = Event | MemberEvent | StepBoundary | Heard | StaleSender | Finish | JoinFrame
+ReplicaEvent = Event | MemberEvent | StepBoundary | Arrived | Heard | LinkLost | Finish
 _TREE_EVENTS = frozenset({Submit, Received, TimerFired, LinkDown})
 ReplicaAction = (Action | MemberAction | Admit | ViewApplied | JoinInEffect | Reply | LearnAddress | Answered
-                 | Joined)
+                 | Joined | Foreign | Deliver | Farewells)
 
 
 class Replica:
@@ -131,6 +166,9 @@ class Replica:
         # decided here before the first took effect (another member coordinated it)
         self.pending: deque[Installed] = deque()
         self.completed: deque[int] = deque(maxlen=256)  # steps with a whole result here, newest last
+        self.early: list[Frame] = []  # frames from members before this process takes part
+        self.farewell = Farewell()  # DONE and DONE_ACK bookkeeping (farewell.py)
+        self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
 
     @property
     def view(self) -> View:
@@ -149,23 +187,78 @@ class Replica:
         if kind in _TREE_EVENTS:  # hundreds a step: straight to the tree
             return self.machine.handle(event, now)  # type: ignore[arg-type, return-value]
         out: list[ReplicaAction] = []
-        if kind is Heard:  # one per frame from a member, almost always nothing to do
-            heard = self.membership.heard(event.peer, now)  # type: ignore[union-attr]
-            if heard:
-                self._carry(heard, now, out)
+        if kind is Arrived:  # one per frame
+            self._arrived(event.msg, event.link, now, out)  # type: ignore[union-attr]
             return out
         match event:
+            case Heard(peer=peer):
+                if self.life.running:
+                    self._data_at[peer] = now
+                    self._carry(self.membership.heard(peer, now), now, out)
             case StepBoundary():
                 self._boundary(event, now, out)
-            case StaleSender(msg=msg):
-                self._carry(self.membership.stale_sender(msg), now, out)
+            case LinkLost(peer=peer, reason=reason, refused=refused):
+                if self.life.running and peer not in self.membership.done:  # not starting, nor finished
+                    out.extend(self.machine.handle(LinkDown(peer=peer, reason=reason), now))
+                    if refused:
+                        self._member(PeerDown(peer=peer, reason=reason), now, out)
             case Finish(step=step):
                 self._carry(self.membership.finish(step), now, out)
-            case JoinFrame(msg=msg):
-                self._join_frame(msg, now, out)
             case _:
                 self._member(event, now, out)  # type: ignore[arg-type]
         return out
+
+    def alive(self, now: float) -> frozenset[int]:
+        """Peers whose tensor data arrived within the node deadline (a frame or part of one):
+        their part of a step is on its way, slowly. A peer that only answers pings is alive
+        but not sending (it may have left the step)."""
+        recent = now - self.membership.node_deadline_s
+        return frozenset(peer for peer, at in self._data_at.items() if at >= recent)
+
+    # ---- a frame: whether its sender may send it, and which part it is for -----------------------
+
+    def _arrived(self, msg: Frame, link: LinkState | None, now: float, out: list[ReplicaAction]) -> None:
+        rule = SENDER_RULES[msg.kind]
+        if rule is Sender.PROVEN and isinstance(msg, Join):
+            self._join_frame(msg, now, out)
+            return
+        running = self.life.phase is not Phase.STOPPED
+        stale = msg.epoch < self.membership.view.epoch and running  # its sender may not know it was left out
+        if rule is not Sender.MEMBER or not self.may_send(msg.src):
+            out.append(Foreign(msg=msg, rule=rule))
+            if stale and rule is Sender.MEMBER:
+                self._carry(self.membership.stale_sender(msg), now, out)
+            return
+        if self.keep_early(msg):
+            return
+        if isinstance(msg, State):
+            out.append(Deliver(msg=msg))
+            return
+        if running:
+            heard = self.membership.heard(msg.src, now)
+            if heard:  # almost always nothing
+                self._carry(heard, now, out)
+        if msg.payload is not None:
+            self._data_at[msg.src] = now
+        if not isinstance(msg, Message):
+            self._view_frame(msg, running, now, out)  # type: ignore[arg-type]
+            return
+        if stale:
+            self._carry(self.membership.stale_sender(msg), now, out)
+        out.extend(self.machine.handle(Received(msg=msg, link=link), now))
+
+    def _view_frame(self, msg: MemberFrame, running: bool, now: float, out: list[ReplicaAction]) -> None:
+        if isinstance(msg, Notice) and msg.kind is Kind.DONE_ACK:
+            self.farewell.peer_has(msg.src, msg.step)
+            out.append(Farewells())
+        elif isinstance(msg, Join):
+            self._join_frame(msg, now, out)
+        else:
+            if running:
+                self._member(ControlReceived(msg=msg), now, out)
+            if isinstance(msg, Notice) and msg.kind is Kind.DONE:
+                self.farewell.peer_done(msg.src, msg.step)
+                out.append(Farewells())
 
     # ---- the hand-offs ---------------------------------------------------------------------------
 
@@ -220,6 +313,36 @@ class Replica:
             if self.pending:
                 out.extend(self.machine.expect(self.pending[0].view, now))
         self._member(Boundary(user_step=event.user_step), now, out)
+
+    # ---- frames before taking part, and stale frames ---------------------------------------------
+
+    def keep_early(self, msg: Frame) -> bool:
+        """Is this process not sure yet whether it is in a group, or in which view? Then `msg`
+        waits (a step's frame or a state piece, up to `max_ops_ahead` of them) until `connected`.
+        A restarted process may be handed frames its previous incarnation's peers had queued
+        (probes, relays): answered from view 0 as if this were the first start, the stale answer
+        would draw the view that leaves this rank out."""
+        if not self.life.early:
+            return False
+        if isinstance(msg, Message | State) and len(self.early) < self.cfg.max_ops_ahead:
+            self.early.append(msg)
+        return True
+
+    def connected(self) -> list[Frame]:
+        """The tree neighbours are reachable: this rank takes part from now on. Returns the
+        frames that came early, for the driver to hand in again."""
+        self.life.on(Life.CONNECTED)
+        early, self.early = self.early, []
+        return early
+
+    def is_stale(self, msg: Frame) -> bool:
+        """Is `msg` worthless now (the transport drops it unsent)? Only a step's frame of a view
+        older than the tree's: a view change voided its op, which runs again under a new id. A
+        frame of an op that finished here is still owed to its peer: behind a slow uplink a
+        child's share of the result waits in the bulk queue for longer than the op lingers."""
+        if type(msg) is not Message or msg.kind in _NEVER_STALE or msg.answer:
+            return False  # about links, views or committed results; or answers about an op we let go of
+        return self.machine.is_past_epoch(msg.epoch)
 
     # ---- who may send, and the join handshake ----------------------------------------------------
 

@@ -4,16 +4,18 @@ simulator runs them as the real loop does. The answers are the replica's to judg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from ..core.admission import Query
+from ..core.admission import Answer, Answered, Joined, LearnAddress, Query, Reply
 from ..core.config import Config
 from ..core.lifecycle import Life
 from ..core.messages import Join, Kind
 from ..core.replica import Replica
-from ..errors import PeerError
+from ..errors import ConfigError, PeerError
 from . import handshake as hs
+from .address import parse_address
 from .scheduler import Handle, Scheduler
 from .transport import Transport
 
@@ -107,6 +109,19 @@ class Asker:
         self._on_answer = ask
         ask()
 
+    def carry(self, action: Reply | LearnAddress | Joined | Answered) -> None:
+        """Carry out the replica's handshake actions (core/admission.py)."""
+        match action:
+            case Reply():
+                send_reply(self.rank, action, self.transport)
+            case LearnAddress(rank=rank, address=address) if rank != self.rank:
+                with contextlib.suppress(ValueError, ConfigError):
+                    self.transport.add_peer(rank, parse_address(address))
+            case Joined(first_step=first_step, user_step=user_step):
+                self.joined_at = (first_step, user_step)
+            case Answered():
+                self.answered()
+
     def answered(self) -> None:
         """An answer came: whoever asks looks again now."""
         if self._on_answer is not None:
@@ -117,3 +132,15 @@ class Asker:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def send_reply(rank: int, reply: Reply, transport: Transport) -> None:
+    """A member's JOIN_REPLY; RUNNING and ADMITTED name the view's members and where they listen
+    (as far as this rank knows). STARTING names nobody: at a first start every rank answers
+    every other, again every poll, and p answers of p addresses each would be p^2 per poll."""
+    view = reply.view
+    members = () if reply.answer is Answer.STARTING else view.members
+    addresses = tuple((r, a) for r in members if (a := transport.address_of(r)))
+    transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=rank, code=reply.answer, epoch=view.epoch,
+                                   members=members, step=reply.first_step, user_step=reply.user_step,
+                                   pace=view.pace, addresses=addresses))
