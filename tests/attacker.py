@@ -30,8 +30,8 @@ from fttree.core.messages import PREFIX, VERSION, Agreement, Detection, Join, Ki
 from fttree.net import handshake as hs
 
 FORGED = [
-    Join(kind=Kind.JOIN, src=1, code=Query.ADMIT_ME, incarnation=99, addresses=((1, "127.0.0.100:1"),)),
-    Join(kind=Kind.JOIN, src=1000, code=Query.ADMIT_ME, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
+    Join(kind=Kind.JOIN, src=1, query=Query.ADMIT_ME, incarnation=99, addresses=((1, "127.0.0.100:1"),)),
+    Join(kind=Kind.JOIN, src=1000, query=Query.ADMIT_ME, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
     Agreement(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
     Detection(kind=Kind.SUSPECT, src=0, target=2, gone=True),
     Agreement(kind=Kind.MINORITY, src=1000, promised=(1000,), view_size=3),

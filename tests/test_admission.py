@@ -16,7 +16,7 @@ VIEW = View(0, (0, 1, 2, 3))
 
 
 def ask(rank: int, incarnation: int, query: Query = Query.IS_RUNNING) -> Arrived:
-    return Arrived(msg=Join(kind=Kind.JOIN, src=rank, code=query, incarnation=incarnation,
+    return Arrived(msg=Join(kind=Kind.JOIN, src=rank, query=query, incarnation=incarnation,
                             addresses=((rank, f"127.0.0.{rank + 1}:29500"),)))
 
 
@@ -83,7 +83,7 @@ def test_a_start_settles_on_a_majority_saying_starting_only_after_the_grace() ->
 def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_was_told() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
     assert joiner.life.phase is Phase.ASKING
-    running = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
+    running = Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
                       addresses=((0, "127.0.0.1:1"), (1, "127.0.0.2:1")))
     out = joiner.step(Arrived(msg=running), 0.0)
     assert joiner.admission.asked() == (0, 1, 2, 3)
@@ -91,7 +91,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
     assert Answered() in out
     assert joiner.may_send(2)
     assert not joiner.may_send(9)
-    admitted = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 2, 3, 4),
+    admitted = Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.ADMITTED, epoch=3, members=(0, 1, 2, 3, 4),
                        step=60, user_step=6, addresses=((4, "127.0.0.5:1"), (3, "127.0.0.4:1")))
     out = joiner.step(Arrived(msg=admitted), 0.1)
     assert Joined(first_step=60, user_step=6) in out
@@ -104,7 +104,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
 
 def test_an_admission_naming_other_ranks_only_is_not_taken() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
-    other = Join(kind=Kind.JOIN_REPLY, src=0, code=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
+    other = Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
     out = joiner.step(Arrived(msg=other), 0.0)
     assert not [a for a in out if isinstance(a, Joined)]
     assert joiner.life.phase is Phase.ASKING

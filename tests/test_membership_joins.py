@@ -42,7 +42,7 @@ class Group:
 
     def ask(self, joiner: int) -> None:
         """`joiner` asks the coordinator (rank 0) to be admitted."""
-        self.deliver(0, Join(kind=Kind.JOIN, src=joiner, code=Query.ADMIT_ME))
+        self.deliver(0, Join(kind=Kind.JOIN, src=joiner, query=Query.ADMIT_ME))
 
 
 def test_a_second_join_waits_until_the_first_has_taken_effect() -> None:

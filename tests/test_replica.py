@@ -40,7 +40,7 @@ class Group:
 
 def test_a_join_is_kept_until_its_training_step_and_taken_in_at_the_boundary() -> None:
     g = Group((0, 1, 2, 3), user_step=5)
-    g.deliver(0, Join(kind=Kind.JOIN, src=4, code=Query.ADMIT_ME))
+    g.deliver(0, Join(kind=Kind.JOIN, src=4, query=Query.ADMIT_ME))
     for m in (0, 1, 2, 3):
         (admit,) = [a for a in g.seen[m] if isinstance(a, Admit)]
         assert admit.installed.activate_at == 6
@@ -56,7 +56,7 @@ def test_a_join_is_kept_until_its_training_step_and_taken_in_at_the_boundary() -
 
 def test_a_view_change_fences_with_the_steps_held_and_supersedes_a_join_not_in_effect() -> None:
     g = Group((0, 1, 2, 3, 4), user_step=5)
-    g.deliver(0, Join(kind=Kind.JOIN, src=5, code=Query.ADMIT_ME))
+    g.deliver(0, Join(kind=Kind.JOIN, src=5, query=Query.ADMIT_ME))
     assert all(len(g.r[m].pending) == 1 for m in range(5))
     g.r[1].completed.append(4)  # rank 1 holds the result of step 4
     epoch = g.r[0].membership.view.epoch

@@ -1123,7 +1123,7 @@ class Membership:
     def _on_join_request(self, msg: Join, now: float, out: list[MemberAction]) -> None:
         """A process asks to be admitted, or a member passes such a request on."""
         match msg.kind:
-            case Kind.JOIN if msg.code == Query.ADMIT_ME:
+            case Kind.JOIN if msg.query == Query.ADMIT_ME:
                 self._on_join(msg.src, now, out)
                 self._pass_on_join(msg, now, out)
             case Kind.JOIN_ASK if msg.src in self.view and msg.target not in self._gone:

@@ -25,9 +25,10 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 7  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+VERSION = 8  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
 #               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
-#               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own
+#               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own; 8: a JOIN's
+#               query and a JOIN_REPLY's answer in fields of their own (was one `code`)
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -266,12 +267,13 @@ class Join(Frame):
         Kind.JOIN_REPLY: Sender.PROVEN,  # to such a process, which knows no view yet
         Kind.JOIN_ASK: Sender.MEMBER,
     }
-    WIRE = (("q", "code", "code", _INT), ("in", "incarnation", "incarnation", _INT),
+    WIRE = (("q", "query", "query", _INT), ("an", "answer", "answer", _INT), ("in", "incarnation", "incarnation", _INT),
             ("t", "target", "target", _INT), ("ad", "addresses", "addresses", _ADDRS),
             ("mb", "members", "members", _INTS), ("s", "step", "step", _INT), ("us", "user_step", "user step", _INT),
             ("pc", "pace", "pace", _INT))
 
-    code: int = 0  # JOIN, JOIN_ASK: a Query; JOIN_REPLY: an Answer (admission.py)
+    query: int = 0  # JOIN, JOIN_ASK: what is asked, a Query (admission.py)
+    answer: int = 0  # JOIN_REPLY: an Answer (admission.py)
     incarnation: int = 0  # JOIN, JOIN_ASK: which start of the asking process this is
     target: int = -1  # JOIN_ASK: the rank asking to be admitted
     addresses: tuple[tuple[int, str], ...] = ()  # (rank, "host:port") of the ranks the frame names

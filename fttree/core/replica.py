@@ -366,7 +366,7 @@ class Replica:
         phase = self.life.phase
         if phase is Phase.ASKING:
             return  # not a member yet: nothing to tell
-        if msg.kind is Kind.JOIN and msg.code == Query.IS_RUNNING:
+        if msg.kind is Kind.JOIN and msg.query == Query.IS_RUNNING:
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == msg.src != self.rank)
             view = self.membership.view
             answer = self.admission.answer(msg.src, msg.incarnation, view=view,
@@ -386,7 +386,7 @@ class Replica:
         """A starting or joining process hears: the group is starting too, is running in this
         view, or admits this rank from this step."""
         phase = self.life.phase
-        if phase is Phase.ASKING and msg.code == Answer.ADMITTED and self.rank in msg.members:
+        if phase is Phase.ASKING and msg.answer == Answer.ADMITTED and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
             self.admitted(View(msg.epoch, msg.members, msg.pace), msg.step, msg.user_step)
@@ -395,7 +395,7 @@ class Replica:
                 self.admission.incarnations.setdefault(r, 0)
             out.append(Joined(first_step=msg.step, user_step=msg.user_step))
         elif phase in (Phase.STARTING, Phase.ASKING):
-            self.admission.heard(msg.src, msg.code, msg.epoch, msg.members, starting=phase is Phase.STARTING)
-            if phase is Phase.ASKING and msg.code == Answer.RUNNING:
+            self.admission.heard(msg.src, msg.answer, msg.epoch, msg.members, starting=phase is Phase.STARTING)
+            if phase is Phase.ASKING and msg.answer == Answer.RUNNING:
                 out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
         out.append(Answered())

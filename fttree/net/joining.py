@@ -44,7 +44,7 @@ class Asker:
         self._timer: Handle | None = None
 
     def query(self, code: Query, ranks: Iterable[int]) -> None:
-        msg = Join(kind=Kind.JOIN, src=self.rank, code=code, incarnation=self.incarnation,
+        msg = Join(kind=Kind.JOIN, src=self.rank, query=code, incarnation=self.incarnation,
                       addresses=((self.rank, self.transport.status().address),))
         for r in ranks:
             if r != self.rank:
@@ -141,6 +141,6 @@ def send_reply(rank: int, reply: Reply, transport: Transport) -> None:
     view = reply.view
     members = () if reply.answer is Answer.STARTING else view.members
     addresses = tuple((r, a) for r in members if (a := transport.address_of(r)))
-    transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=rank, code=reply.answer, epoch=view.epoch,
+    transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=rank, answer=reply.answer, epoch=view.epoch,
                                    members=members, step=reply.first_step, user_step=reply.user_step,
                                    pace=view.pace, addresses=addresses))
