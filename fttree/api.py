@@ -22,7 +22,7 @@ import numpy as np
 import uvloop
 
 from .core.buffers import BufferPool
-from .core.config import NONFINITE_POLICIES, Config
+from .core.config import COMPRESSIONS, NONFINITE_POLICIES, Config
 from .core.dtypes import STEP_DTYPES, step_dtype
 from .core.faults import FaultKind, FaultSchedule
 from .core.reduce_ops import check_reduce, fill_identity
@@ -323,20 +323,26 @@ class FTTreeAllreduce:
     # ---- allreduce ---------------------------------------------------------------------
 
     def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True,
-                     nonfinite: str | None = None, reduce: str = "sum") -> Future[StepResult]:
+                     nonfinite: str | None = None, reduce: str = "sum",
+                     compression: str | None = None) -> Future[StepResult]:
         """Low-level: start a step on a flat array the caller hands over (not copied).
         `contribute=False`: take part with the op's identity (zeros for a sum), not counted
         among the contributors (a joiner still receiving its state does). `nonfinite` overrides
         Config.nonfinite for this step ("allow" for a broadcast or a gather, which move values,
         not sum gradients; the default for every `reduce` but "sum"). `reduce`: how the
         contributions meet, "sum" or one of core/reduce_ops.REDUCE_OPS (max, min, product,
-        band, bor, bxor); every rank must pass the same, or the step fails as a mismatch."""
+        band, bor, bxor); every rank must pass the same, or the step fails as a mismatch.
+        `compression`: this step's float32 data travels as "bf16", "fp16" or "int8" (None:
+        Config.compression); ranks may differ."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_flat(flat)  # before a step number is used: peers would wait for it
         check_reduce(reduce, flat.dtype)
+        if compression is not None and (compression not in COMPRESSIONS or flat.dtype != np.float32):
+            raise ValueError(f"compression must be one of {', '.join(c for c in COMPRESSIONS if c)} and the data "
+                             f"float32, got {compression!r} for {flat.dtype} data")
         if reduce != "sum":
             signature = f"{reduce} of {signature}"  # a rank that reduces otherwise fails the step as a mismatch
             nonfinite = nonfinite or "allow"
@@ -359,17 +365,17 @@ class FTTreeAllreduce:
             if policy == "skip":  # as a mixed-precision optimizer skips a step
                 fill_identity(flat, reduce)
                 self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False,
-                                                                    reduce=reduce))
+                                                                    reduce=reduce, compression=compression))
                 self._loop.call_soon_threadsafe(node.skipped_nonfinite, step)
                 return future
             reason = f"rank {self.rank}'s contribution to step {step} holds NaN or Inf (nonfinite='abort')"
             self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, abort=reason,
-                                                                reduce=reduce))
+                                                                reduce=reduce, compression=compression))
             return future
         if not contribute:
             fill_identity(flat, reduce)
         self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=contribute,
-                                                            reduce=reduce))
+                                                            reduce=reduce, compression=compression))
         return future
 
     def _empty_step(self, flat: np.ndarray, signature: str, contribute: bool,
@@ -499,14 +505,17 @@ class FTTreeAllreduce:
             if self.last is None or res.step > self.last.step:
                 self.last = res
 
-    def allreduce_async(self, tensor: Any, *, average: bool = False, reduce: str = "sum") -> Future[Any]:
+    def allreduce_async(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
+                        compression: str | None = None) -> Future[Any]:
         """Start an allreduce; the Future gives the summed (or averaged) tensor, or with
-        `reduce` its elementwise max, min, product, band, bor or bxor over the contributors."""
+        `reduce` its elementwise max, min, product, band, bor or bxor over the contributors.
+        `compression`: a float32 tensor travels as "bf16", "fp16" or "int8" (None:
+        Config.compression)."""
         flat, signature, how = _as_flat_array(tensor, self.staging)
         if average and (flat.dtype.kind != "f" or reduce != "sum"):
             raise TypeError(f"average=True needs a floating-point tensor and reduce='sum' (got {flat.dtype}, "
                             f"{reduce!r})")
-        inner = self.submit_array(flat, signature, reduce=reduce)
+        inner = self.submit_array(flat, signature, reduce=reduce, compression=compression)
         outer: Future[Any] = Future()
 
         def finish(done: Future[StepResult]) -> None:
@@ -524,9 +533,10 @@ class FTTreeAllreduce:
         inner.add_done_callback(finish)
         return outer
 
-    def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum") -> Any:
+    def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
+                  compression: str | None = None) -> Any:
         """Blocking allreduce. Raises StepAborted (naming peers) if the step cannot finish."""
-        future = self.allreduce_async(tensor, average=average, reduce=reduce)
+        future = self.allreduce_async(tensor, average=average, reduce=reduce, compression=compression)
         limit = self.config.step_timeout_s + 10
         try:
             return future.result(timeout=limit)

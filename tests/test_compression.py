@@ -94,8 +94,9 @@ def test_frames_carry_bf16_and_check_its_length() -> None:
 def test_compression_setting_is_checked() -> None:
     assert Config().compression is None
     assert Config.build(compression="bf16").compression == "bf16"
-    with pytest.raises(ConfigError, match="compression must be None, 'bf16' or 'fp16'"):
-        Config.build(compression="int8")
+    assert Config.build(compression="int8").compression == "int8"
+    with pytest.raises(ConfigError, match="compression must be None, 'bf16', 'fp16' or 'int8'"):
+        Config.build(compression="int4")
 
 
 # ---- the protocol ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .trees import check_family
 
 TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
-COMPRESSIONS = (None, "bf16", "fp16")
+COMPRESSIONS = (None, "bf16", "fp16", "int8")
 NONFINITE_POLICIES = ("skip", "abort", "allow")
 
 # Settings that must be the same on every worker of a job: they decide how a step is cut into
@@ -99,8 +99,9 @@ class Config:
     # add the children's subtree sums in slot order, holding one that comes early (True: the same
     # bits on every run; False: each as it comes, which can change the last bits from run to run)
     ordered_sums: bool = True
-    # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes; every hop decodes,
-    # adds in float32 and encodes again; every rank gets the root's decoded result bit for bit)
+    # float32 data on the wire: None (as is), "bf16" or "fp16" (half the bytes) or "int8" (a quarter
+    # and a float32 scale per 256 values); every hop decodes, adds in float32 and encodes again;
+    # every rank gets the root's decoded result bit for bit
     compression: str | None = None
     # a hint, never needed: the uplink speed a worker assumes, in bytes per second, until it has
     # measured its own (backup watches) and the group has agreed on a pace (how steps are cut
@@ -174,7 +175,7 @@ class Config:
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}")
         if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"compression must be None, 'bf16' or 'fp16', got {self.compression!r}")
+            raise ConfigError(f"compression must be None, 'bf16', 'fp16' or 'int8', got {self.compression!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:
             raise ConfigError(f"timeout_policy must be 'static' or 'adaptive', got {self.timeout_policy!r}")
         check_family(self.trees)

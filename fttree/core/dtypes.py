@@ -1,8 +1,8 @@
 """Which element types a step carries, and what every other type travels as: the one table
 behind the API (numpy arrays and torch tensors), the torch layer's buckets and the backend.
 
-A step carries float16, float32, float64, int32 and int64 (messages.WIRE_ITEMSIZE adds "bf16",
-float32 compressed on the wire). bfloat16 travels as float32, which holds every bfloat16
+A step carries float16, float32, float64, int32 and int64 (messages.WIRE_ITEMSIZE adds "bf16"
+and "int8", float32 compressed on the wire). bfloat16 travels as float32, which holds every bfloat16
 exactly; bool and the other integer types as int64, which holds all their values, and are cast
 back. Complex, float8 and uint64 have no wire type: a TypeError says so before any step starts.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .messages import BF16, WIRE_ITEMSIZE
+from .messages import BF16, INT8, WIRE_ITEMSIZE
 
-STEP_DTYPES = frozenset(np.dtype(code) for code in WIRE_ITEMSIZE if code != BF16)
+STEP_DTYPES = frozenset(np.dtype(code) for code in WIRE_ITEMSIZE if code not in (BF16, INT8))
 _FLOAT32, _INT32, _INT64 = np.dtype("<f4"), np.dtype("<i4"), np.dtype("<i8")
 
 

@@ -33,13 +33,35 @@ PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
-#: dtypes allowed on the wire (numpy `dtype.str`, and "bf16") and their bytes per element. A
-#: bfloat16 *tensor* travels as float32 (see api.py); "bf16" is float32 data compressed on the wire.
-WIRE_ITEMSIZE = {"<f2": 2, "<f4": 4, "<f8": 8, "<i4": 4, "<i8": 8, "bf16": 2}
+#: dtypes allowed on the wire (numpy `dtype.str`, "bf16" and "int8") and their bytes per element. A
+#: bfloat16 *tensor* travels as float32 (see api.py); "bf16" and "int8" are float32 data compressed
+#: on the wire ("int8" adds a float32 scale per INT8_BLOCK elements: see wire_nbytes).
+WIRE_ITEMSIZE = {"<f2": 2, "<f4": 4, "<f8": 8, "<i4": 4, "<i8": 8, "bf16": 2, "int8": 1}
 WIRE_DTYPES = frozenset(WIRE_ITEMSIZE)
 BF16 = "bf16"  # the top 16 bits of a float32, rounded to nearest even (numpy has no bfloat16)
+INT8 = "int8"  # per block of INT8_BLOCK elements: a float32 scale (absmax / 127), then int8 values
+INT8_BLOCK = 256
 #: Config.compression -> the wire dtype float32 data travels as (other dtypes travel as they are)
-COMPRESSIONS = {"bf16": BF16, "fp16": "<f2"}
+COMPRESSIONS = {"bf16": BF16, "fp16": "<f2", "int8": INT8}
+
+
+def wire_nbytes(wire: str, numel: int) -> int:
+    """The payload bytes of `numel` elements travelling as `wire`."""
+    if wire == INT8:
+        return 4 * -(-numel // INT8_BLOCK) + numel
+    return numel * WIRE_ITEMSIZE[wire]
+
+
+def wire_numel(wire: str, held: np.ndarray) -> int:
+    """How many elements `held` (an array as it travels as `wire`) holds."""
+    if wire == INT8:
+        return int(held.size) - 4 * -(-int(held.size) // (INT8_BLOCK + 4))  # wire_nbytes, inverted
+    return int(held.size)
+
+
+def wire_unit(wire: str) -> np.dtype[Any]:
+    """The numpy type a payload of `wire` is held as, unchanged, to pass it on as it came."""
+    return np.dtype(np.uint16 if wire == BF16 else np.uint8 if wire == INT8 else wire)
 
 
 class Kind(IntEnum):
@@ -511,7 +533,7 @@ def _check_step_payload(kind: Kind, fields: dict[str, Any], payload_len: int) ->
     if kind in DATA_KINDS:
         if dtype not in WIRE_DTYPES:
             raise FrameError(f"{kind.name} carries unsupported dtype {dtype!r}")
-        if numel < 0 or numel * WIRE_ITEMSIZE[dtype] != payload_len:
+        if numel < 0 or wire_nbytes(dtype, numel) != payload_len:
             raise FrameError(f"{kind.name} payload of {payload_len} bytes does not hold {numel} x {dtype}")
     elif payload_len or numel:
         raise FrameError(f"{kind.name} must not carry a payload ({payload_len} bytes, numel {numel})")
@@ -556,6 +578,45 @@ def encode_bf16(a: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def encode_int8(a: np.ndarray) -> np.ndarray:
+    """float32 -> the int8 wire form (uint8 bytes): per block of INT8_BLOCK elements its scale
+    (absmax / 127, float32), then every element rounded to the nearest multiple of its block's
+    scale (int8, -127..127). The error of an element is at most half its block's scale. A block
+    holding NaN or Inf gets a NaN scale: it decodes to NaN, never to a finite wrong value."""
+    f = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    n = f.size
+    blocks = -(-n // INT8_BLOCK)
+    out = np.empty(4 * blocks + n, dtype=np.uint8)
+    whole = n - n % INT8_BLOCK
+    scales = np.empty(blocks, dtype=np.float32)
+    if whole:
+        np.max(np.abs(f[:whole]).reshape(-1, INT8_BLOCK), axis=1, out=scales[: whole // INT8_BLOCK])
+    if whole < n:
+        scales[-1] = np.max(np.abs(f[whole:]))
+    scales /= 127
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inverse = np.where(scales > 0, np.float32(1) / scales, np.float32(0)).astype(np.float32)
+    per_element = np.repeat(inverse, INT8_BLOCK)[:n]
+    with np.errstate(invalid="ignore"):  # inf * 0 in a non-finite block, whose scale says NaN
+        q = np.rint(f * per_element)  # |q| <= 127 by the scale's construction
+    np.nan_to_num(q, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    scales[~np.isfinite(scales)] = np.nan
+    out[: 4 * blocks] = scales.view(np.uint8)
+    out[4 * blocks :] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
+def decode_int8(payload: np.ndarray, numel: int, into: np.ndarray | None = None) -> np.ndarray:
+    """The int8 wire form (uint8 bytes of `numel` elements) -> float32; into `into` if given."""
+    blocks = -(-numel // INT8_BLOCK)
+    raw = np.asarray(payload, dtype=np.uint8)
+    scales = raw[: 4 * blocks].view(np.float32)
+    values = raw[4 * blocks :].view(np.int8)
+    out = np.empty(numel, dtype=np.float32) if into is None else into
+    np.multiply(values, np.repeat(scales, INT8_BLOCK)[:numel], out=out, casting="unsafe")
+    return out
+
+
 def decode_bf16(bits: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
     """bfloat16 bits (uint16) -> float32, exactly; into `into` (float32, bits' size) if given."""
     wide = np.left_shift(np.asarray(bits, dtype=np.uint16), 16, dtype=np.uint32,
@@ -576,6 +637,8 @@ def to_wire(a: np.ndarray, wire: str, pool: Buffers | None = None) -> np.ndarray
         return a
     if wire == BF16:
         return encode_bf16(a, None if pool is None else pool.array(a.size, np.dtype(np.uint32)))
+    if wire == INT8:
+        return encode_int8(a)
     return a.astype(np.dtype(wire))
 
 
@@ -586,6 +649,10 @@ def from_wire(payload: bytes | bytearray | memoryview, wire: str, dtype: str,
     payload's length) or a new array. bf16 is float32 data only."""
     if wire == dtype:
         return np.frombuffer(payload, dtype=np.dtype(dtype))
+    if wire == INT8:
+        assert dtype == "<f4", f"int8 carries float32 data, not {dtype}"
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        return decode_int8(raw, wire_numel(INT8, raw), into)
     if into is not None:
         if wire == BF16:
             assert dtype == "<f4", f"bf16 carries float32 data, not {dtype}"

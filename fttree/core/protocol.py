@@ -61,7 +61,7 @@ import numpy as np
 
 from .buffers import BufferPool
 from .config import Config
-from .messages import BF16, COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire
+from .messages import COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
 from .reduce_ops import REDUCE_OPS
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
@@ -178,6 +178,9 @@ class Submit:
     contribute: bool = True  # False: `data` is zeros and this rank is not among the result's contributors
     abort: str = ""  # fail this step everywhere for this reason, naming this rank (a NaN, Config.nonfinite)
     reduce: str = "sum"  # how contributions meet (reduce_ops.py); named in the signature, so ranks agree
+    # float32 data of this step travels as "bf16", "fp16" or "int8" (None: Config.compression).
+    # Ranks may differ: every hop decodes what it gets
+    compression: str | None = None
 
 
 class LinkState(NamedTuple):
@@ -402,6 +405,7 @@ class _Op:
     combine: np.ufunc = np.add  # how contributions meet (Submit.reduce)
     reduce_sent: bool = False
     result: np.ndarray | None = None
+    wire: str = ""  # what our sums and the result we make travel as (Submit.compression; "" before the submit)
     result_wire: tuple[np.ndarray, str] | None = None  # the result as it travels, when encoded
     acc_wire: tuple[np.ndarray, str] | None = None  # our sum as it travels, once sent up (it no longer changes)
     result_contributors: tuple[int, ...] = ()
@@ -454,7 +458,6 @@ class TreeMachine:
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
         self._expected: View | None = None  # a decided view of the same members, in effect from a later step
         self._same_trees: set[int] = set()  # earlier epochs of these very members (pace changes): their ops go on
-        self._wire = COMPRESSIONS[self.cfg.compression] if self.cfg.compression else None
         self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
         self.scratch = BufferPool(keep=SCRATCH_BUFFERS)  # compression's working arrays
 
@@ -651,7 +654,7 @@ class TreeMachine:
                   **kw: object) -> Message:
         array, dtype = wire
         return self._msg(op, kind, payload=array.data.cast("B"), dtype=dtype,
-                         numel=int(array.size), signature=op.signature,
+                         numel=wire_numel(dtype, array), signature=op.signature,
                          contributors=contributors, **kw)
 
     # ---- wire compression: float32 data may travel as bf16 or fp16 (Config.compression) ----
@@ -666,8 +669,7 @@ class TreeMachine:
         then), and the same bytes for every copy (relays, the direct retry)."""
         if op.acc_wire is None:
             assert op.acc is not None
-            wire = self._wire if self._wire is not None and op.dtype == "<f4" else op.dtype
-            op.acc_wire = (to_wire(op.acc, wire, self.scratch), wire)
+            op.acc_wire = (to_wire(op.acc, op.wire, self.scratch), op.wire)
         return op.acc_wire
 
     def _result_wire(self, op: _Op) -> tuple[np.ndarray, str]:
@@ -680,7 +682,7 @@ class TreeMachine:
         assert msg.payload is not None
         op.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
         if msg.dtype != op.dtype:  # keep the bytes to pass on as they came
-            held = np.frombuffer(msg.payload, dtype=np.uint16 if msg.dtype == BF16 else np.dtype(msg.dtype))
+            held = np.frombuffer(msg.payload, dtype=wire_unit(msg.dtype))
             op.result_wire = (held, msg.dtype)
         return result
 
@@ -758,6 +760,8 @@ class TreeMachine:
         op.nbytes = ev.data.nbytes
         op.own = op.acc = ev.data
         op.combine = REDUCE_OPS[ev.reduce]
+        compression = self.cfg.compression if ev.compression is None else ev.compression
+        op.wire = COMPRESSIONS[compression] if compression and op.dtype == "<f4" else op.dtype
         if ev.contribute:
             op.contributors.add(self.rank)
         if op.failure is not None:  # an ABORT arrived before our submit
@@ -839,14 +843,14 @@ class TreeMachine:
             if self.fenced:
                 op.reduce_sent = False  # a view change is being agreed: no result of this view now
                 return
-            if self._wire is not None and op.dtype == "<f4":
+            if op.wire != op.dtype:
                 # Compressed: the result is what the encoding holds, here as on every other
                 # rank (they decode the bytes we send), so all of them agree bit for bit.
-                encoded = to_wire(op.acc, self._wire, self.scratch)
-                op.result_wire = (encoded, self._wire)
+                encoded = to_wire(op.acc, op.wire, self.scratch)
+                op.result_wire = (encoded, op.wire)
                 # decoded into the sum's own buffer, done with now (never into our contribution)
                 into = None if op.acc is op.own else op.acc
-                op.result = op.acc = from_wire(encoded.data.cast("B"), self._wire, op.dtype, into=into)
+                op.result = op.acc = from_wire(encoded.data.cast("B"), op.wire, op.dtype, into=into)
             else:
                 if op.acc is op.own:  # a root without children: the result is a copy, never our contribution
                     op.acc = op.acc.copy()

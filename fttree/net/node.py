@@ -256,13 +256,13 @@ class Node:
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult], *,
-               contribute: bool = True, abort: str = "", reduce: str = "sum") -> None:
+               contribute: bool = True, abort: str = "", reduce: str = "sum", compression: str | None = None) -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again).
         `abort`: fail the step on every rank for this reason, naming this one."""
         if self._holding:  # a join is being agreed: this step may be the one it starts at
             self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute,
-                                                        abort=abort, reduce=reduce))
+                                                        abort=abort, reduce=reduce, compression=compression))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
             self._at_boundary(step, step)
@@ -272,7 +272,7 @@ class Node:
             future.set_exception(GroupLeft(step, self.stopped))
             return
         req = Request(step=step, data=data, signature=signature, future=future, contribute=contribute, abort=abort,
-                      reduce=reduce)
+                      reduce=reduce, compression=compression)
         self.steps.submit(req, hold=self.replica.membership.state is MemberState.CHANGING)
 
     def boundary(self, user_step: int | None, first_step: int) -> None:

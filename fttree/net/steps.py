@@ -47,6 +47,7 @@ class Request:
     contribute: bool = True  # False: zeros that take part without counting (a joiner awaiting its state)
     abort: str = ""  # fail the step everywhere for this reason (a NaN in our contribution, nonfinite="abort")
     reduce: str = "sum"  # how contributions meet (core/reduce_ops.py)
+    compression: str | None = None  # float32 data travels as this (None: Config.compression)
 
 
 @dataclass(slots=True)
@@ -140,7 +141,8 @@ class StepBook:
         for chunk, start in run.offsets.items():
             self._run_chunk(Submit(step=req.step, chunk=chunk, chunks=len(run.offsets),
                                    data=req.data[start:start + run.per_chunk], signature=req.signature,
-                                   contribute=req.contribute, abort=req.abort, reduce=req.reduce))
+                                   contribute=req.contribute, abort=req.abort, reduce=req.reduce,
+                                   compression=req.compression))
 
     def complete(self, done: Complete) -> None:
         run = self.running.get(done.step)
