@@ -105,7 +105,10 @@ def test_status_of_a_five_worker_launch_with_a_cut_link(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "fttree", "launch", "-n", str(world), "--steps", str(steps), "--size", "2000",
            "--timeout", "0.2", "--faults", f"cut 1-0 @2..{steps - 1}", "--launch-dir", str(tmp_path),
            "--port", str(free_port()), "--http-port", str(free_port()), "--linger", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as from a terminal: a suite started in the background (nohup, `&` in a script)
+    # passes SIGINT on ignored, and an ignored SIGINT stays ignored across exec.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         end = time.monotonic() + 90
         done: set[int] = set()
