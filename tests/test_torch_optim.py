@@ -119,6 +119,20 @@ def test_optimizer_matches_single_process_with_a_cut_link() -> None:
     assert len(set(recoveries)) >= 3, f"the cut was not exercised: recoveries in steps {sorted(set(recoveries))}"
 
 
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_compressed_gradients_agree_on_every_rank_and_stay_near_float32(compression: str) -> None:
+    """int8 puts the present flags and the worker count in blocks of their own (BucketSpec.gap):
+    a count quantized with the gradients would divide wrongly; several small buckets too."""
+    want = reference_mlp()
+    results = ok(run_ranks(WORLD, lambda r, ar: train_mlp_worker(r, ar, compression=compression, bucket_mb=0.0005),
+                           timeout_s=0.5))
+    for rank, got in enumerate(results):
+        assert all(torch.equal(g, w) for g, w in zip(got, results[0], strict=True)), f"rank {rank} differs"
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max() < 0.02 * w.abs().max()
+    assert not all(torch.equal(g, w) for g, w in zip(results[0], want, strict=True))
+
+
 def test_broadcast_parameters_makes_replicas_identical() -> None:
     def body(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
         model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))

@@ -4,7 +4,9 @@ and the signature that makes two workers with different models disagree loudly.
 A bucket is one allreduce step. Its flat buffer holds the gradients of its parameters back to
 back, then one "present" flag per parameter (1 if this worker produced that gradient, else 0),
 so after the sum every worker knows how many workers used each parameter: a parameter that no
-worker used keeps `grad is None`, exactly as in single-process training.
+worker used keeps `grad is None`, exactly as in single-process training. Under int8 wire
+compression (a scale per block of values) a gap of zeros keeps the gradients, the flags and
+the count that follows them out of each other's blocks, so small counts stay exact.
 """
 
 from __future__ import annotations
@@ -81,11 +83,18 @@ class BucketSpec:
     slots: tuple[Slot, ...]
     numel: int  # gradient elements; the present flags follow them
     layout: str  # digest of the slot shapes and dtype
+    gap: int = 0  # zeros after the gradients and after the flags (int8 compression: a block less one)
+
+    @property
+    def flags_at(self) -> int:
+        """Where the present flags begin."""
+        return self.numel + self.gap
 
     @property
     def size(self) -> int:
-        """Elements in the flat buffer: gradients, then one present flag per slot."""
-        return self.numel + len(self.slots)
+        """Elements in the flat buffer: gradients, then one present flag per slot (each part
+        followed by `gap` zeros); the worker count after them is not included."""
+        return self.numel + self.gap + len(self.slots) + self.gap
 
     @property
     def signature(self) -> str:
@@ -97,9 +106,10 @@ class BucketSpec:
         return ", ".join(names[:limit]) + more
 
 
-def plan_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketSpec]:
+def plan_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+                 gap: int = 0) -> list[BucketSpec]:
     """Split parameters into buckets of at most `bucket_bytes` (a parameter larger than that
-    gets a bucket of its own), one wire dtype per bucket.
+    gets a bucket of its own), one wire dtype per bucket; `gap`: see BucketSpec.gap.
 
     Parameters are taken in reverse order, as DistributedDataParallel does: backward produces
     the gradients of the last layers first, so the first bucket fills first and its allreduce
@@ -126,5 +136,5 @@ def plan_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_bytes:
             offset += param.numel()
         layout = digest([dtype.str, *((s.shape, str(named_params[s.param][1].dtype)) for s in slots)])
         specs.append(BucketSpec(index=b, count=len(closed), dtype=dtype, slots=tuple(slots), numel=offset,
-                                layout=layout))
+                                layout=layout, gap=gap if dtype == np.float32 else 0))
     return specs

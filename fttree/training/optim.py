@@ -33,6 +33,8 @@ from torch.optim.optimizer import StateDict
 from torch.utils.hooks import RemovableHandle
 
 from ..api import FTTreeAllreduce
+from ..core.config import COMPRESSIONS
+from ..core.messages import INT8_BLOCK
 from ..errors import ConfigError, FTTreeError, StepAborted, StepRetry, TensorMismatch
 from ..net.node import StepResult
 from .buckets import DEFAULT_BUCKET_MB, BucketSpec, blank, copy_divided, describe, digest, plan_buckets, wire_dtype
@@ -227,13 +229,15 @@ class GradientSync:
 
     `bucket_mb` caps a bucket's size; `backward_passes_per_step` > 1 accumulates that many
     backward passes locally and allreduces once (the gradients are summed over passes and
-    averaged over workers, as in Horovod). `average=False` leaves the sum."""
+    averaged over workers, as in Horovod). `average=False` leaves the sum. `compression`: float32
+    buckets travel as "bf16", "fp16" or "int8" (None: the handle's Config.compression); it must
+    be the same on every worker (int8 changes the buckets' layout)."""
 
     RETRIES = 3
 
     def __init__(self, allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
                  bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
-                 check: bool = True) -> None:
+                 check: bool = True, compression: str | None = None) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
         self.ar = allreduce
@@ -242,7 +246,11 @@ class GradientSync:
             raise ConfigError("no parameter requires grad: nothing to synchronize")
         self.passes = backward_passes_per_step
         self.average = average
-        self.buckets = plan_buckets(self.params, max(1, int(bucket_mb * 2**20)))
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        self.compression = compression
+        gap = INT8_BLOCK - 1 if (compression or allreduce.config.compression) == "int8" else 0
+        self.buckets = plan_buckets(self.params, max(1, int(bucket_mb * 2**20)), gap=gap)
         self._bucket_of = {slot.param: spec.index for spec in self.buckets for slot in spec.slots}
         self._lock = threading.RLock()
         self.rounds = 0  # synchronizations submitted: the training steps fault windows count
@@ -339,13 +347,14 @@ class GradientSync:
     def _launch(self, spec: BucketSpec, contribute: bool = True) -> Future[StepResult]:
         # One element after the flags counts the workers whose data is in the sum (1 here, 0
         # for an empty contribution): averages divide by it, not by every rank in the step.
-        buf = np.empty(spec.size + 1, dtype=spec.dtype)
+        buf = (np.zeros if spec.gap else np.empty)(spec.size + 1, dtype=spec.dtype)
         signature = f"{spec.signature} +count"
+        wire = self.compression if spec.dtype == np.float32 else None
         if not contribute:
             buf.fill(0)
-            return self.ar.submit_array(buf, signature, contribute=self.contribute)
+            return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire)
         buf[spec.size] = 1
-        flat, flags = torch.from_numpy(buf), buf[spec.numel:spec.size]
+        flat, flags = torch.from_numpy(buf), buf[spec.flags_at:spec.flags_at + len(spec.slots)]
         for k, slot in enumerate(spec.slots):
             grad = self.params[slot.param][1].grad
             dst = flat[slot.offset:slot.offset + slot.numel]
@@ -358,7 +367,7 @@ class GradientSync:
                                 f"gradients are supported")
             dst.copy_(grad.detach().reshape(-1))
             flags[k] = 1
-        return self.ar.submit_array(buf, signature, contribute=self.contribute)
+        return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire)
 
     # ---- step (caller thread) ------------------------------------------------------------
 
@@ -416,7 +425,7 @@ class GradientSync:
         # res.data is read, never written: at the root it is also the payload of the result
         # still queued for the children.
         data = res.data
-        flat, flags = torch.from_numpy(data[:spec.numel]), data[spec.numel:spec.size]
+        flat, flags = torch.from_numpy(data[:spec.numel]), data[spec.flags_at:spec.flags_at + len(spec.slots)]
         divisor = round(float(data[spec.size])) if self.average else 1  # workers whose data is in the sum
         with torch.no_grad():
             for k, slot in enumerate(spec.slots):
@@ -483,6 +492,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     A closure passed to step() is evaluated once before the gradients are averaged
     (optimizers that call it repeatedly, like LBFGS, are not supported).
+
+    `compression` ("bf16", "fp16", "int8"): float32 gradients travel in that form (see
+    GradientSync); every worker must pass the same.
     """
 
     sync: GradientSync
@@ -490,7 +502,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  allreduce: FTTreeAllreduce, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, backward_passes_per_step: int = 1, average: bool = True,
-                 broadcast: bool = True) -> None:
+                 broadcast: bool = True, compression: str | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
@@ -512,7 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 broadcast_parameters(model if model is not None else named, allreduce)
         self.sync = GradientSync(allreduce, named, bucket_mb=bucket_mb,
                                  backward_passes_per_step=backward_passes_per_step, average=average,
-                                 check=not joiner)
+                                 check=not joiner, compression=compression)
         self._rounds_at_step = -1  # sync.rounds when step() last returned
         self.model = model
         self.step_count = 0  # the group's optimizer steps so far (a joiner takes it over)
