@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .net.node import StepResult
     from .training.backend import allreduce_of
     from .training.ddp import comm_hook
+    from .training.diloco import DiLoCo
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
     from .training.state import sync_state
 
@@ -44,6 +45,7 @@ _LAZY = {
     "FTTreeAllreduce": "fttree.api",
     "StepResult": "fttree.net.node",
     "DistributedOptimizer": "fttree.training.optim",
+    "DiLoCo": "fttree.training.diloco",
     "attach": "fttree.training.optim",
     "synchronize": "fttree.training.optim",
     "comm_hook": "fttree.training.ddp",
@@ -70,6 +72,7 @@ __all__ = [
     "CollateOrNone",
     "Config",
     "ConfigError",
+    "DiLoCo",
     "DistributedOptimizer",
     "ElasticSampler",
     "FTTreeAllreduce",

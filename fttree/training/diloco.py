@@ -1,0 +1,182 @@
+"""DiLoCo: training that talks less. Each worker takes `sync_every` steps of its own optimizer
+(the inner one) on its own data; then the workers average their parameter change once (the
+pseudo-gradient: the global parameters minus the worker's own), dividing by the workers whose
+change is in the sum, and every worker applies the same outer step (SGD with Nesterov momentum,
+as in Douillard et al. 2023) to the global parameters and starts its next steps from them.
+
+    ar = fttree.FTTreeAllreduce.from_env().start()
+    opt = fttree.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-3), allreduce=ar, sync_every=32)
+    for x, y in batches:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+An outer step sends the model once each way, so syncing every H steps sends 1/H of what
+data-parallel training sends (and a quarter of that with `compression="int8"`).
+
+The outer step is a DistributedOptimizer over the global parameters, with an outer step as its
+training step, so it inherits what data-parallel training has: a worker that dies is missing
+from that average (its result's contributors say so), a step voided by a view change runs
+again, a joiner or restarted worker takes the global parameters and the outer optimizer's state
+from a peer, and `ElasticSampler.follow(opt, ...)` / `commit_from(opt)` deal each round's
+samples exactly once per epoch (a round's batch is its `sync_every` inner batches).
+
+Buffers (batch-norm statistics) are each worker's own, measured on its own data, as
+DistributedDataParallel keeps them with broadcast_buffers=False; a joiner starts from its
+donor's. The inner optimizer's state (Adam's moments) is each worker's own too and is kept
+across outer steps; a joiner's starts empty once the global parameters arrive: a peer's moments
+describe that peer's data, and sending them would double what a join transfers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..api import FTTreeAllreduce
+from ..core.config import COMPRESSIONS
+from ..errors import ConfigError
+from .buckets import DEFAULT_BUCKET_MB
+from .optim import DistributedOptimizer, GradientSync, TrainingStep
+
+
+class DiLoCo:
+    """Local steps with an averaged outer step every `sync_every` of them (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 allreduce: FTTreeAllreduce, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, compression: str | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        if sync_every < 1:
+            raise ConfigError(f"sync_every must be at least 1 inner step, got {sync_every}")
+        if not outer_lr > 0:
+            raise ConfigError(f"outer_lr must be positive, got {outer_lr}")
+        if not 0 <= outer_momentum < 1 or (nesterov and outer_momentum == 0):
+            raise ConfigError(f"outer_momentum must be in [0, 1) (and above 0 with nesterov), got {outer_momentum}")
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
+        self.model = model
+        self.inner = inner_optimizer
+        self.sync_every = sync_every
+        self.ar = allreduce
+        self._local = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not self._local:
+            raise ConfigError("the model has no parameter that requires grad: nothing to train")
+        # The global parameters, in float32 whatever the model's dtype: the outer step's own.
+        self._global = [(name, torch.nn.Parameter(p.detach().float().clone())) for name, p in self._local]
+        outer = torch.optim.SGD([g for _, g in self._global], lr=outer_lr, momentum=outer_momentum,
+                                nesterov=nesterov)
+        # Rank 0's parameters become everyone's start (a joiner takes them with the state).
+        self.outer = DistributedOptimizer(outer, named_parameters=self._global, allreduce=allreduce,
+                                          bucket_mb=bucket_mb, broadcast=True, compression=compression)
+        self.outer.register_state("diloco buffers", self._buffers, self._load_buffers)
+        self.inner_steps = 0  # inner steps taken here (a joiner counts from its own start)
+        self.outer_steps = 0  # outer steps this worker took part in
+        self._worked = False  # an inner step of this round had a batch
+        self._was_syncing = self.outer.syncing
+        self._to_model()
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, *, contribute: bool = True) -> Any:
+        """One inner step; every `sync_every`-th also runs the outer step before it returns (then
+        the model's parameters are the new global parameters, alike on every worker).
+        `contribute=False`: this worker has no batch for this inner step (its sampler ran dry):
+        no inner update; a round without any batch takes part in the outer step counted in no
+        average."""
+        loss = None
+        if contribute:
+            loss = self.inner.step(closure) if closure is not None else self.inner.step()
+            self._worked = True
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.outer_step(contribute=self._worked)
+        return loss
+
+    def outer_step(self, *, contribute: bool = True) -> None:
+        """Average the pseudo-gradients, take the outer step, restart from the global
+        parameters. `step()` calls it every `sync_every` inner steps; call it directly to end
+        a round early (every worker must, at the same round)."""
+        with torch.no_grad():
+            for (_, g), (_, p) in zip(self._global, self._local, strict=True):
+                g.grad = g.detach() - p.detach().float() if contribute else torch.zeros_like(g)
+        self.outer.synchronize(contribute)
+        self.outer.step(contribute=contribute)
+        self.outer_steps += 1
+        self._worked = False
+        if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
+            self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
+        self._was_syncing = self.outer.syncing
+        self._to_model()
+
+    def _to_model(self) -> None:
+        with torch.no_grad():
+            for (_, g), (_, p) in zip(self._global, self._local, strict=True):
+                p.copy_(g)
+                g.grad = None
+
+    # ---- what the sampler and a joiner need (ElasticSampler.follow(opt), commit_from(opt)) --
+
+    @property
+    def sync(self) -> GradientSync:
+        """The outer step's gradient averaging (its `ar` is the allreduce handle)."""
+        return self.outer.sync
+
+    @property
+    def syncing(self) -> bool:
+        """A joiner that has not yet received the global parameters."""
+        return self.outer.syncing
+
+    @property
+    def last_step(self) -> TrainingStep | None:
+        """The newest outer step that finished here: its contributors and next view."""
+        return self.outer.last_step
+
+    def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Extra state a joiner takes over with the global parameters (see DistributedOptimizer)."""
+        self.outer.register_state(name, get, set_)
+
+    @property
+    def global_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The global parameters (float32), named as the model's."""
+        return [(name, g.detach()) for name, g in self._global]
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b.detach() for name, b in self.model.named_buffers()}
+
+    def _load_buffers(self, value: Any) -> None:
+        own = dict(self.model.named_buffers())
+        if set(value) != set(own):
+            raise ConfigError(f"the donor's model has buffers {sorted(value)}, this worker's {sorted(own)}")
+        with torch.no_grad():
+            for name, b in own.items():
+                b.copy_(torch.as_tensor(value[name]))
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """For a checkpoint: the global parameters, both optimizers and the step counts."""
+        return {"global": {name: g.detach().clone() for name, g in self._global},
+                "outer": self.outer.state_dict(), "inner": self.inner.state_dict(),
+                "inner_steps": self.inner_steps, "outer_steps": self.outer_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = {name for name, _ in self._global}
+        if set(state["global"]) != names:
+            raise ConfigError(f"checkpoint holds parameters {sorted(state['global'])}, the model {sorted(names)}")
+        with torch.no_grad():
+            for name, g in self._global:
+                g.copy_(state["global"][name])
+        self.outer.load_state_dict(state["outer"])
+        self.inner.load_state_dict(state["inner"])
+        self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        self._to_model()
+
+    def __repr__(self) -> str:
+        return f"DiLoCo(sync_every={self.sync_every}, inner={self.inner!r}, outer={self.outer.optimizer!r})"
