@@ -4,6 +4,7 @@ worker, SGD) with fttree.DistributedOptimizer, on N local workers.
     python examples/train_mlp.py -n 7 --steps 50
     python examples/train_mlp.py -n 7 --steps 50 --faults "cut 1-0 @5..10" --timeout 0.2
     python examples/train_mlp.py -n 7 --steps 50 --comm gloo      # same script on gloo DDP
+    python examples/train_mlp.py -n 7 --steps 256 --diloco 32 --compression int8   # fttree.DiLoCo
 
 Without --images the data is scikit-learn's bundled digits upsampled to 28x28 (no download);
 --images/--labels take MNIST idx files (.gz or not). Fault windows count training steps
@@ -15,6 +16,11 @@ go to the survivors. After each epoch the workers add up which samples they trai
 committed steps (one allreduce of a count per sample) and rank 0 prints how many were
 committed and whether each was committed once. --cache-dir keeps each worker's samples on
 local disk (fttree.CachedDataset) and reports how many had to be fetched.
+
+With --diloco H each worker takes H local SGD steps and the workers average their parameter
+change once per round (fttree.DiLoCo; --steps counts the local steps). A round is a training
+step then: the sampler deals H batches per worker per round, a round's samples are committed
+when its outer step completes, and fault windows count rounds.
 
 On several machines run one worker per machine yourself:
     FTTREE_RANK=r FTTREE_PEERS=peers.txt python examples/train_mlp.py --steps 50
@@ -60,8 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", default="", help='fttree fault schedule, e.g. "cut 1-0 @5..10"')
     p.add_argument("--timeout", type=float, default=0.5, help="fttree backup-link timeout in seconds (default 0.5)")
     p.add_argument("--step-timeout", type=float, default=30.0, help="fttree gives up on a step after this (s)")
-    p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
-                   help="fttree wire compression of the gradients (float32 sums at every hop; default none)")
+    p.add_argument("--compression", choices=["bf16", "fp16", "int8"], default=None,
+                   help="fttree wire compression of the gradients, or with --diloco of the pseudo-gradients "
+                        "(float32 sums at every hop; default none)")
+    p.add_argument("--diloco", type=int, default=0, metavar="H",
+                   help="fttree.DiLoCo: H local steps per averaged outer step (default 0: data-parallel)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
     p.add_argument("--labels", help="MNIST idx labels file")
@@ -103,14 +112,20 @@ def train(args: argparse.Namespace) -> int:
         from fttree.core.protocol import NoteKind
 
         ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-                                             faults=args.faults or None, compression=args.compression).start()
+                                             faults=args.faults or None).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
                                       if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK) else None)
         model = thesis_mlp(seed=rank)  # different on purpose: the broadcast makes rank 0's start everyone's
-        opt = fttree.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr), model,
-                                          allreduce=ar, bucket_mb=args.bucket_mb)
+        inner = torch.optim.SGD(model.parameters(), lr=args.lr)
+        opt: Any
+        if args.diloco:
+            opt = fttree.DiLoCo(model, inner, allreduce=ar, sync_every=args.diloco, compression=args.compression,
+                                bucket_mb=args.bucket_mb)
+        else:
+            opt = fttree.DistributedOptimizer(inner, model, allreduce=ar, bucket_mb=args.bucket_mb,
+                                              compression=args.compression)
         net: nn.Module = model
 
         def close() -> None:
@@ -128,7 +143,8 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0 and not args.json:
         print(f"{world} workers ({args.comm}), {data.name}: {len(data.x_train)} train / {len(data.x_test)} test, "
               f"batch {BATCH} per worker, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
-    progress = Progress(args.steps, enabled=rank == 0, as_json=args.json)
+    rounds = -(-args.steps // args.diloco) if args.diloco and args.comm == "fttree" else args.steps
+    progress = Progress(rounds, enabled=rank == 0, as_json=args.json)
     if args.comm == "fttree":
         try:
             audits, fewest = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
@@ -193,7 +209,9 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     cache = None
     if args.cache_dir:
         cache = dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{rank}")
-    sampler = fttree.ElasticSampler(n_train, BATCH, rank=rank, members=ar.view.members, seed=args.seed,
+    inner_steps = args.diloco or 1  # local steps per training step (a DiLoCo round)
+    steps = -(-args.steps // inner_steps)
+    sampler = fttree.ElasticSampler(n_train, BATCH * inner_steps, rank=rank, members=ar.view.members, seed=args.seed,
                                     stable=args.stable or cache is not None,
                                     horizon=fttree.loader_horizon(args.loader_workers))
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers,
@@ -202,24 +220,33 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     audits: list[dict[str, Any]] = []
     fewest = ar.world  # the fewest workers whose batches one step's sum held (fewer: one died, or was lost)
     step, epoch = 0, 0
-    while step < args.steps:
+    while step < steps:
         sampler.set_epoch(epoch)
         trained: list[int] = []  # samples this rank trained in steps that list it as a contributor
         fetched_before = cache.stats().fetched if cache is not None else 0
         for batch in loader:
             seen = len(recoveries)
             t0 = time.perf_counter()
-            opt.zero_grad()
             if batch is None:  # nothing left for this rank this epoch: take part, counted in no average
-                opt.step(contribute=False)
+                for _ in range(inner_steps):
+                    opt.zero_grad()
+                    opt.step(contribute=False)
                 loss_value, acc, note = float("nan"), float("nan"), "no batch left: empty contribution"
             else:
                 x, y, idx = batch
-                out = model(x)
-                loss = loss_fn(out, y)
-                loss.backward()
-                opt.step()
-                loss_value, acc, note = loss.item(), float((out.argmax(1) == y).float().mean()), ""
+                losses, hits = [], 0
+                for part in torch.arange(len(y)).tensor_split(inner_steps):  # a round's local batches
+                    opt.zero_grad()
+                    if not len(part):
+                        opt.step(contribute=False)
+                        continue
+                    out = model(x[part])
+                    loss = loss_fn(out, y[part])
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+                    hits += int((out.argmax(1) == y[part]).sum())
+                loss_value, acc, note = sum(losses) / len(losses), hits / len(y), ""
             done = opt.last_step
             fewest = min(fewest, len(done.contributors))
             if batch is not None and rank in done.contributors:
@@ -230,7 +257,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
             note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
             progress.step(step, seconds, loss_value, acc, note)
             step += 1
-            if step >= args.steps:
+            if step >= steps:
                 break
         fetched = (cache.stats().fetched if cache is not None else 0) - fetched_before
         audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,

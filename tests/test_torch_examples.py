@@ -28,6 +28,22 @@ def test_train_mlp_goes_on_through_a_cut_link() -> None:
     assert summary["test_accuracy"] > 0.3  # 6 SGD steps on digits already beat chance (0.1)
 
 
+def test_train_mlp_with_diloco_survives_a_crash_and_uses_every_sample_once() -> None:
+    """`--diloco 4 --compression int8`: a worker killed in round 3 leaves that round's average;
+    its samples not yet committed go to the survivors, and every epoch the survivors finished
+    committed each sample exactly once."""
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--steps", "40", "--diloco", "4",
+                       "--compression", "int8", "--faults", "crash 2 @3", "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary, audits = json.loads(lines[-1]), json.loads(lines[-2])["audits"]
+    assert summary["steps"] == 10  # rounds
+    assert summary["fewest_contributors"] == 3
+    assert summary["exactly_once"], audits
+    assert any(a["departed"] == [2] and a["complete"] for a in audits), audits
+    assert summary["test_accuracy"] > 0.6
+
+
 def test_examples_have_help() -> None:
     for script in ("train_mlp.py", "train_ddp.py", "bench_torch.py"):
         proc = run_example(str(EXAMPLES / script), "--help")
