@@ -220,3 +220,100 @@ def test_bad_settings_are_named() -> None:
                 fttree.DiLoCo(model, inner, allreduce=ar, **kwargs)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"takes a torch\.optim\.Optimizer"):
             fttree.DiLoCo(model, object(), allreduce=ar, sync_every=4)  # type: ignore[arg-type]
+
+
+# ---- overlap: the outer sync behind the next local steps ----------------------------------------
+
+
+def local_steps(model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, first: int) -> None:
+    for i in range(first, first + H):
+        x, y = batch(rank, i)
+        inner.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+
+
+def test_overlap_applies_each_outer_step_one_round_late_on_top_of_the_local_progress() -> None:
+    """Two rounds on 3 workers against the same arithmetic in one process: round 0's outer
+    step runs while round 1 trains; at round 1's end each worker goes on from the new global
+    parameters plus its round-1 progress, and sends that progress as round 1's pseudo-gradient."""
+    ends: list[list[list[torch.Tensor]]] = []  # [rank][round] -> parameters at the round's end
+    for rank in range(3):
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        ends.append([])
+        for r in range(2):
+            local_steps(model, inner, rank, r * H)
+            ends[rank].append([p.detach().clone() for p in model.parameters()])
+    start = [p.detach().clone() for p in make_model().parameters()]
+    ref = [torch.nn.Parameter(s.clone()) for s in start]
+    outer = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
+    for i, g in enumerate(ref):  # round 0: from the common start
+        g.grad = sum(start[i].double() - ends[r][0][i].double() for r in range(3)).float() / 3
+    outer.step()
+    for i, g in enumerate(ref):  # round 1: each worker's progress over the round
+        g.grad = sum(ends[r][0][i].double() - ends[r][1][i].double() for r in range(3)).float() / 3
+    outer.step()
+
+    got: list[list[torch.Tensor]] = [[] for _ in range(3)]
+    models = [make_model() for _ in range(3)]
+
+    def worker(rank: int, ar: fttree.FTTreeAllreduce) -> None:
+        model = models[rank]
+        opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
+                            overlap=True)
+        for r in range(2):
+            for i in range(r * H, r * H + H):
+                x, y = batch(rank, i)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        opt.flush()
+        got[rank] = [p.detach().clone() for p in model.parameters()]
+        assert opt.stats.outer_steps == 2
+        assert 0 <= opt.stats.waited_s <= opt.stats.sync_s
+
+    with cluster(3, **SETTINGS) as ars:
+        run_threads([lambda r=r: worker(r, ars[r]) for r in range(3)])  # type: ignore[misc]
+    for rank in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(got[rank], got[0], strict=True)), f"rank {rank} differs"
+        for mine, want in zip(got[rank], ref, strict=True):
+            assert torch.allclose(mine, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_overlap_with_a_worker_killed_mid_run_keeps_the_survivors_alike() -> None:
+    peers = local_peers(4)
+    finals: dict[int, str] = {}
+    last: dict[int, tuple[int, ...]] = {}
+    errors: dict[int, BaseException] = {}
+
+    def worker(rank: int) -> None:
+        ar = fttree.FTTreeAllreduce(rank, peers, **SETTINGS).start()  # type: ignore[arg-type]
+        try:
+            model = make_model()
+            opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
+                                overlap=True)
+            for r in range(5):
+                if rank == 3 and r == 2:
+                    ar.crash("test: rank 3 killed in round 2")
+                for i in range(r * H, r * H + H):
+                    x, y = batch(rank, i)
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+            opt.flush()
+            finals[rank] = digest(list(model.parameters()))
+            assert opt.last_step is not None
+            last[rank] = opt.last_step.contributors
+        except GroupLeft as exc:
+            if rank != 3:
+                errors[rank] = exc
+        except BaseException as exc:
+            errors[rank] = exc
+        finally:
+            ar.close()
+
+    run_threads([lambda r=r: worker(r) for r in range(4)])  # type: ignore[misc]
+    assert errors == {}
+    assert len({finals[r] for r in range(3)}) == 1
+    assert all(last[r] == (0, 1, 2) for r in range(3))

@@ -19,6 +19,14 @@ again, a joiner or restarted worker takes the global parameters and the outer op
 from a peer, and `ElasticSampler.follow(opt, ...)` / `commit_from(opt)` deal each round's
 samples exactly once per epoch (a round's batch is its `sync_every` inner batches).
 
+With `overlap=True` the outer sync runs in the background while the next local steps compute (a
+one-round-delayed outer update, as Streaming DiLoCo overlaps it): a round's pseudo-gradient is
+the worker's own progress over the round (where it started minus where it ended); when the
+next round ends, the outer step of the previous one is taken in, and the worker goes on from
+the new global parameters plus its progress since. The global parameters stay alike on every
+worker; a worker's model is the global parameters only after `flush()`. `stats` says how long
+the caller waited for outer steps and how long they took.
+
 Buffers (batch-norm statistics) are each worker's own, measured on its own data, as
 DistributedDataParallel keeps them with broadcast_buffers=False; a joiner starts from its
 donor's. The inner optimizer's state (Adam's moments) is each worker's own too and is kept
@@ -28,8 +36,11 @@ describe that peer's data, and sending them would double what a join transfers.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,12 +52,26 @@ from .buckets import DEFAULT_BUCKET_MB
 from .optim import DistributedOptimizer, GradientSync, TrainingStep
 
 
+@dataclass
+class OuterStats:
+    """Where the outer steps' time went on this worker."""
+
+    outer_steps: int = 0
+    sync_s: float = 0.0  # the outer steps took this long, from submitting to the new global parameters
+    waited_s: float = 0.0  # of which the caller waited this long (overlap hides the rest behind local steps)
+
+    @property
+    def hidden(self) -> float:
+        """The fraction of the outer steps' time that local steps hid (0 without overlap)."""
+        return 1.0 - self.waited_s / self.sync_s if self.sync_s > 0 else 0.0
+
+
 class DiLoCo:
     """Local steps with an averaged outer step every `sync_every` of them (see the module)."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  allreduce: FTTreeAllreduce, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: str | None = None,
+                 nesterov: bool = True, compression: str | None = None, overlap: bool = False,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         if sync_every < 1:
             raise ConfigError(f"sync_every must be at least 1 inner step, got {sync_every}")
@@ -77,7 +102,13 @@ class DiLoCo:
         self.outer_steps = 0  # outer steps this worker took part in
         self._worked = False  # an inner step of this round had a batch
         self._was_syncing = self.outer.syncing
+        self.overlap = overlap
+        self.stats = OuterStats()
+        self._in_flight: threading.Thread | None = None  # overlap: the previous round's outer step
+        self._failed: BaseException | None = None  # ...and what it raised
+        self._started_at = 0.0
         self._to_model()
+        self._round_start = [p.detach().clone() for _, p in self._local]  # overlap: where this round began
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -102,18 +133,78 @@ class DiLoCo:
     def outer_step(self, *, contribute: bool = True) -> None:
         """Average the pseudo-gradients, take the outer step, restart from the global
         parameters. `step()` calls it every `sync_every` inner steps; call it directly to end
-        a round early (every worker must, at the same round)."""
+        a round early (every worker must, at the same round). With overlap it starts this
+        round's outer step in the background and takes in the previous round's."""
+        if self.overlap:
+            self._outer_step_overlapped(contribute)
+            return
         with torch.no_grad():
             for (_, g), (_, p) in zip(self._global, self._local, strict=True):
                 g.grad = g.detach() - p.detach().float() if contribute else torch.zeros_like(g)
+        self._worked = False
+        began = time.perf_counter()
+        self._sync(contribute)
+        self.stats.sync_s += time.perf_counter() - began
+        self.stats.waited_s += time.perf_counter() - began
+        self._to_model()
+
+    def _sync(self, contribute: bool) -> None:
+        """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient."""
         self.outer.synchronize(contribute)
         self.outer.step(contribute=contribute)
         self.outer_steps += 1
-        self._worked = False
+        self.stats.outer_steps += 1
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
         self._was_syncing = self.outer.syncing
+
+    def _outer_step_overlapped(self, contribute: bool) -> None:
+        with torch.no_grad():
+            progress = [p.detach().float() - s.float() for (_, p), s in zip(self._local, self._round_start,
+                                                                             strict=True)]
+        if self._in_flight is not None:  # the previous round's outer step: wait, then go on from it
+            self._finish_in_flight()
+            with torch.no_grad():
+                for (_, g), (_, p), d in zip(self._global, self._local, progress, strict=True):
+                    p.copy_(g.detach() + d)
+        with torch.no_grad():
+            for (_, g), d in zip(self._global, progress, strict=True):
+                g.grad = -d if contribute else torch.zeros_like(g)
+        self._round_start = [p.detach().clone() for _, p in self._local]
+        self._worked = False
+        self._started_at = time.perf_counter()
+        self._in_flight = threading.Thread(target=self._sync_in_background, args=(contribute,),
+                                           name=f"fttree-diloco-outer-rank{self.ar.rank}", daemon=True)
+        self._in_flight.start()
+
+    def _sync_in_background(self, contribute: bool) -> None:
+        try:
+            self._sync(contribute)
+        except BaseException as exc:  # the caller hears of it at its next outer step or flush()
+            self._failed = exc
+        finally:
+            self.stats.sync_s += time.perf_counter() - self._started_at
+
+    def _finish_in_flight(self) -> None:
+        thread, self._in_flight = self._in_flight, None
+        if thread is None:
+            return
+        began = time.perf_counter()
+        thread.join()
+        self.stats.waited_s += time.perf_counter() - began
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def flush(self) -> None:
+        """overlap=True: wait for the outer step in flight and go on from the global parameters
+        it made (the model is then exactly them, as without overlap). A no-op otherwise, and
+        when nothing is in flight."""
+        if self._in_flight is None:
+            return
+        self._finish_in_flight()
         self._to_model()
+        self._round_start = [p.detach().clone() for _, p in self._local]
 
     def _to_model(self) -> None:
         with torch.no_grad():
@@ -144,7 +235,8 @@ class DiLoCo:
 
     @property
     def global_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The global parameters (float32), named as the model's."""
+        """The global parameters (float32), named as the model's (with overlap, read them after
+        `flush()`: an outer step in flight writes them)."""
         return [(name, g.detach()) for name, g in self._global]
 
     def _buffers(self) -> dict[str, torch.Tensor]:
@@ -161,7 +253,9 @@ class DiLoCo:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """For a checkpoint: the global parameters, both optimizers and the step counts."""
+        """For a checkpoint: the global parameters, both optimizers and the step counts (with
+        overlap, after `flush()`: the outer step in flight is taken in first)."""
+        self.flush()
         return {"global": {name: g.detach().clone() for name, g in self._global},
                 "outer": self.outer.state_dict(), "inner": self.inner.state_dict(),
                 "inner_steps": self.inner_steps, "outer_steps": self.outer_steps}
