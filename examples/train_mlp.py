@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(float32 sums at every hop; default none)")
     p.add_argument("--diloco", type=int, default=0, metavar="H",
                    help="fttree.DiLoCo: H local steps per averaged outer step (default 0: data-parallel)")
+    p.add_argument("--overlap", action="store_true",
+                   help="with --diloco: run each outer step behind the next round's local steps")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
     p.add_argument("--labels", help="MNIST idx labels file")
@@ -122,7 +124,7 @@ def train(args: argparse.Namespace) -> int:
         opt: Any
         if args.diloco:
             opt = fttree.DiLoCo(model, inner, allreduce=ar, sync_every=args.diloco, compression=args.compression,
-                                bucket_mb=args.bucket_mb)
+                                overlap=args.overlap, bucket_mb=args.bucket_mb)
         else:
             opt = fttree.DistributedOptimizer(inner, model, allreduce=ar, bucket_mb=args.bucket_mb,
                                               compression=args.compression)
@@ -163,7 +165,10 @@ def train(args: argparse.Namespace) -> int:
                                        "notes": dict(Counter(n.cause.value for n in recoveries)),
                                        "fewest_contributors": fewest,
                                        "epochs": len(audits),
-                                       "exactly_once": all(a["once"] for a in audits if a["complete"])})
+                                       "exactly_once": all(a["once"] for a in audits if a["complete"]),
+                                       **({"outer_hidden": round(opt.stats.hidden, 3),
+                                           "outer_waited_s": round(opt.stats.waited_s, 3),
+                                           "outer_sync_s": round(opt.stats.sync_s, 3)} if args.diloco else {})})
         close()
         return 0
     try:
@@ -211,9 +216,26 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
         cache = dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{rank}")
     inner_steps = args.diloco or 1  # local steps per training step (a DiLoCo round)
     steps = -(-args.steps // inner_steps)
+    lag = 1 if args.diloco and args.overlap else 0  # an overlapped round is committed when the next one ends
     sampler = fttree.ElasticSampler(n_train, BATCH * inner_steps, rank=rank, members=ar.view.members, seed=args.seed,
                                     stable=args.stable or cache is not None,
-                                    horizon=fttree.loader_horizon(args.loader_workers))
+                                    horizon=fttree.loader_horizon(args.loader_workers) + lag)
+    in_flight: dict[int, list[int]] = {}  # round -> this rank's samples in it, until its outer step is committed
+    committed = -1  # the newest training step committed
+
+    def commit_done(trained: list[int]) -> None:
+        """Commit the newest step if its outer step finished here and it is not committed yet."""
+        nonlocal fewest, committed
+        done = opt.last_step
+        if done is None or done.step <= committed:
+            return
+        committed = done.step
+        fewest = min(fewest, len(done.contributors))
+        if rank in done.contributors:
+            trained.extend(in_flight.get(done.step, []))
+        in_flight.pop(done.step, None)
+        sampler.commit_from(opt)
+
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers,
                         collate_fn=fttree.CollateOrNone(), timeout=120 if args.loader_workers else 0)
     loss_fn = nn.CrossEntropyLoss()
@@ -247,11 +269,8 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                     losses.append(loss.item())
                     hits += int((out.argmax(1) == y[part]).sum())
                 loss_value, acc, note = sum(losses) / len(losses), hits / len(y), ""
-            done = opt.last_step
-            fewest = min(fewest, len(done.contributors))
-            if batch is not None and rank in done.contributors:
-                trained.extend(idx.tolist())
-            sampler.commit_from(opt)
+            in_flight[step] = idx.tolist() if batch is not None else []
+            commit_done(trained)
             seconds = time.perf_counter() - t0
             new = recoveries[seen:]
             note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
@@ -259,6 +278,9 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
             step += 1
             if step >= steps:
                 break
+        if lag:  # the epoch's last round is in flight: take it in before the audit
+            opt.flush()
+            commit_done(trained)
         fetched = (cache.stats().fetched if cache is not None else 0) - fetched_before
         audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
                                   quiet=args.json))
