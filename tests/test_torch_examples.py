@@ -45,7 +45,7 @@ def test_train_mlp_with_diloco_survives_a_crash_and_uses_every_sample_once() -> 
 
 
 def test_examples_have_help() -> None:
-    for script in ("train_mlp.py", "train_ddp.py", "bench_torch.py"):
+    for script in ("train_mlp.py", "train_ddp.py", "bench_torch.py", "diloco_overlap.py"):
         proc = run_example(str(EXAMPLES / script), "--help")
         assert proc.returncode == 0, proc.stderr
         assert "usage:" in proc.stdout

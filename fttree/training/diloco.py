@@ -63,7 +63,7 @@ class OuterStats:
     @property
     def hidden(self) -> float:
         """The fraction of the outer steps' time that local steps hid (0 without overlap)."""
-        return 1.0 - self.waited_s / self.sync_s if self.sync_s > 0 else 0.0
+        return max(0.0, 1.0 - self.waited_s / self.sync_s) if self.sync_s > 0 else 0.0
 
 
 class DiLoCo:
