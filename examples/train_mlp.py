@@ -71,11 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(float32 sums at every hop; default none)")
     p.add_argument("--diloco", type=int, default=0, metavar="H",
                    help="fttree.DiLoCo: H local steps per averaged outer step (default 0: data-parallel)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden units of the MLP (default 512, the thesis's)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="rank 0 prints the held-out accuracy every K training steps (with --json: a JSON line "
+                        "{\"eval\": ...} with the seconds since training began)")
     p.add_argument("--overlap", action="store_true",
                    help="with --diloco: run each outer step behind the next round's local steps")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
     p.add_argument("--labels", help="MNIST idx labels file")
+    p.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="train on N samples of a synthetic task (10 Gaussian classes) instead, made on the fly")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of progress lines")
@@ -106,7 +112,7 @@ def launch(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    data = load_data(args.images, args.labels)
+    data = load_data(args.images, args.labels, args.synthetic)
     loss_fn = nn.CrossEntropyLoss()
     recoveries: list[Any] = []  # notes of data that went around a link (lost or by plan), and of link memory
     if args.comm == "fttree":
@@ -119,7 +125,8 @@ def train(args: argparse.Namespace) -> int:
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
                                       if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK) else None)
-        model = thesis_mlp(seed=rank)  # different on purpose: the broadcast makes rank 0's start everyone's
+        model = thesis_mlp(seed=rank, hidden=args.hidden)  # different on purpose: the broadcast makes rank 0's start
+        # everyone's
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)
         opt: Any
         if args.diloco:
@@ -138,7 +145,7 @@ def train(args: argparse.Namespace) -> int:
 
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = thesis_mlp(seed=0)
+        model = thesis_mlp(seed=0, hidden=args.hidden)
         net = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr)
         close = dist.destroy_process_group
@@ -147,9 +154,20 @@ def train(args: argparse.Namespace) -> int:
               f"batch {BATCH} per worker, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     rounds = -(-args.steps // args.diloco) if args.diloco and args.comm == "fttree" else args.steps
     progress = Progress(rounds, enabled=rank == 0, as_json=args.json)
+    began = time.perf_counter()
+
+    def evaluate(step: int) -> None:
+        """Rank 0, every --eval-every training steps: the held-out accuracy, and when."""
+        if rank != 0 or not args.eval_every or (step + 1) % args.eval_every:
+            return
+        info = {"t": round(time.perf_counter() - began, 3), "at": round(time.time(), 3), "step": step + 1,
+                "local_steps": (step + 1) * (args.diloco or 1) if args.comm == "fttree" else step + 1,
+                "accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
+        print(json.dumps({"eval": info}) if args.json else f"eval after step {step}: {info}", flush=True)
+
     if args.comm == "fttree":
         try:
-            audits, fewest = train_with_sampler(args, ar, opt, model, data, progress, recoveries)
+            audits, fewest = train_with_sampler(args, ar, opt, model, data, progress, recoveries, evaluate)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -187,6 +205,7 @@ def train(args: argparse.Namespace) -> int:
             new = recoveries[seen:]
             note = "; ".join(sorted({describe_note(n) for n in new}))
             progress.step(step, seconds, loss.item(), acc, note)
+            evaluate(step)
     except Exception as exc:
         print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -199,7 +218,8 @@ def train(args: argparse.Namespace) -> int:
 
 
 def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
-                       progress: Progress, recoveries: list[Any]) -> tuple[list[dict[str, Any]], int]:
+                       progress: Progress, recoveries: list[Any],
+                       evaluate: Any = None) -> tuple[list[dict[str, Any]], int]:
     """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
     optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
     ends with an audit of what was committed. Returns the audits and the fewest workers whose
@@ -275,6 +295,8 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
             new = recoveries[seen:]
             note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
             progress.step(step, seconds, loss_value, acc, note)
+            if evaluate is not None:
+                evaluate(step)
             step += 1
             if step >= steps:
                 break

@@ -114,6 +114,11 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--elastic", type=click.IntRange(min=3), default=None, metavar="WORKERS",
               help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
                    "and synced from a peer, then a graceful leave; the thesis MLP).")
+@click.option("--diloco", type=click.IntRange(min=2), default=None, metavar="WORKERS",
+              help="Instead of the matrix: gloo DDP, fttree DDP and fttree DiLoCo (H = 8, 32, 128; float32 and "
+                   "int8) training to gloo's accuracy behind each --uplink rate (default 10mbit,100mbit).")
+@click.option("--budget", type=click.IntRange(min=1), default=30, show_default=True,
+              help="--diloco: gloo DDP's training steps (its final accuracy is the target).")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
@@ -122,7 +127,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
           elastic: int | None, uplink: str, tuned: bool, loss: float, compression_text: str, trees_text: str,
-          dry_run: bool, strict: bool, out_dir: Path) -> None:
+          diloco: int | None, budget: int, dry_run: bool, strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -139,6 +144,22 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
 
     if long_run is not None:
         _long_run(long_run, step_timeout, out_dir, dry_run)
+        return
+    if diloco is not None:
+        from .bench_diloco import configs
+        from .bench_diloco import run as run_diloco
+
+        rates = _split(uplink or "10mbit,100mbit", lambda r: (parse_rate(r), r)[1], "--uplink")
+        if dry_run:
+            for rate in rates:
+                for c in configs(budget):
+                    click.echo(f"{rate}: {c.label}: {c.local_steps} local steps")
+            return
+        tables = run_diloco(rates, diloco, budget, click.echo)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "diloco.md").write_text("\n\n".join(tables) + "\n")
+        if len(tables) < len(rates):
+            sys.exit(1)
         return
     if elastic is not None:
         from .bench_elastic import run as run_elastic

@@ -1,0 +1,151 @@
+"""`fttree bench --diloco`: data-parallel training against DiLoCo behind emulated edge uplinks.
+
+Each configuration trains examples/train_mlp.py (a 784-1280-10 MLP, 1.02M parameters, on a
+synthetic task of 10 Gaussian classes made on the fly, batch 100 per worker) inside a private
+network namespace whose per-rank uplinks are shaped (bench_uplinks.Uplinks). Rank 0 reports the
+held-out accuracy with a timestamp as it goes; the bench reads every rank's uplink byte counter
+about once a second. The target is the accuracy gloo DDP reaches in its step budget; for every
+configuration the bench prints the training time and the busiest rank's bytes until it first
+reached that target, and its final accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import SOURCE_ROOT
+from .bench_uplinks import Uplinks
+
+HIDDEN = 1280  # 784-1280-10: 1,017,610 parameters
+SAMPLES = 1_000_000  # no epoch ends within a budget: the bench times training, not the audit
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    args: tuple[str, ...]
+    local_steps: int  # the step budget in local steps (a DDP step is one)
+
+
+def configs(budget: int) -> list[Config]:
+    """gloo DDP and fttree DDP for `budget` steps; DiLoCo for 4x that in local steps (at
+    least 4 rounds), H = 8, 32, 128, float32 and int8; and one DiLoCo run with a worker killed."""
+    out = [Config("gloo DDP", ("--comm", "gloo"), budget), Config("fttree DDP", (), budget)]
+    for h in (8, 32, 128):
+        for wire in ("float32", "int8"):
+            extra = ("--compression", "int8") if wire == "int8" else ()
+            out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, 4 * h)))
+    out.append(Config("fttree DiLoCo H=32 int8, rank 3 killed in round 2", ("--diloco", "32", "--compression", "int8",
+                                                                          "--faults", "crash 3 @2"),
+                      max(4 * budget, 4 * 32)))
+    return out
+
+
+@dataclass
+class Run:
+    config: Config
+    evals: list[dict[str, Any]] = field(default_factory=list)  # rank 0: t, at, step, local_steps, accuracy
+    bytes_at: list[tuple[float, int]] = field(default_factory=list)  # (time.time(), busiest rank's bytes)
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    def first_at(self, target: float) -> dict[str, Any] | None:
+        return next((e for e in self.evals if e["accuracy"] >= target), None)
+
+    def bytes_until(self, at: float) -> int:
+        """The busiest rank's bytes at wall time `at` (the last reading at or before it, else the first after)."""
+        before = [b for t, b in self.bytes_at if t <= at]
+        if before:
+            return before[-1]
+        return self.bytes_at[0][1] if self.bytes_at else 0
+
+    @property
+    def final(self) -> float:
+        return float(self.evals[-1]["accuracy"]) if self.evals else float("nan")
+
+
+def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]) -> Run:
+    up.apply(world)  # zeroes the counters
+    evals_every = 1 if "--diloco" in config.args else max(1, config.local_steps // 10)
+    steps = config.local_steps
+    cmd = [sys.executable, str(SOURCE_ROOT / "examples" / "train_mlp.py"), "-n", str(world), "--steps", str(steps),
+           "--hidden", str(HIDDEN), "--synthetic", str(SAMPLES), "--eval-every", str(evals_every), "--json",
+           "--warmup", "0",
+           "--step-timeout", "120", *config.args]
+    run = Run(config)
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(1.0):
+            counts = up.counters()
+            run.bytes_at.append((time.time(), max(counts.values(), default=0)))
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        out = subprocess.run(up.wrap(cmd), capture_output=True, text=True, timeout=3600, check=False)
+    finally:
+        done.set()
+        poller.join()
+    run.bytes_at.append((time.time(), max(up.counters().values(), default=0)))
+    for line in out.stdout.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "eval" in doc:
+            run.evals.append(doc["eval"])
+        elif isinstance(doc, dict) and "median_step_s" in doc:
+            run.summary = doc
+    if out.returncode != 0 or not run.evals:
+        run.error = (out.stderr or out.stdout)[-600:]
+    echo(f"  {config.label}: {len(run.evals)} evaluations, final accuracy {run.final:.4f}"
+         + (f" (FAILED: {run.error.strip().splitlines()[-1] if run.error.strip() else 'no output'})"
+            if run.error else ""))
+    return run
+
+
+def render(rate: str, world: int, runs: Sequence[Run]) -> str:
+    base = runs[0]
+    target = base.final
+    reached = base.first_at(target)
+    base_t = reached["t"] if reached else float("nan")
+    base_b = base.bytes_until(reached["at"]) if reached else 0
+    lines = [f"### {rate} uplinks, {world} workers, target {target:.4f} (gloo DDP's accuracy after "
+             f"{base.config.local_steps} steps)", "",
+             "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy |",
+             "|---|---|---|---|---|---|"]
+    for run in runs:
+        hit = run.first_at(target)
+        if hit is None:
+            lines.append(f"| {run.config.label} | not reached in {run.config.local_steps} local steps | | | | "
+                         f"{run.final:.4f} |")
+            continue
+        b = run.bytes_until(hit["at"])
+        lines.append(f"| {run.config.label} | {hit['t']:.1f} s ({hit['local_steps']} local steps) | "
+                     f"{hit['t'] / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
+                     f"{run.final:.4f} |")
+    return "\n".join(lines)
+
+
+def run(rates: Sequence[str], world: int, budget: int, echo: Callable[[str], None]) -> list[str]:
+    """Every configuration behind each rate; returns one markdown table per rate."""
+    tables = []
+    for rate in rates:
+        echo(f"{rate} uplinks, {world} workers:")
+        with Uplinks(rate) as up:
+            up.start(world)
+            runs = [run_one(up, world, c, echo) for c in configs(budget)]
+        if runs[0].error or not runs[0].evals:
+            echo(f"gloo DDP failed behind {rate}: no target")
+            continue
+        tables.append(render(rate, world, runs))
+        echo(tables[-1])
+    return tables

@@ -1,0 +1,43 @@
+"""`fttree bench --diloco`'s arithmetic, without a network: the target, the time and the bytes
+until a run first reached it, and the configurations it runs."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from fttree.tools.bench_cli import bench
+from fttree.tools.bench_diloco import Config, Run, configs, render
+
+
+def _run(label: str, evals: list[tuple[float, int, float]], bytes_at: list[tuple[float, int]]) -> Run:
+    run = Run(Config(label, (), 30))
+    run.evals = [{"t": t, "at": 1000 + t, "step": s, "local_steps": s, "accuracy": a} for t, s, a in evals]
+    run.bytes_at = [(1000 + t, b) for t, b in bytes_at]
+    return run
+
+
+def test_time_and_bytes_until_the_first_evaluation_at_the_target() -> None:
+    gloo = _run("gloo DDP", [(10, 10, 0.5), (20, 20, 0.8), (30, 30, 0.9)], [(5, 10**6), (29, 9 * 10**6), (31, 10**7)])
+    diloco = _run("DiLoCo", [(1, 8, 0.85), (2, 16, 0.91), (3, 24, 0.95)], [(0.5, 10**4), (1.9, 10**5), (3, 10**6)])
+    never = _run("never", [(5, 5, 0.2)], [(5, 100)])
+    assert diloco.first_at(0.9) == diloco.evals[1]
+    assert diloco.bytes_until(1002) == 10**5  # the last reading before it
+    assert gloo.bytes_until(1003) == 10**6  # none before: the first one
+    table = render("10mbit", 7, [gloo, diloco, never])
+    assert "target 0.9000" in table
+    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 9.0 MB | 1.0000 | 0.9000 |" in table
+    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 0.1 MB | 0.0111 | 0.9500 |" in table
+    assert "| never | not reached in 30 local steps |" in table
+
+
+def test_the_configurations_and_the_dry_run() -> None:
+    labels = [c.label for c in configs(30)]
+    assert labels[:2] == ["gloo DDP", "fttree DDP"]
+    assert "fttree DiLoCo H=128 int8" in labels
+    assert all(c.local_steps >= 4 * int(c.args[1]) for c in configs(30) if "--diloco" in c.args)
+    out = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "10mbit", "--dry-run"])
+    assert out.exit_code == 0, out.output
+    assert "10mbit: fttree DiLoCo H=8 float32: 120 local steps" in out.output
+    bad = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "fast", "--dry-run"])
+    assert bad.exit_code != 0
+    assert "--uplink" in bad.output
