@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -65,3 +65,13 @@ def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def run_threads(targets: list[Callable[[], None]], limit_s: float = 120) -> None:
+    """Run each target on a thread of its own; all must end within `limit_s` each."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+        assert not t.is_alive(), "a worker did not finish within its deadline"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -130,6 +131,16 @@ def _depth(world: int) -> int:
                                              (4, ())])
 def test_every_rank_gets_the_same_bits_within_the_bound(compression: str, world: int,
                                                          cuts: tuple[tuple[int, int], ...]) -> None:
+    # Each hop rounds once to the wire format (leaf, every interior rank, the root's result), so
+    # the error is at most (depth + 2) unit roundoffs of the magnitudes summed, plus float32's own.
+    check_same_bits_within(world, cuts, compression,
+                           lambda magnitude: (_depth(world) + 2) * UNIT_ROUNDOFF[compression] * magnitude)
+
+
+def check_same_bits_within(world: int, cuts: tuple[tuple[int, int], ...], compression: str,
+                           rounding: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Every rank holds the same bits, all contributors, and the exact sum within
+    `rounding(the magnitudes summed)` plus float32's own error; and the format did round."""
     data = _data(world, 3000, seed=world)
     _net, outs = run_one_step(world, data, cuts=cuts, compression=compression, chunk_bytes=4096)
     first = outs[0].data.view(np.uint32)
@@ -137,13 +148,11 @@ def test_every_rank_gets_the_same_bits_within_the_bound(compression: str, world:
         assert np.array_equal(o.data.view(np.uint32), first), "ranks disagree on the bits"
         assert o.contributors == tuple(range(world))
         assert o.data.dtype == np.float32
-    # Each hop rounds once to the wire format (leaf, every interior rank, the root's result), so
-    # the error is at most (depth + 2) unit roundoffs of the magnitudes summed, plus float32's own.
     exact = np.sum(np.array(data, dtype=np.float64), axis=0)
     magnitude = np.sum(np.abs(np.array(data, dtype=np.float64)), axis=0)
-    bound = ((_depth(world) + 2) * UNIT_ROUNDOFF[compression] + world * 2.0**-24) * magnitude
+    bound = rounding(magnitude) + world * 2.0**-24 * magnitude
     assert (np.abs(outs[0].data - exact) <= bound).all()
-    # ... and it did round: float32 data of this spread does not survive a 2-byte format
+    # ... and it did round: float32 data of this spread does not survive the format
     assert not np.array_equal(outs[0].data, exact.astype(np.float32))
 
 

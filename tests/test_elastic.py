@@ -23,7 +23,7 @@ from fttree.core.messages import Kind, State
 from fttree.errors import GroupLeft
 from fttree.training import elastic, optim
 from fttree.training.state import Extra, TrainingState, capture, encode
-from tests.conftest import local_peers
+from tests.conftest import local_peers, run_threads
 from tests.procs import Output
 
 MAX_STEPS = 400
@@ -118,14 +118,6 @@ def train(rank: int, peers: list[str] | dict[int, str], run: Run, *, crash_at: i
     finally:
         ar.close()
 
-
-def run_threads(targets: list[Callable[[], None]], limit_s: float = 120) -> None:
-    threads = [threading.Thread(target=t, daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit_s)
-        assert not t.is_alive(), "a worker did not finish within its deadline"
 
 
 def test_a_killed_worker_restarts_takes_its_state_from_a_peer_and_matches_bit_for_bit() -> None:

@@ -28,6 +28,8 @@ from fttree.net.node import StepResult
 from fttree.testing.sim import SimNetwork
 
 from .conftest import cluster
+from .test_compression import _data, _depth, check_same_bits_within
+from .test_compression import run_one_step as _run
 
 # ---- the codec ---------------------------------------------------------------------------------
 
@@ -91,40 +93,11 @@ def test_frames_carry_int8_and_check_its_length() -> None:
 # ---- the protocol ------------------------------------------------------------------------------
 
 
-def _run(world: int, data: list[np.ndarray], **kw: object) -> tuple[SimNetwork, list[StepResult]]:
-    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, **kw)
-    net.submit_all(0, data)
-    net.run()
-    outs = [net.outcome(r, 0) for r in range(world)]
-    assert all(isinstance(o, StepResult) for o in outs), outs
-    return net, outs  # type: ignore[return-value]
-
-
-def _data(world: int, n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [(rng.standard_normal(n) * rng.uniform(0.1, 10)).astype(np.float32) for _ in range(world)]
-
-
-def _depth(world: int) -> int:
-    return max(0, world.bit_length() - 1)
-
-
 @pytest.mark.parametrize("world", [2, 4, 7, 15])
 def test_every_rank_gets_the_same_bits_within_the_bound(world: int) -> None:
-    data = _data(world, 3000, seed=world)
-    _net, outs = _run(world, data, compression="int8", chunk_bytes=4096)
-    first = outs[0].data.view(np.uint32)
-    for o in outs:
-        assert np.array_equal(o.data.view(np.uint32), first), "ranks disagree on the bits"
-        assert o.contributors == tuple(range(world))
-        assert o.data.dtype == np.float32
     # Each hop rounds once (leaf, every interior rank, the root's result) by at most half a step
     # of its block, and a partial sum's block holds no more than the block's sum of magnitudes.
-    exact = np.sum(np.array(data, dtype=np.float64), axis=0)
-    magnitude = np.sum(np.abs(np.array(data, dtype=np.float64)), axis=0)
-    bound = (_depth(world) + 2) * _block_max(magnitude) / 254 + world * 2.0**-24 * magnitude
-    assert (np.abs(outs[0].data - exact) <= bound).all()
-    assert not np.array_equal(outs[0].data, exact.astype(np.float32))  # it did round
+    check_same_bits_within(world, (), "int8", lambda magnitude: (_depth(world) + 2) * _block_max(magnitude) / 254)
 
 
 def test_about_a_quarter_of_the_bytes_on_the_wire() -> None:
