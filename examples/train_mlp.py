@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="rank 0 prints the held-out accuracy every K training steps (with --json: a JSON line "
                         "{\"eval\": ...} with the seconds since training began)")
+    p.add_argument("--gloo-bind", action="store_true",
+                   help="with --comm gloo: rank r's connections leave from 127.0.0.(r+1), as fttree's do, so that "
+                        "uplinks shaped by source address (fttree bench) limit gloo alike")
     p.add_argument("--overlap", action="store_true",
                    help="with --diloco: run each outer step behind the next round's local steps")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
@@ -143,7 +146,16 @@ def train(args: argparse.Namespace) -> int:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        dist.init_process_group("gloo")
+        backend = "gloo"
+        if args.gloo_bind:
+            from fttree.tools.bindshim import shim_active
+            from fttree.tools.gloo_baseline import reexec_with_shim, register_bound_gloo
+
+            addr = f"127.0.0.{int(os.environ['RANK']) + 1}"
+            if not shim_active(addr):
+                reexec_with_shim(addr)  # this process again, with the connect() wrapper loaded
+            backend = register_bound_gloo(addr)
+        dist.init_process_group(backend)
         rank, world = dist.get_rank(), dist.get_world_size()
         model = thesis_mlp(seed=0, hidden=args.hidden)
         net = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)

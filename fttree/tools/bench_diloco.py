@@ -37,7 +37,7 @@ class Config:
 def configs(budget: int) -> list[Config]:
     """gloo DDP and fttree DDP for `budget` steps; DiLoCo for 4x that in local steps (at
     least 4 rounds), H = 8, 32, 128, float32 and int8; and one DiLoCo run with a worker killed."""
-    out = [Config("gloo DDP", ("--comm", "gloo"), budget), Config("fttree DDP", (), budget)]
+    out = [Config("gloo DDP", ("--comm", "gloo", "--gloo-bind"), budget), Config("fttree DDP", (), budget)]
     for h in (8, 32, 128):
         for wire in ("float32", "int8"):
             extra = ("--compression", "int8") if wire == "int8" else ()
@@ -137,15 +137,26 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
 
 def run(rates: Sequence[str], world: int, budget: int, echo: Callable[[str], None]) -> list[str]:
     """Every configuration behind each rate; returns one markdown table per rate."""
+    from .realfaults import sigterm_as_interrupt
+
     tables = []
-    for rate in rates:
-        echo(f"{rate} uplinks, {world} workers:")
-        with Uplinks(rate) as up:
-            up.start(world)
-            runs = [run_one(up, world, c, echo) for c in configs(budget)]
-        if runs[0].error or not runs[0].evals:
-            echo(f"gloo DDP failed behind {rate}: no target")
-            continue
-        tables.append(render(rate, world, runs))
-        echo(tables[-1])
+    with sigterm_as_interrupt():  # a SIGTERM still takes the namespace and its workers down
+        for rate in rates:
+            table = _run_rate(rate, world, budget, echo)
+            if table:
+                tables.append(table)
     return tables
+
+
+def _run_rate(rate: str, world: int, budget: int, echo: Callable[[str], None]) -> str:
+    """One rate's table ('' when gloo, which sets the target, failed)."""
+    echo(f"{rate} uplinks, {world} workers:")
+    with Uplinks(rate) as up:
+        up.start(world)
+        runs = [run_one(up, world, c, echo) for c in configs(budget)]
+    if runs[0].error or not runs[0].evals:
+        echo(f"gloo DDP failed behind {rate}: no target")
+        return ""
+    table = render(rate, world, runs)
+    echo(table)
+    return table
