@@ -228,8 +228,8 @@ class Node:
 
     def not_done(self) -> list[int]:
         """The members this finished rank still waits for (core/farewell.py)."""
-        return self.replica.farewell.waiting_for(self.membership.view.members, me=self.rank, done=self.membership.done,
-                                         last=self.steps.last_submitted)
+        return self.replica.farewell.waiting_for(self.membership.view.members, me=self.rank,
+                                                 done=self.membership.done, last=self.steps.last_submitted)
 
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""

@@ -56,7 +56,7 @@ from .optim import DistributedOptimizer, GradientSync, TrainingStep
 class OuterStats:
     """Where the outer steps' time went on this worker."""
 
-    outer_steps: int = 0
+    outer_steps: int = 0  # timed in this process (DiLoCo.outer_steps also counts a checkpoint's)
     sync_s: float = 0.0  # the outer steps took this long, from submitting to the new global parameters
     waited_s: float = 0.0  # of which the caller waited this long (overlap hides the rest behind local steps)
 
@@ -144,8 +144,9 @@ class DiLoCo:
         self._worked = False
         began = time.perf_counter()
         self._sync(contribute)
-        self.stats.sync_s += time.perf_counter() - began
-        self.stats.waited_s += time.perf_counter() - began
+        took = time.perf_counter() - began
+        self.stats.sync_s += took
+        self.stats.waited_s += took  # blocking: the caller waits for all of it
         self._to_model()
 
     def _sync(self, contribute: bool) -> None:
