@@ -152,6 +152,28 @@ def test_broadcast_parameters_makes_replicas_identical() -> None:
     assert torch.equal(results[0][-1], torch.full((4,), 2.0, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("differ", [None, 2], ids=["same seed", "rank 2 differs by one bit"])
+def test_broadcast_parameters_copies_only_when_the_values_differ(differ: int | None) -> None:
+    """Replicas built from one seed compare a digest and copy nothing; one bit off on one rank
+    and every worker (the same ones too) copies rank 0's values, which then hold everywhere."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[bool, list[torch.Tensor]]:
+        model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+        with torch.no_grad():
+            for i, t in enumerate([*model.parameters(), *model.buffers()]):
+                t.copy_(torch.arange(t.numel()).reshape(t.shape).to(t.dtype) + i)
+            if rank == differ:
+                weight = model[0].weight.view(-1).view(torch.int32)
+                weight[4] ^= 1  # the lowest mantissa bit of one weight
+        copied = fttree.broadcast_parameters(model, ar)
+        return copied, [t.clone() for t in [*model.parameters(), *model.buffers()]]
+
+    results = ok(run_ranks(WORLD, body))
+    assert [copied for copied, _ in results] == [differ is not None] * WORLD
+    for rank in range(1, WORLD):
+        for a, b in zip(results[0][1], results[rank][1], strict=True):
+            assert torch.equal(a, b), f"rank {rank} differs from rank 0 after the start"
+
+
 class ManyParams(nn.Module):
     """Many small parameters, one huge one, one never used, one used by some ranks only."""
 
@@ -360,7 +382,8 @@ def test_cuda_gradients_go_through_the_host() -> None:  # pragma: no cover - nee
 
 def test_a_failed_step_raises_on_every_worker_and_the_next_step_works() -> None:
     """Rank 2 is cut off during the first training step (window @0: windows count training
-    steps; it is allreduce step 3, after two setup steps and the bucket check): every worker's
+    steps; it is allreduce step 2, after the model check, which copies nothing since the replicas
+    are built alike, and the bucket check): every worker's
     step() raises StepAborted naming the bucket; the following step goes through again on all
     of them."""
     def body(rank: int, ar: FTTreeAllreduce) -> tuple[str, bool]:
@@ -379,7 +402,7 @@ def test_a_failed_step_raises_on_every_worker_and_the_next_step_works() -> None:
     # that step failing everywhere and the next one working, not about evicting rank 2 meanwhile
     for rank, (error, stepped) in enumerate(ok(run_ranks(WORLD, body, step_timeout_s=2, faults="isolate 2 @0",
                                                          node_deadline_s=10))):
-        assert "step 3 aborted" in error, f"rank {rank}: {error}"
+        assert "step 2 aborted" in error, f"rank {rank}: {error}"
         assert "averaging gradient bucket 0" in error, f"rank {rank}: {error}"
         assert stepped
 

@@ -17,6 +17,7 @@ all of them and writes the averaged gradients back into `.grad`.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import weakref
@@ -139,29 +140,43 @@ def close_gracefully(allreduce: FTTreeAllreduce) -> None:
 
 
 def check_same_layout(ar: FTTreeAllreduce, what: str, entries: Sequence[str], *, numel: int = 0,
-                      summary: str = "") -> None:
+                      summary: str = "", values: str = "") -> bool:
     """Compare a layout description across all workers in one small allreduce; raise
     ModelMismatch on every worker (naming the ranks that differ) if they are not all equal.
 
-    Each rank writes (digest, entry count, `numel`) into its own row of a world x 3 int64
-    array; the sum hands every rank every row."""
+    Each rank writes (digest, entry count, `numel`, `values`) into its own row of a world x 4
+    int64 array; the sum hands every rank every row. `values` (hex, at most 60 bits) is a
+    digest of this rank's values: returns whether every contributor's is the same, which every
+    worker decides alike from the same rows (False when `values` is not given)."""
     world, rank = ar.world, ar.rank
     mine = digest(entries)
-    table = np.zeros((world, 3), dtype=np.int64)
-    table[rank] = (int(mine, 16), len(entries), numel)
-    res = _wait([ar.submit_array(table.reshape(-1), f"layout check: {what} int64[{world}x3]")], ar,
+    table = np.zeros((world, 4), dtype=np.int64)
+    table[rank] = (int(mine, 16), len(entries), numel, int(values, 16) if values else 0)
+    res = _wait([ar.submit_array(table.reshape(-1), f"layout check: {what} int64[{world}x4]")], ar,
                 lambda _: f"comparing the {what} of all workers")[0]
-    rows = res.data.reshape(world, 3)
-    if (rows[:, 0] == rows[rank, 0]).all():
-        return
+    rows = res.data.reshape(world, 4)
+    voters = list(res.contributors)
+    if all(rows[r, 0] == rows[rank, 0] for r in voters):
+        return bool(values) and all(rows[r, 3] == rows[rank, 3] for r in voters)
     groups: dict[int, list[int]] = {}
-    for r in res.contributors:
+    for r in voters:
         groups.setdefault(int(rows[r, 0]), []).append(r)
     parts = [f"ranks {ranks} have #{key:012x} ({rows[ranks[0], 1]} tensors, {rows[ranks[0], 2]:,} elements)"
              for key, ranks in sorted(groups.items(), key=lambda kv: kv[1])]
     reason = (f"{what} differs between workers: {'; '.join(parts)}. This is rank {rank}"
               + (f", whose {what} is {summary}" if summary else ""))
-    raise ModelMismatch(res.step, reason, peers=tuple(r for r in res.contributors if rows[r, 0] != rows[rank, 0]))
+    raise ModelMismatch(res.step, reason, peers=tuple(r for r in voters if rows[r, 0] != rows[rank, 0]))
+
+
+def values_digest(named: Named) -> str:
+    """A 60-bit digest of the tensors' bytes (names and shapes are the layout's part): replicas
+    that start from the same seed have the same one, so nothing needs to be copied."""
+    h = hashlib.blake2b(digest_size=8)
+    for _, t in named:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                 if t.numel() else b"")
+        h.update(b"\0")
+    return f"{int.from_bytes(h.digest(), 'big') >> 4:015x}"
 
 
 def _layout_entries(named: Named) -> list[str]:
@@ -176,21 +191,24 @@ def _summary(named: Named, limit: int = 6) -> str:
 # ---- broadcast ----------------------------------------------------------------------------
 
 
-def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int = 0, *, check: bool = True) -> None:
+def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int = 0, *, check: bool = True) -> bool:
     """Copy rank `root_rank`'s parameters (and buffers, for a module) into every worker, so
-    all replicas start identical without seeding by hand.
+    all replicas start identical without seeding by hand. Returns whether anything was copied.
 
-    `target` is a module, a tensor, or an iterable of tensors or (name, tensor) pairs. One
-    allreduce per wire dtype: the root contributes its values, everyone else -0.0 (x + -0.0 is
-    x to the bit). With `check`, the layouts are compared first so different models fail with
-    ModelMismatch on every worker instead of a bare size mismatch."""
+    `target` is a module, a tensor, or an iterable of tensors or (name, tensor) pairs. With
+    `check` (the default), one small allreduce first compares the layouts, so different models
+    fail with ModelMismatch on every worker instead of a bare size mismatch, and a digest of
+    the values: when every worker already holds the same values (they were built from one
+    seed), nothing is copied, which saves a model's worth of bytes through every link. Else
+    one allreduce per wire dtype: the root contributes its values, everyone else -0.0 (x + -0.0
+    is x to the bit)."""
     ar = allreduce
     if not 0 <= root_rank < ar.world:
         raise ConfigError(f"root_rank {root_rank} is not a rank of a world of {ar.world}")
     named = _named_tensors(target)
-    if check:
-        check_same_layout(ar, "model state", _layout_entries(named), numel=sum(t.numel() for _, t in named),
-                          summary=_summary(named))
+    if check and check_same_layout(ar, "model state", _layout_entries(named), numel=sum(t.numel() for _, t in named),
+                                   summary=_summary(named), values=values_digest(named)):
+        return False
     groups: dict[np.dtype, Named] = {}
     for name, t in named:
         groups.setdefault(wire_dtype(t.dtype), []).append((name, t))
@@ -209,13 +227,14 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
         plans.append(members)
     results = _wait(futures, ar, lambda i: f"broadcasting parameters from rank {root_rank}")
     if ar.rank == root_rank:
-        return
+        return True
     with torch.no_grad():
         for members, res in zip(plans, results, strict=True):
             data, offset = torch.from_numpy(res.data), 0
             for _, t in members:
                 t.copy_(data[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
+    return True
 
 
 # ---- gradient hooks -----------------------------------------------------------------------
