@@ -10,7 +10,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,38 +152,69 @@ def free_port(workers: int = 16) -> int:
     return address.free_port(address.local_hosts(max(16, workers)))
 
 
+RESTARTED = "TRAIN_MLP_RESTARTED"  # set for a process the launcher started again (--restart)
+OUTPUT_LINES = 400  # a worker's last lines, shown if it fails
+
+
 def launch_local(script: str, n: int, worker_args: Sequence[str], env_for_rank: dict[int, dict[str, str]],
-                 deadline_s: float) -> int:
+                 deadline_s: float, restart: int | None = None) -> int:
     """Run n copies of `script` on this machine; rank 0's output is shown, the others' only
     if they fail. Returns the worst exit code. The workers prove a key made for this job
-    (FTTREE_AUTH_KEY_FILE), unless the environment names one already."""
-    procs = []
+    (FTTREE_AUTH_KEY_FILE), unless the environment names one already. `restart`: once that
+    rank's process has ended (its --faults crash), start it again, with RESTARTED set."""
     keys = tempfile.TemporaryDirectory(prefix="fttree-job-")
     job = {} if os.environ.get("FTTREE_AUTH_KEY_FILE") else \
         {"FTTREE_AUTH_KEY_FILE": str(write_key(Path(keys.name) / "job.key"))}
-    for rank in range(n):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **job, **env_for_rank[rank]}
-        procs.append(subprocess.Popen([sys.executable, script, *worker_args], env=env,
-                                      stdout=None if rank == 0 else subprocess.PIPE,
-                                      stderr=None if rank == 0 else subprocess.STDOUT, text=True))
+
+    def start(rank: int, extra: dict[str, str]) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **job, **env_for_rank[rank], **extra}
+        return subprocess.Popen([sys.executable, script, *worker_args], env=env,
+                                stdout=None if rank == 0 else subprocess.PIPE,
+                                stderr=None if rank == 0 else subprocess.STDOUT, text=True)
+
+    procs = {rank: start(rank, {}) for rank in range(n)}
+    outputs: dict[int, deque[str]] = {rank: deque(maxlen=OUTPUT_LINES) for rank in range(1, n)}
+    readers = [threading.Thread(target=_drain, args=(proc, outputs[rank]), daemon=True)
+               for rank, proc in procs.items() if rank]
+    for reader in readers:
+        reader.start()
     end, worst = time.monotonic() + deadline_s, 0
     try:
-        for rank, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-            if proc.returncode:
-                worst = worst or proc.returncode
-                if out:
-                    print(f"--- rank {rank} exited with {proc.returncode}:\n{out[-4000:]}", file=sys.stderr)
-    except subprocess.TimeoutExpired:
-        print(f"workers still running after {deadline_s:g} s: stopping them", file=sys.stderr)
-        worst = 124
+        while procs:
+            for rank, proc in list(procs.items()):
+                if proc.poll() is None:
+                    continue
+                del procs[rank]
+                if proc.returncode:
+                    worst = worst or proc.returncode
+                    out = "".join(outputs.get(rank, []))
+                    if out:
+                        print(f"--- rank {rank} exited with {proc.returncode}:\n{out[-4000:]}", file=sys.stderr)
+                elif rank == restart:
+                    restart = None
+                    procs[rank] = start(rank, {RESTARTED: "1"})
+                    outputs[rank].clear()
+                    reader = threading.Thread(target=_drain, args=(procs[rank], outputs[rank]), daemon=True)
+                    reader.start()
+            if procs and time.monotonic() > end:
+                print(f"workers still running after {deadline_s:g} s: stopping them", file=sys.stderr)
+                worst = 124
+                break
+            time.sleep(0.05)  # polling the children's exits: nothing else to wait on for several at once
     finally:
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         keys.cleanup()
     return worst
+
+
+def _drain(proc: subprocess.Popen[str], into: deque[str]) -> None:
+    """A worker's combined output, kept for the report if it fails."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append(line)
 
 
 class Progress:

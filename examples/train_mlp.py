@@ -43,6 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_common import (
     BATCH,
+    RESTARTED,
     Dataset,
     IndexedSamples,
     Progress,
@@ -95,7 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                        "implies --stable")
     p.add_argument("--stable", action="store_true",
                    help="sampler stable mode: each sample stays on its worker across epochs")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the sampler (default 0)")
+    p.add_argument("--restart", type=int, default=None, metavar="R",
+                   help="with --faults \"crash R @S\": start rank R again once its process ended; it rejoins, takes "
+                        "the training state from a peer, and the run goes on past --steps until R is back among "
+                        "a step's contributors")
     return p.parse_args(argv)
 
 
@@ -110,7 +115,14 @@ def launch(args: argparse.Namespace) -> int:
         port = str(free_port())
         envs = {r: {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port} for r in range(n)}
-    return launch_local(__file__, n, sys.argv[1:], envs, args.deadline)
+    if args.restart is not None and not 0 <= args.restart < n:
+        raise SystemExit(f"--restart {args.restart}: not a rank of {n} workers")
+    if args.restart is not None and args.comm != "fttree":
+        raise SystemExit("--restart needs --comm fttree: a gloo group cannot take a worker back")
+    if args.restart is not None and args.overlap:
+        raise SystemExit("--restart with --overlap: this example commits an overlapped round a round late and "
+                         "cannot tell a restarted process when an epoch ends; use one or the other")
+    return launch_local(__file__, n, sys.argv[1:], envs, args.deadline, restart=args.restart)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -122,14 +134,15 @@ def train(args: argparse.Namespace) -> int:
         import fttree
         from fttree.core.protocol import NoteKind
 
+        restarted = os.environ.get(RESTARTED) == "1"  # the crash is behind this process: no --faults
         ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-                                             faults=args.faults or None).start()
+                                             faults=None if restarted else args.faults or None).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
                                       if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK) else None)
-        model = thesis_mlp(seed=rank, hidden=args.hidden)  # different on purpose: the broadcast makes rank 0's start
-        # everyone's
+        model = thesis_mlp(seed=args.seed, hidden=args.hidden)  # one seed: the start compares a digest and copies
+        # nothing (a model built otherwise would be copied from rank 0)
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)
         opt: Any
         if args.diloco:
@@ -157,7 +170,7 @@ def train(args: argparse.Namespace) -> int:
             backend = register_bound_gloo(addr)
         dist.init_process_group(backend)
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = thesis_mlp(seed=0, hidden=args.hidden)
+        model = thesis_mlp(seed=args.seed, hidden=args.hidden)
         net = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr)
         close = dist.destroy_process_group
@@ -196,6 +209,7 @@ def train(args: argparse.Namespace) -> int:
                                        "fewest_contributors": fewest,
                                        "epochs": len(audits),
                                        "exactly_once": all(a["once"] for a in audits if a["complete"]),
+                                       "last_contributors": list(opt.last_step.contributors) if opt.last_step else [],
                                        **({"outer_hidden": round(opt.stats.hidden, 3),
                                            "outer_waited_s": round(opt.stats.waited_s, 3),
                                            "outer_sync_s": round(opt.stats.sync_s, 3)} if args.diloco else {})})
@@ -241,7 +255,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
 
     import fttree
 
-    rank, n_train = ar.rank, len(data.x_train)
+    rank, n_train, restart = ar.rank, len(data.x_train), args.restart
     dataset: Any = IndexedSamples(data.x_train, data.y_train)
     cache = None
     if args.cache_dir:
@@ -249,20 +263,28 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     inner_steps = args.diloco or 1  # local steps per training step (a DiLoCo round)
     steps = -(-args.steps // inner_steps)
     lag = 1 if args.diloco and args.overlap else 0  # an overlapped round is committed when the next one ends
-    sampler = fttree.ElasticSampler(n_train, BATCH * inner_steps, rank=rank, members=ar.view.members, seed=args.seed,
-                                    stable=args.stable or cache is not None,
-                                    horizon=fttree.loader_horizon(args.loader_workers) + lag)
+    # follow(): a restarted process takes the epoch history from a peer with the training state
+    sampler = fttree.ElasticSampler.follow(opt, n_train, BATCH * inner_steps, seed=args.seed,
+                                           stable=args.stable or cache is not None,
+                                           horizon=fttree.loader_horizon(args.loader_workers) + lag)
     in_flight: dict[int, list[int]] = {}  # round -> this rank's samples in it, until its outer step is committed
     committed = -1  # the newest training step committed
+    # --restart R: every worker goes on past --steps until R, once missing from a step, is back
+    # among a step's contributors; all see the same contributors, so all stop at the same step
+    missed, back = opt.syncing, restart is None
 
     def commit_done(trained: list[int]) -> None:
         """Commit the newest step if its outer step finished here and it is not committed yet."""
-        nonlocal fewest, committed
+        nonlocal fewest, committed, missed, back
         done = opt.last_step
         if done is None or done.step <= committed:
             return
         committed = done.step
-        fewest = min(fewest, len(done.contributors))
+        if restart is not None:
+            missed = missed or restart not in done.contributors
+            back = back or (missed and restart in done.contributors)
+        if not opt.syncing:  # a restarted process counts from when it holds the group's model
+            fewest = min(fewest, len(done.contributors))
         if rank in done.contributors:
             trained.extend(in_flight.get(done.step, []))
         in_flight.pop(done.step, None)
@@ -274,9 +296,34 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     audits: list[dict[str, Any]] = []
     fewest = ar.world  # the fewest workers whose batches one step's sum held (fewer: one died, or was lost)
     step, epoch = 0, 0
-    while step < steps:
-        sampler.set_epoch(epoch)
-        trained: list[int] = []  # samples this rank trained in steps that list it as a contributor
+    carried: list[int] = []  # a restarted process: what its earlier process committed in this epoch
+    resumed = opt.syncing  # a restarted process comes in mid-epoch: its sampler is in that epoch already
+    def audit_now(members_audit: bool) -> bool:
+        """--restart: one number after each round tells every process whether the members audit
+        an epoch now. A restarted process still waiting for the group's history cannot know
+        when an epoch ends, yet must take part in the audit's allreduce like any member."""
+        if restart is None:
+            return members_audit
+        ar.mark_step(None)  # not a training step
+        return float(ar.allreduce(np.array([1.0 if members_audit else 0.0], dtype=np.float32))[0]) > 0
+
+    if opt.syncing:
+        while not sampler.member:  # no batch until the sampler, with the group's history, deals to it
+            for _ in range(inner_steps):
+                opt.zero_grad()
+                opt.step(contribute=False)
+            commit_done([])
+            if audit_now(False):  # an epoch ended while this process waited: its part is nothing
+                ar.mark_step(None)
+                ar.allreduce(np.zeros(n_train + ar.world, dtype=np.int32))
+        assert opt.last_step is not None
+        step, epoch = opt.last_step.step + 1 + lag, sampler.epoch
+        carried = sampler.committed(rank).tolist()
+    while step < steps or not back:
+        if not resumed:
+            sampler.set_epoch(epoch)
+        trained: list[int] = carried  # samples this rank trained in steps that list it as a contributor
+        carried, resumed = [], False
         fetched_before = cache.stats().fetched if cache is not None else 0
         for batch in loader:
             seen = len(recoveries)
@@ -303,6 +350,8 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                 loss_value, acc, note = sum(losses) / len(losses), hits / len(y), ""
             in_flight[step] = idx.tolist() if batch is not None else []
             commit_done(trained)
+            if restart is not None:  # the loop below stops after this round at an epoch's end or at the last step
+                audit_now(sampler.finished or (step + 1 >= steps and back))
             seconds = time.perf_counter() - t0
             new = recoveries[seen:]
             note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
@@ -310,7 +359,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
             if evaluate is not None:
                 evaluate(step)
             step += 1
-            if step >= steps:
+            if step >= steps and back:
                 break
         if lag:  # the epoch's last round is in flight: take it in before the audit
             opt.flush()

@@ -28,6 +28,20 @@ def test_time_and_bytes_until_the_first_evaluation_at_the_target() -> None:
     assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 9.0 MB | 1.0000 | 0.9000 |" in table
     assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 0.1 MB | 0.0111 | 0.9500 |" in table
     assert "| never | not reached in 30 local steps |" in table
+    assert "restart" not in table
+
+
+def test_the_restart_run_says_whether_the_rank_came_back_and_every_sample_was_used_once() -> None:
+    fault = next(c for c in configs(30) if "--restart" in c.args)
+    run = Run(fault)
+    run.summary = {"steps": 9, "last_contributors": [0, 1, 2, 3, 4, 5, 6], "fewest_contributors": 6, "epochs": 4,
+                   "exactly_once": True}
+    assert run.restart_line().endswith("9 rounds; rank 3 back among the contributors at the end; fewest "
+                                       "contributors 6; 4 epochs audited (the last may be cut by the end of the "
+                                       "run): each sample exactly once")
+    run.summary = {**run.summary, "last_contributors": [0, 1, 2], "exactly_once": False}
+    assert "rank 3 NOT back" in run.restart_line()
+    assert "NOT exactly once" in run.restart_line()
 
 
 def test_the_configurations_and_the_dry_run() -> None:

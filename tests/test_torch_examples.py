@@ -28,20 +28,34 @@ def test_train_mlp_goes_on_through_a_cut_link() -> None:
     assert summary["test_accuracy"] > 0.3  # 6 SGD steps on digits already beat chance (0.1)
 
 
-def test_train_mlp_with_diloco_survives_a_crash_and_uses_every_sample_once() -> None:
+def test_train_mlp_with_diloco_survives_a_crash_and_a_restart_and_uses_every_sample_once() -> None:
     """`--diloco 4 --compression int8`: a worker killed in round 3 leaves that round's average;
-    its samples not yet committed go to the survivors, and every epoch the survivors finished
-    committed each sample exactly once."""
+    its samples not yet committed go to the survivors; started again (--restart), it takes the
+    state and the sampler's history from a peer and trains again; every epoch finished
+    committed each sample exactly once, those the restarted process waited through included."""
     proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--steps", "40", "--diloco", "4",
-                       "--compression", "int8", "--faults", "crash 2 @3", "--json", "--warmup", "0")
+                       "--compression", "int8", "--faults", "crash 2 @3", "--restart", "2", "--json", "--warmup", "0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     summary, audits = json.loads(lines[-1]), json.loads(lines[-2])["audits"]
-    assert summary["steps"] == 10  # rounds
+    assert summary["steps"] >= 10  # rounds: past --steps until the restarted rank is back
     assert summary["fewest_contributors"] == 3
+    assert summary["last_contributors"] == [0, 1, 2, 3], summary
     assert summary["exactly_once"], audits
-    assert any(a["departed"] == [2] and a["complete"] for a in audits), audits
+    left = next(i for i, a in enumerate(audits) if a["departed"] == [2] and a["complete"])
+    assert audits[left]["answered"] == [0, 1, 3]
+    assert audits[-1]["answered"] == [0, 1, 2, 3], audits[-1]
+    assert all(a["repeated"] == 0 for a in audits), audits
     assert summary["test_accuracy"] > 0.6
+
+
+def test_train_mlp_refuses_a_restart_it_cannot_carry_out() -> None:
+    for extra, says in ((["--restart", "7"], "not a rank of 4 workers"),
+                        (["--restart", "1", "--diloco", "4", "--overlap"], "--restart with --overlap"),
+                        (["--restart", "1", "--comm", "gloo"], "--restart needs --comm fttree")):
+        proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", *extra)
+        assert proc.returncode != 0
+        assert says in proc.stderr, proc.stderr
 
 
 def test_examples_have_help() -> None:

@@ -25,6 +25,7 @@ from .bench_uplinks import Uplinks
 
 HIDDEN = 1280  # 784-1280-10: 1,017,610 parameters
 SAMPLES = 1_000_000  # no epoch ends within a budget: the bench times training, not the audit
+FAULT_SAMPLES = 50_000  # the kill-and-restart run: epochs of about 2 rounds of H=32, each audited
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,16 @@ class Config:
 
 def configs(budget: int) -> list[Config]:
     """gloo DDP and fttree DDP for `budget` steps; DiLoCo for 4x that in local steps (at
-    least 4 rounds), H = 8, 32, 128, float32 and int8; and one DiLoCo run with a worker killed."""
+    least 4 rounds), H = 8, 32, 128, float32 and int8; and one DiLoCo run with a worker killed
+    and started again, on a data set small enough that its epochs end and are audited."""
     out = [Config("gloo DDP", ("--comm", "gloo", "--gloo-bind"), budget), Config("fttree DDP", (), budget)]
     for h in (8, 32, 128):
         for wire in ("float32", "int8"):
             extra = ("--compression", "int8") if wire == "int8" else ()
             out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, 4 * h)))
-    out.append(Config("fttree DiLoCo H=32 int8, rank 3 killed in round 2", ("--diloco", "32", "--compression", "int8",
-                                                                          "--faults", "crash 3 @2"),
-                      max(4 * budget, 4 * 32)))
+    out.append(Config("fttree DiLoCo H=32 int8, rank 3 killed in round 2 and restarted",
+                      ("--diloco", "32", "--compression", "int8", "--faults", "crash 3 @2", "--restart", "3",
+                       "--synthetic", str(FAULT_SAMPLES)), max(4 * budget, 4 * 32)))
     return out
 
 
@@ -65,6 +67,22 @@ class Run:
         if before:
             return before[-1]
         return self.bytes_at[0][1] if self.bytes_at else 0
+
+    def restart_line(self) -> str:
+        """For a run with --restart: whether the rank came back and every epoch it finished
+        used each sample exactly once ('' for other runs)."""
+        if "--restart" not in self.config.args:
+            return ""
+        rank = int(self.config.args[self.config.args.index("--restart") + 1])
+        s = self.summary
+        if not s:
+            return f"{self.config.label}: no summary (the run failed)"
+        back = rank in s.get("last_contributors", [])
+        once = "each sample exactly once" if s.get("exactly_once") else "NOT exactly once"
+        return (f"{self.config.label}: {s.get('steps')} rounds; rank {rank} "
+                f"{'back among the contributors at the end' if back else 'NOT back'}; fewest contributors "
+                f"{s.get('fewest_contributors')}; {s.get('epochs')} epochs audited (the last may be cut by the "
+                f"end of the run): {once}")
 
     @property
     def final(self) -> float:
@@ -132,7 +150,8 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
         lines.append(f"| {run.config.label} | {hit['t']:.1f} s ({hit['local_steps']} local steps) | "
                      f"{hit['t'] / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
                      f"{run.final:.4f} |")
-    return "\n".join(lines)
+    notes = [line for line in (run.restart_line() for run in runs) if line]
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def run(rates: Sequence[str], world: int, budget: int, echo: Callable[[str], None]) -> list[str]:
