@@ -23,6 +23,8 @@ from ..net.node import Node, StepResult
 from .sim import Outcome, SimNetwork
 
 Contribution = Callable[[int, int], np.ndarray]
+OutcomeHook = Callable[["Simulation", int, int, Outcome], None]  # (run, rank, step, outcome)
+AdmittedHook = Callable[["Simulation", int, int], None]  # (run, rank, its first step)
 
 STEP_GAP_S = 0.01  # the compute between two steps of a training loop, in simulated seconds
 JOINED_WITHIN = 3  # steps after its admission by which a new process's contribution is in a result
@@ -53,6 +55,9 @@ class Simulation:
     pending: set[tuple[int, int]] = field(default_factory=set)  # submitted, no outcome (yet)
     submitted_by: dict[tuple[int, int], int] = field(default_factory=dict)  # pending step -> its process
     left: dict[int, int] = field(default_factory=dict)  # a rank that left -> the step it did not take
+    on_outcome: OutcomeHook | None = None  # told each outcome before the loop goes on (a layer above steps)
+    on_admitted: AdmittedHook | None = None  # told a restarted or new process's first step before it submits
+    hook_errors: list[Exception] = field(default_factory=list)  # raised by the hooks (simulate() raises the first)
 
     def results(self, step: int) -> dict[int, StepResult]:
         """Every rank's StepResult of `step` (ranks that failed it are left out)."""
@@ -145,7 +150,12 @@ class _Loop:
         run.pending.discard((rank, step))
         run.submitted_by.pop((rank, step), None)
         error = future.exception()
-        run.outcomes[(rank, step)] = error if error is not None else future.result()
+        run.outcomes[(rank, step)] = outcome = error if error is not None else future.result()
+        if run.on_outcome is not None and self.process == run.network.process_of(rank):
+            try:
+                run.on_outcome(run, rank, step, outcome)
+            except Exception as exc:  # a future's callback would only log it: simulate() raises it
+                run.hook_errors.append(exc)
         if isinstance(error, GroupLeft):
             return  # out of the group: a training loop stops here
         clock = run.network.clock
@@ -154,14 +164,17 @@ class _Loop:
 
 
 def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribution: Contribution | None = None,
-             seed: int = 0, limit_s: float = 600.0, **settings: Any) -> Simulation:
+             seed: int = 0, limit_s: float = 600.0, on_outcome: OutcomeHook | None = None,
+             on_admitted: AdmittedHook | None = None, **settings: Any) -> Simulation:
     """Run `steps` training steps on `world` simulated ranks under the fault schedule `faults`
     (the fault language, plus `restart R @S[..E]`, `join R @S` and `leave R @S`), every rank contributing
     `contribution(rank, step)` (default: `counted()`). Settings are SimNetwork's and Config's
     (latency_s, jitter_s, step_timeout_s, ...); links keep their frames in order, as TCP does,
-    unless `fifo=False`. Returns every outcome; `check()` is the oracle."""
+    unless `fifo=False`. `on_outcome` and `on_admitted` let a layer above the steps (an outer
+    optimizer, a sampler) keep each process's state. Returns every outcome; `check()` is the oracle."""
     network = SimNetwork(world, faults=faults, seed=seed, **{"fifo": True, **settings})
-    run = Simulation(world=world, steps=steps, contribution=contribution or counted(), network=network)
+    run = Simulation(world=world, steps=steps, contribution=contribution or counted(), network=network,
+                     on_outcome=on_outcome, on_admitted=on_admitted)
 
     def settled(rank: int, node: Node, error: PeerError | None) -> None:
         if error is not None:
@@ -170,6 +183,8 @@ def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribu
         assert node.joined_at is not None
         first_step, first_user_step = node.joined_at
         run.admitted[rank] = first_step
+        if run.on_admitted is not None:
+            run.on_admitted(run, rank, first_step)
         loop = _Loop(run, node, network.process_of(rank), first_user_step, first_step)
         loop.step(first_user_step)
 
@@ -183,5 +198,7 @@ def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribu
         clock.run(until=clock.next_at)
     # a crashed or hung process's step has no outcome, nor has the step a restart cut short
     run.pending = run.waiting()
+    if run.hook_errors:
+        raise run.hook_errors[0]
     return run
 
