@@ -21,12 +21,13 @@ def test_time_and_bytes_until_the_first_evaluation_at_the_target() -> None:
     diloco = _run("DiLoCo", [(1, 8, 0.85), (2, 16, 0.91), (3, 24, 0.95)], [(0.5, 10**4), (1.9, 10**5), (3, 10**6)])
     never = _run("never", [(5, 5, 0.2)], [(5, 100)])
     assert diloco.first_at(0.9) == diloco.evals[1]
-    assert diloco.bytes_until(1002) == 10**5  # the last reading before it
-    assert gloo.bytes_until(1003) == 10**6  # none before: the first one
+    assert diloco.bytes_until(1002) == 10**6  # the first reading after it: never less than was sent
+    assert diloco.bytes_until(1001.9) == 10**5
+    assert gloo.bytes_until(1040) == 10**7  # none after: the last one
     table = render("10mbit", 7, [gloo, diloco, never])
     assert "target 0.9000" in table
-    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 9.0 MB | 1.0000 | 0.9000 |" in table
-    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 0.1 MB | 0.0111 | 0.9500 |" in table
+    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 10.0 MB | 1.0000 | 0.9000 |" in table
+    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 1.0 MB | 0.1000 | 0.9500 |" in table
     assert "| never | not reached in 30 local steps |" in table
     assert "restart" not in table
 

@@ -4,7 +4,7 @@ Each configuration trains examples/train_mlp.py (a 784-1280-10 MLP, 1.02M parame
 synthetic task of 10 Gaussian classes made on the fly, batch 100 per worker) inside a private
 network namespace whose per-rank uplinks are shaped (bench_uplinks.Uplinks). Rank 0 reports the
 held-out accuracy with a timestamp as it goes; the bench reads every rank's uplink byte counter
-about once a second. The target is the accuracy gloo DDP reaches in its step budget; for every
+every POLL_S seconds. The target is the accuracy gloo DDP reaches in its step budget; for every
 configuration the bench prints the training time and the busiest rank's bytes until it first
 reached that target, and its final accuracy.
 """
@@ -25,6 +25,7 @@ from .bench_uplinks import Uplinks
 
 HIDDEN = 1280  # 784-1280-10: 1,017,610 parameters
 SAMPLES = 1_000_000  # no epoch ends within a budget: the bench times training, not the audit
+POLL_S = 0.5  # how often the uplinks' byte counters are read
 FAULT_SAMPLES = 50_000  # the kill-and-restart run: epochs of about 2 rounds of H=32, each audited
 
 
@@ -62,11 +63,13 @@ class Run:
         return next((e for e in self.evals if e["accuracy"] >= target), None)
 
     def bytes_until(self, at: float) -> int:
-        """The busiest rank's bytes at wall time `at` (the last reading at or before it, else the first after)."""
-        before = [b for t, b in self.bytes_at if t <= at]
-        if before:
-            return before[-1]
-        return self.bytes_at[0][1] if self.bytes_at else 0
+        """The busiest rank's bytes by wall time `at`: the first reading at or after it (at most
+        POLL_S of later traffic too, never less than was sent; a reading before it could miss a
+        whole outer step sent just before the evaluation), else the last one."""
+        after = [b for t, b in self.bytes_at if t >= at]
+        if after:
+            return after[0]
+        return self.bytes_at[-1][1] if self.bytes_at else 0
 
     def restart_line(self) -> str:
         """For a run with --restart: whether the rank came back and every epoch it finished
@@ -101,7 +104,7 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
     done = threading.Event()
 
     def poll() -> None:
-        while not done.wait(1.0):
+        while not done.wait(POLL_S):
             counts = up.counters()
             run.bytes_at.append((time.time(), max(counts.values(), default=0)))
 
