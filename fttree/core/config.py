@@ -26,7 +26,8 @@ NONFINITE_POLICIES = ("skip", "abort", "allow")
 # chunks and trees, what travels on the wire, or what a failure does to the steps in flight
 # (a difference fails steps, or ends them differently on different ranks). The credentials
 # must match in content: the same key, certificates of the same CA.
-SAME_ON_EVERY_WORKER = frozenset({"trees", "chunk_bytes", "uplink_bytes_per_s", "compression", "fault_tolerant",
+SAME_ON_EVERY_WORKER = frozenset({"trees", "chunk_bytes", "uplink_bytes_per_s", "uplinks_by_rank", "compression",
+                                  "fault_tolerant",
                                   "on_node_failure", "auth_key_file", "tls_ca_file", "tls_dir"})
 
 
@@ -107,6 +108,14 @@ class Config:
     # measured its own (backup watches) and the group has agreed on a pace (how steps are cut
     # into chunks, membership.py)
     uplink_bytes_per_s: float = 50e6
+    # declared uplinks of some ranks, bytes per second ({3: 1.25e6}, or "3=1.25e6,5=6.25e6"; the
+    # others at uplink_bytes_per_s): when they differ, the rotated trees' shares of a step follow
+    # them, so slow ranks become leaves (core/shares.py)
+    uplinks_by_rank: tuple[tuple[int, float], ...] = ()
+    # a rank whose declared uplink (uplink_of) is below this many bytes per second sends its sums
+    # up as bf16: half its bytes, so only slow links pay the precision cost (the next hop adds
+    # in float32; results travel as the root made them, alike everywhere). 0: off
+    bf16_uplinks_below: float = 0.0
 
     # -- bookkeeping bounds (nothing grows with the number of steps run)
     max_ops_ahead: int = 4096  # a peer may run this many steps ahead of our last submit
@@ -140,6 +149,7 @@ class Config:
     stall_timeout_s: float = 5.0  # a link whose writes stall this long is dropped and reconnected
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "uplinks_by_rank", _rank_rates(self.uplinks_by_rank))
         self._check_numbers()
         self._check_choices()
         self._check_credentials()
@@ -164,6 +174,9 @@ class Config:
         if self.max_payload_bytes < self.chunk_bytes:
             raise ConfigError(f"max_payload_bytes ({self.max_payload_bytes}) is below chunk_bytes "
                               f"({self.chunk_bytes}): a chunk could not be received")
+        below = self.bf16_uplinks_below
+        if isinstance(below, bool) or not isinstance(below, int | float) or below < 0:
+            raise ConfigError(f"bf16_uplinks_below must be a rate in bytes per second, or 0 (off), got {below!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
             raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 
@@ -208,6 +221,10 @@ class Config:
             raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                               f"known: {', '.join(sorted(known))}")
         return dataclasses.replace(config or cls(), **fields)
+
+    def uplink_of(self, rank: int) -> float:
+        """The declared uplink of `rank`, bytes per second."""
+        return dict(self.uplinks_by_rank).get(rank, self.uplink_bytes_per_s)
 
     @property
     def root_give_up_s(self) -> float:
@@ -272,6 +289,8 @@ class Config:
         word = text.strip()
         if "None" in kind and word.lower() in ("", "none"):
             return None
+        if kind.startswith("tuple[tuple[int, float]"):
+            return _rank_rates(word)
         try:
             if kind.startswith("bool"):
                 if word.lower() not in ("1", "0", "true", "false", "yes", "no"):
@@ -304,3 +323,30 @@ class Config:
             return AdaptiveTimeouts(initial_s=self.timeout_s, floor_s=self.adaptive_floor_s,
                                     ceiling_s=self.adaptive_ceiling_s)
         return StaticTimeouts(self.timeout_s)
+
+
+def _rank_rates(value: object) -> tuple[tuple[int, float], ...]:
+    """Per-rank rates from a mapping, pairs, or text "RANK=BYTES_PER_S,...", sorted by rank."""
+    if isinstance(value, str):
+        pairs: list[tuple[object, object]] = []
+        for part in (p.strip() for p in ("" if value.strip() in ("()", "none") else value).split(",")):
+            if part:
+                key, eq, text = part.partition("=")
+                if not eq:
+                    raise ConfigError(f"uplinks_by_rank: {part!r} is not RANK=BYTES_PER_S")
+                pairs.append((key.strip(), text.strip()))
+    elif isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        pairs = list(value)  # type: ignore[call-overload]
+    out: dict[int, float] = {}
+    for rank, rate in pairs:
+        try:
+            r, b = int(str(rank)), float(str(rate))
+        except ValueError:
+            raise ConfigError(f"uplinks_by_rank: rank {rank!r} must be an integer and rate {rate!r} a number of "
+                              f"bytes per second") from None
+        if r < 0 or not b > 0:
+            raise ConfigError(f"uplinks_by_rank: rank {r} must not be negative and its rate {b!r} must be positive")
+        out[r] = b
+    return tuple(sorted(out.items()))

@@ -63,6 +63,7 @@ from .buffers import BufferPool
 from .config import Config
 from .messages import COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
 from .reduce_ops import REDUCE_OPS
+from .shares import member_rates, plan, tree_of_planned, uniform
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
@@ -446,6 +447,9 @@ class TreeMachine:
         self.rank = rank
         self.view = view
         self.cfg = config or Config()
+        self._rates: tuple[float, ...] | None = None  # the members' unequal declared uplinks (None: even shares)
+        # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
+        self._bf16_up = self.cfg.uplink_of(rank) < self.cfg.bf16_uplinks_below
         self.trees: tuple[_Tree, ...] = self._build_trees(view)
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
@@ -604,13 +608,18 @@ class TreeMachine:
 
     def _build_trees(self, view: View) -> tuple[_Tree, ...]:
         family = self.cfg.trees
+        rates = member_rates(view.members, self.cfg.uplink_bytes_per_s, dict(self.cfg.uplinks_by_rank))
+        self._rates = None if family != "rotated" or uniform(rates) else rates  # shares follow unequal uplinks
         return tuple(_Tree.build(family, t, view, self.rank) for t in range(tree_count(family, view.size)))
 
     def tree_of(self, chunk: int, chunks: int) -> int:
         """The tree chunk `chunk` of a step of `chunks` chunks runs on in this view (trees.py).
         A one-chunk step always runs on tree 0: small tensors and their fault costs are those
         of the single tree. Stateless, so a frame that comes before the local submit is checked
-        against the same rule (and `tree` in its header)."""
+        against the same rule (and `tree` in its header). With unequal declared uplinks the
+        rotated trees carry shares that follow them (shares.py)."""
+        if self._rates is not None and chunks >= 2 and len(self._rates) >= 2:
+            return tree_of_planned(plan(self._rates, chunks), chunk)
         return tree_of(self.cfg.trees, chunk, chunks, self.view.size)
 
     def _t(self, op: _Op) -> _Tree:
@@ -669,7 +678,8 @@ class TreeMachine:
         then), and the same bytes for every copy (relays, the direct retry)."""
         if op.acc_wire is None:
             assert op.acc is not None
-            op.acc_wire = (to_wire(op.acc, op.wire, self.scratch), op.wire)
+            wire = COMPRESSIONS["bf16"] if op.wire == "<f4" and self._bf16_up else op.wire
+            op.acc_wire = (to_wire(op.acc, wire, self.scratch), wire)
         return op.acc_wire
 
     def _result_wire(self, op: _Op) -> tuple[np.ndarray, str]:

@@ -23,7 +23,8 @@ FLAGS = {
     "timeout_s": "--timeout", "step_timeout_s": "--step-timeout", "startup_timeout_s": "--startup-timeout",
     "fault_tolerant": "--no-ft", "timeout_policy": "--timeout-policy", "link_memory": "--no-link-memory",
     "on_node_failure": "--on-node-failure", "chunk_bytes": "--chunk-bytes", "trees": "--trees",
-    "uplink_bytes_per_s": "--uplink", "auth_key_file": "--auth-key-file", "insecure": "--insecure",
+    "uplink_bytes_per_s": "--uplink", "uplinks_by_rank": "--uplink", "auth_key_file": "--auth-key-file",
+    "insecure": "--insecure",
     "tls_dir": "--tls-dir", "tls_cert_file": "--tls-cert", "tls_key_file": "--tls-key", "tls_ca_file": "--tls-ca",
 }
 
