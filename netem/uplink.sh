@@ -23,6 +23,8 @@ Running it again replaces the limits (and zeroes the counters).
 
 Options:
   --ranks N      ranks 0..N-1 get a limit (default 7)
+  --rank R=RATE  rank R's uplink is RATE instead (repeat for several ranks): edges of
+                 unequal speed
   --dev DEV      the interface (default: lo with --netns; required otherwise)
   --burst SIZE   bytes a rank may send at once after being idle (default: 10 ms of RATE,
                  at least one MTU of DEV)
@@ -34,12 +36,14 @@ $(grep -v -- '--port' <<<"$COMMON_HELP")
 Examples:
   $PROG --netns fttree 100mbit              # 7 ranks, 100 Mbit/s up each
   $PROG --netns fttree --ranks 15 10mbit
+  $PROG --netns fttree --rank 3=10mbit 100mbit   # rank 3 at 10 Mbit/s, the others at 100
   $PROG --netns fttree --counters
   $PROG --netns fttree --remove
 HELP
 }
 
 RATE="" MODE=apply RANKS=7 BURST=""
+declare -A RANK_RATE=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -52,6 +56,13 @@ while [[ $# -gt 0 ]]; do
             RANKS=$((10#$2)); shift 2 ;;
         --dev) [[ $# -ge 2 ]] || die "--dev needs an interface"; DEV=$2; shift 2 ;;
         --burst) [[ $# -ge 2 ]] || die "--burst needs a size"; BURST=$2; shift 2 ;;
+        --rank)
+            if [[ $# -lt 2 || ! $2 =~ ^([0-9]+)=(.+)$ ]]; then
+                die "--rank needs RANK=RATE, like 3=10mbit"
+            fi
+            rate_bytes_per_s "${BASH_REMATCH[2]}" >/dev/null ||
+                die "--rank $2: RATE must look like 100mbit, 1gbit, 500kbit or 10mbps"
+            RANK_RATE[$((10#${BASH_REMATCH[1]}))]=${BASH_REMATCH[2]}; shift 2 ;;
         -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
         *) [[ -z $RATE ]] || die "one RATE, got '$RATE' and '$1'"; RATE=$1; shift ;;
     esac
@@ -59,7 +70,7 @@ done
 [[ -z $PORT ]] || die "--port is not supported: an uplink limit applies to everything a rank sends"
 if [[ $MODE == apply ]]; then
     [[ -n $RATE ]] || { usage >&2; exit 2; }
-    BYTES_PER_S=$(rate_bytes_per_s "$RATE") || die "RATE must look like 100mbit, 1gbit, 500kbit or 10mbps, got '$RATE'"
+    rate_bytes_per_s "$RATE" >/dev/null || die "RATE must look like 100mbit, 1gbit, 500kbit or 10mbps, got '$RATE'"
 else
     [[ -z $RATE ]] || die "--$MODE takes no RATE (got '$RATE')"
 fi
@@ -85,11 +96,18 @@ case $MODE in
 esac
 
 last=$(rank_addr $((RANKS - 1)))  # dies on a bad --base or too many ranks, before touching tc
+for r in "${!RANK_RATE[@]}"; do
+    ((r < RANKS)) || die "--rank $r=${RANK_RATE[$r]}: rank $r is not below --ranks $RANKS"
+done
 MTU=$(in_ns cat "/sys/class/net/$DEV/mtu")
-if [[ -z $BURST ]]; then
-    BURST=$((BYTES_PER_S / 100))
-    ((BURST >= MTU)) || BURST=$MTU
-fi
+# burst_of RATE: --burst, or 10 ms of RATE and at least one MTU
+burst_of() {
+    local b
+    [[ -z $BURST ]] || { echo "$BURST"; return; }
+    b=$(($(rate_bytes_per_s "$1") / 100))
+    ((b >= MTU)) || b=$MTU
+    echo "$b"
+}
 # htb sends a class's packets in rounds of `quantum` bytes; at least one MTU, at most what
 # htb accepts. With ceil = rate no class borrows, so it only sets the round size.
 QUANTUM=$MTU
@@ -104,7 +122,9 @@ in_ns tc qdisc add dev "$DEV" root handle "$FTTREE_QDISC_HANDLE" htb default 0
     for ((r = 0; r < RANKS; r++)); do
         addr=$(rank_addr "$r")
         cls=$(printf '%s%x' "$FTTREE_QDISC_HANDLE" $((r + 1)))
-        echo "class add dev $DEV parent $FTTREE_QDISC_HANDLE classid $cls htb rate $RATE ceil $RATE burst $BURST cburst $BURST quantum $QUANTUM"
+        rate=${RANK_RATE[$r]:-$RATE}
+        burst=$(burst_of "$rate")
+        echo "class add dev $DEV parent $FTTREE_QDISC_HANDLE classid $cls htb rate $rate ceil $rate burst $burst cburst $burst quantum $QUANTUM"
         # A rank's packets to itself: flowid = the qdisc's own handle, which htb sends unshaped.
         echo "filter add dev $DEV parent $FTTREE_QDISC_HANDLE protocol ip prio 1 u32 match ip src $addr/32 match ip dst $addr/32 flowid $FTTREE_QDISC_HANDLE"
         echo "filter add dev $DEV parent $FTTREE_QDISC_HANDLE protocol ip prio 2 u32 match ip src $addr/32 flowid $cls"
@@ -113,4 +133,6 @@ in_ns tc qdisc add dev "$DEV" root handle "$FTTREE_QDISC_HANDLE" htb default 0
     in_ns tc qdisc del dev "$DEV" root 2>/dev/null || true
     die "tc refused the uplink classes on $WHERE (nothing is left installed)"
 }
-echo "uplinks on $WHERE: ranks 0..$((RANKS - 1)) ($(rank_addr 0) .. $last) send at most $RATE each (htb burst $BURST)"
+others=""
+for r in "${!RANK_RATE[@]}"; do others+=", rank $r ${RANK_RATE[$r]}"; done
+echo "uplinks on $WHERE: ranks 0..$((RANKS - 1)) ($(rank_addr 0) .. $last) send at most $RATE each$others (htb burst $(burst_of "$RATE"))"

@@ -21,7 +21,7 @@ from fttree.tools.bench_run import execute, worker_commands
 from fttree.tools.bench_spec import RunResult, RunSpec
 from fttree.tools.bench_summary import Summary
 from fttree.tools.bench_uplinks import Uplinks
-from fttree.tools.units import format_rate, parse_rate, ring_bound_bytes
+from fttree.tools.units import format_rate, parse_rate, parse_uplinks, ring_bound_bytes, split_uplink_list
 
 from .test_realnet import realnet_missing
 from .test_uplink import tc_missing
@@ -35,6 +35,46 @@ def test_rates_parse_to_bits_per_second() -> None:
     for bad in ("", "fast", "10xbit", "0bit"):
         with pytest.raises(ConfigError):
             parse_rate(bad)
+
+
+def test_uneven_uplinks_parse_to_a_default_and_ranks_of_their_own() -> None:
+    spec = parse_uplinks(" 100mbit, 3=10mbit,1=50mbit ")
+    assert spec.default == "100mbit"
+    assert spec.by_rank == ((1, "50mbit"), (3, "10mbit"))
+    assert str(spec) == "100mbit,1=50mbit,3=10mbit"
+    assert spec.bytes_per_s(4) == (12.5e6, 6.25e6, 12.5e6, 1.25e6)
+    assert spec.declared(4) == "0=1.25e+07,1=6.25e+06,2=1.25e+07,3=1.25e+06"
+    assert parse_uplinks("100mbit").declared(7) == ""
+    assert parse_uplinks("100mbit,9=1mbit").declared(7) == ""  # nobody of 7 workers differs
+    assert Config(uplinks_by_rank=spec.declared(4)).uplink_of(3) == 1.25e6  # the workers read it back
+    for bad, says in (("3=10mbit", "start with the default rate"), ("100mbit,x=1mbit", "is not RANK=RATE"),
+                      ("100mbit,3=fast", "bad rate 'fast'"), ("", "start with the default rate")):
+        with pytest.raises(ConfigError, match=says):
+            parse_uplinks(bad)
+    assert split_uplink_list("10mbit,3=1mbit,100mbit") == ["10mbit,3=1mbit", "100mbit"]
+
+
+def test_uneven_uplinks_are_declared_to_fttree_and_judged_against_their_bound(tmp_path: Path) -> None:
+    world, size, steps = 7, 4_000_000, 4
+    opts = BenchOptions(workers=(), sweep_workers=(world,), sweep_sizes=(size,), uplink="100mbit,3=10mbit",
+                        sweep_policies=("adaptive",), trees=())
+    runs, _ = plan(opts)
+    fttree_run = next(r for r in runs if r.kind == "fttree")
+    cmd = worker_commands(fttree_run, tmp_path)[0]
+    assert cmd[cmd.index("--set") + 1] == "uplinks_by_rank=" + parse_uplinks(opts.uplink).declared(world)
+    assert fttree_run.label.startswith("fttree defaults")
+    assert "--set" not in worker_commands(next(r for r in runs if r.kind == "gloo"), tmp_path, bind=True)[0]
+    slow_step = size * 4 / 1.25e6  # the bound: rank 3 sends its N once
+    even = {r: steps * size * 4 for r in range(world)}
+    summary = Summary(opts=opts, results=[_fake("fttree", world, size, 1.1 * slow_step, even, policy="adaptive"),
+                                          _fake("gloo", world, size, 1.71 * slow_step, even)], notes=[])
+    rows = {r["system"]: r for r in summary.bandwidth_rows()}
+    assert rows["gloo"]["bound_s"] == pytest.approx(slow_step)
+    targets = {text: met for met, text in summary.targets()}
+    assert targets[f"uplinks 100mbit,3=10mbit, {world} workers, 16 MB, fttree rotated: step/gloo 0.64 "
+                   f"(target <= 0.65)"]
+    assert targets[f"uplinks 100mbit,3=10mbit, {world} workers, 16 MB, fttree rotated: step/bound 1.10 "
+                   f"(target <= 1.15)"]
 
 
 def test_the_bound_is_the_rings_bytes_per_rank() -> None:

@@ -130,6 +130,8 @@ def counters(ns: str) -> dict[int, tuple[str, int]]:
     (["--counters", "10mbit"], "--counters takes no RATE"),
     (["10mbit", "20mbit"], "one RATE"),
     (["--bogus"], "unknown option '--bogus'"),
+    (["--rank", "3:10mbit", "100mbit"], "--rank needs RANK=RATE"),
+    (["--rank", "3=fast", "100mbit"], "--rank 3=fast: RATE must look like"),
 ])
 def test_uplink_rejects_bad_input(args: list[str], message: str) -> None:
     out = netem("uplink.sh", *args, check=False)
@@ -226,6 +228,21 @@ def test_each_rank_gets_its_own_uplink(ns3: str) -> None:
     assert "1 fttree rules" in status
     assert "1 fttree rules removed" in netem("reset.sh", "--netns", ns3).stdout
     assert "f7:" not in in_ns(ns3, "tc", "qdisc", "show", "dev", "lo").stdout
+
+
+@pytest.mark.realnet
+def test_a_rank_can_have_an_uplink_of_its_own(ns3: str) -> None:
+    """--rank 2=10mbit: rank 2 at 10 Mbit/s while rank 1 keeps the default; a rank beyond
+    --ranks is refused before anything is installed."""
+    refused = netem("uplink.sh", "--netns", ns3, "--ranks", "3", "--rank", "5=10mbit", "50mbit", check=False)
+    assert refused.returncode != 0
+    assert "rank 5 is not below --ranks 3" in refused.stderr
+    out = netem("uplink.sh", "--netns", ns3, "--ranks", "3", "--rank", "2=10mbit", f"{RATE_MBIT}mbit")
+    assert "rank 2 10mbit" in out.stdout
+    fast, slow = flows(ns3, "127.0.0.1", 1.5, "127.0.0.2", "127.0.0.3")
+    assert 0.75 * RATE_MBIT < fast < 1.1 * RATE_MBIT, fast
+    assert 7.5 < slow < 11, slow
+    netem("uplink.sh", "--netns", ns3, "--remove")
 
 
 @pytest.mark.realnet

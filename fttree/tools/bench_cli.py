@@ -20,6 +20,16 @@ from ..errors import ConfigError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _checked_uplinks(text: str) -> str:
+    """An --uplink spec, or a usage error naming the flag."""
+    from .units import parse_uplinks
+
+    try:
+        return str(parse_uplinks(text))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--uplink") from None
+
+
 def _split(text: str, convert: Callable[[str], Any], what: str) -> tuple[Any, ...]:
     items = [part.strip() for part in text.split(",") if part.strip()]
     try:
@@ -96,9 +106,11 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
               help="Instead of the matrix: STEPS steps of 3 workers, 25 chunks a step, and the median of the last "
                    "500 step times over steps 100-599 (target <= 1.1: nothing may grow with the steps run).")
 @click.option("--uplink", default="", metavar="RATE",
-              help="Give every rank its own uplink of RATE (tc units: 100mbit, 1gbit): the runs go into a private "
-                   "network namespace under netem/uplink.sh, gloo's ranks bound to their own addresses like fttree's; "
-                   "prints each rank's bytes per step against the 2N(p-1)/p bound and each fttree run's false "
+              help="Give every rank its own uplink of RATE (tc units: 100mbit, 1gbit; 100mbit,3=10mbit: rank 3 at "
+                   "10 Mbit/s, which fttree's workers are told, so their trees' shares follow it): the runs go into "
+                   "a private network namespace under netem/uplink.sh, gloo's ranks bound to their own addresses "
+                   "like fttree's; prints each rank's bytes per step and each step against the least any allreduce "
+                   "could take over those uplinks, and each fttree run's false "
                    "events. fttree runs at its defaults (the sweep's policy: adaptive unless --sweep-policies says "
                    "otherwise). Only the size sweep runs (--sizes, --sweep-workers). Needs root, ip and tc.")
 @click.option("--tuned", is_flag=True,
@@ -107,7 +119,8 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--loss", type=click.FloatRange(min=0, max=50), default=0.0, metavar="PERCENT",
               help="With --uplink: every rank's links drop this share of packets (netem/loss.sh), for gloo too.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
-              help="Also run the size sweep's fttree with these wire compressions (bf16, fp16).")
+              help="Also run the size sweep's fttree with these wire compressions (bf16, fp16; slow-bf16: with "
+                   "uneven --uplink, only the ranks slower than the default rate send their sums as bf16).")
 @click.option("--trees", "trees_text", default="double,rotated", show_default=True, metavar="LIST",
               help="Also run the size sweep's fttree on these tree families (double, rotated; '' for none) beside "
                    "the single tree (\"fttree static\"); the --compression runs use the last of them.")
@@ -140,7 +153,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     from .bench_run import execute, machine_info
     from .bench_summary import Summary
     from .bench_uplinks import Uplinks
-    from .units import parse_rate, parse_size
+    from .units import parse_size, split_uplink_list
 
     if long_run is not None:
         _long_run(long_run, step_timeout, out_dir, dry_run)
@@ -149,7 +162,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         from .bench_diloco import configs
         from .bench_diloco import run as run_diloco
 
-        rates = _split(uplink or "10mbit,100mbit", lambda r: (parse_rate(r), r)[1], "--uplink")
+        rates = [_checked_uplinks(spec) for spec in split_uplink_list(uplink or "10mbit,100mbit")]
         if dry_run:
             for rate in rates:
                 for c in configs(budget):
@@ -195,10 +208,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
     if uplink:
-        try:
-            parse_rate(uplink)
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--uplink") from None
+        _checked_uplinks(uplink)
         # the Table 1-2 matrix (fault windows, the plain tree) is about timeouts, not bandwidth
         workers, plain, fig11_trials = "", False, 0
         ctx = click.get_current_context()
@@ -213,8 +223,10 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         return text
 
     def compression(text: str) -> str:
-        if text not in ("bf16", "fp16"):
-            raise ValueError("compressions are bf16 and fp16")
+        if text == "slow-bf16" and not (uplink and "=" in uplink):
+            raise ValueError("slow-bf16 needs uneven uplinks (--uplink 100mbit,3=10mbit)")
+        if text not in ("bf16", "fp16", "slow-bf16"):
+            raise ValueError("compressions are bf16, fp16 and slow-bf16")
         return text
 
     chosen = _split(patterns, pattern, "--patterns")

@@ -34,9 +34,9 @@ from .bench_patterns import (
     node_window,
     pattern_links,
 )
-from .bench_spec import DEFAULT_TREES, RunSpec
+from .bench_spec import DEFAULT_TREES, SLOW_BF16, RunSpec
 from .demo import THESIS_MLP_PARAMS
-from .units import parse_rate
+from .units import parse_uplinks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,7 +57,8 @@ class BenchOptions:
     chunk_bytes: int | None = None
     link_memory: bool = True
     sweep_policies: tuple[str, ...] = ("static",)
-    uplink: str = ""  # every rank's uplink (tc rate, e.g. 100mbit): runs in a namespace under uplink.sh
+    uplink: str = ""  # every rank's uplink (tc rate, e.g. 100mbit; 100mbit,3=10mbit: rank 3's its own), shaped
+    # in a namespace by uplink.sh
     compressions: tuple[str, ...] = ()  # extra fttree sweep runs with these wire compressions
     # the sweep also runs fttree on these tree families (besides the single tree); compressed runs
     # use the last of them
@@ -67,7 +68,18 @@ class BenchOptions:
 
     @property
     def uplink_bps(self) -> float:
-        return parse_rate(self.uplink) if self.uplink else 0.0
+        """The default uplink, bits per second (0: loopback unshaped)."""
+        return parse_uplinks(self.uplink).bps if self.uplink else 0.0
+
+    @property
+    def uneven(self) -> str:
+        """The --uplink spec when some rank has a rate of its own ('' otherwise)."""
+        return self.uplink if self.uplink and parse_uplinks(self.uplink).by_rank else ""
+
+    def declared(self, world: int) -> tuple[tuple[str, str], ...]:
+        """fttree's setting for unequal uplinks: each rank's, declared (none when all are equal)."""
+        text = parse_uplinks(self.uplink).declared(world) if self.uplink else ""
+        return (("uplinks_by_rank", text),) if text else ()
 
     @property
     def base_family(self) -> str:
@@ -156,10 +168,14 @@ def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compressi
     if tuned:
         timeout_s, step_timeout_s, settings = uplink_timeouts(size, opts.uplink_bps, compression, timeout_s,
                                                               step_timeout_s)
+    settings += opts.declared(world)
+    if compression == SLOW_BF16:  # ranks below the default uplink send their sums up as bf16
+        settings += (("bf16_uplinks_below", f"{opts.uplink_bps / 8:g}"),)
     return RunSpec(kind="fttree", world=world, size=size, steps=warmup + measured, warmup=warmup,
                    timeout_s=timeout_s, policy=policy, purpose="sweep", compression=compression,
                    step_timeout_s=step_timeout_s, chunk_bytes=opts.chunk_bytes, link_memory=opts.link_memory,
-                   uplink_bps=opts.uplink_bps, settings=settings, trees=trees, tuned=tuned, loss=opts.loss)
+                   uplink_bps=opts.uplink_bps, uplinks=opts.uneven, settings=settings, trees=trees, tuned=tuned,
+                   loss=opts.loss)
 
 
 def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
@@ -202,7 +218,7 @@ def plan(opts: BenchOptions) -> tuple[list[RunSpec], list[str]]:
                 runs.append(_sweep_run(opts, world, size, first_policy, "", trees=DEFAULT_TREES, tuned=True))
             if opts.gloo and not (size == opts.size and world in opts.workers):
                 runs.append(RunSpec(kind="gloo", world=world, size=size, steps=warmup + measured, warmup=warmup,
-                                    purpose="sweep", uplink_bps=bps, loss=opts.loss))
+                                    purpose="sweep", uplink_bps=bps, uplinks=opts.uneven, loss=opts.loss))
     if not opts.uplink:  # node failures are about timeouts, not bandwidth
         runs += node_runs(opts, notes)
     return runs, notes

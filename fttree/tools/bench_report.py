@@ -129,7 +129,8 @@ def render(summary: Summary) -> str:
         out.append("")
         out.append(f"Bytes on the wire, uplinks {o.uplink} per rank: bytes each rank sent per step (uplink counters: "
                    f"IP headers, start-up and acks included) against float32's 2N(p-1)/p bound, and the median step "
-                   f"against the bound's time at that rate")
+                   f"against the least time any allreduce could take over these uplinks (shares.bound_seconds: "
+                   f"max(N / slowest, 2(p-1)N / sum of the uplinks))")
         out.append(f"{'workers':>7} {'size':>9} {'system':>16} {'bound MB':>9} {'max MB':>8} {'max/bnd':>8} "
                    f"{'mean/bnd':>9} {'step s':>8} {'bound s':>8} {'step/bnd':>9}")
         for row in bw:

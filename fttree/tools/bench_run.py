@@ -23,7 +23,7 @@ from ..core.faults import FaultKind
 from ..errors import ConfigError
 from ..net.address import free_port, local_peers
 from . import SOURCE_ROOT
-from .bench_spec import RunResult, RunSpec
+from .bench_spec import SLOW_BF16, RunResult, RunSpec
 from .bench_uplinks import Uplinks
 from .nodefaults import NodeFaultDriver
 
@@ -53,7 +53,7 @@ def worker_commands(spec: RunSpec, workdir: Path, bind: bool = False) -> list[li
         args += ["--chunk-bytes", str(spec.chunk_bytes)]
     if spec.kind == "fttree" and not spec.link_memory:
         args.append("--no-link-memory")
-    if spec.kind == "fttree" and spec.compression:
+    if spec.kind == "fttree" and spec.compression and spec.compression != SLOW_BF16:  # that one is a --set
         args += ["--compression", spec.compression]
     if spec.kind == "fttree":  # always explicit: the API's default may change
         args += ["--trees", spec.trees]

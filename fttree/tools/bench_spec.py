@@ -22,6 +22,7 @@ from .nodefaults import NodeFault, node_faults
 from .units import format_bytes, format_rate
 
 DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
+SLOW_BF16 = "slow-bf16"  # a sweep compression: only ranks below the default uplink send bf16 sums
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,7 +43,8 @@ class RunSpec:
     chunk_bytes: int | None = None
     link_memory: bool = True
     uplink_bps: float = 0.0  # every rank's uplink, bits/s (0: loopback unshaped)
-    compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16")
+    uplinks: str = ""  # the --uplink spec when ranks differ ("100mbit,3=10mbit"), for the label
+    compression: str = ""  # fttree wire compression ("" for none, "bf16", "fp16", SLOW_BF16)
     trees: str = DEFAULT_TREES  # fttree: the trees a step's chunks spread over (Config.trees)
     settings: tuple[tuple[str, str], ...] = ()  # other Config fields for fttree's workers (--set)
     node_faults: str = ""  # crash/hang rules the bench carries out on the worker processes
@@ -57,8 +59,9 @@ class RunSpec:
     def label(self) -> str:
         what = self.kind if self.kind != "fttree" else f"fttree t={self.timeout_s:g}s {self.policy}"
         if (self.kind == "fttree" and self.uplink_bps and not self.tuned and self.timeout_s == Config().timeout_s
-                and self.policy == Config().timeout_policy and not self.settings):
-            what = "fttree defaults"
+                and self.policy == Config().timeout_policy
+                and all(name in ("uplinks_by_rank", "bf16_uplinks_below") for name, _ in self.settings)):
+            what = "fttree defaults"  # (told the ranks' uplinks, when they differ)
         if self.kind == "fttree" and not self.link_memory:
             what += " no-link-memory"
         if self.kind == "fttree" and self.trees != DEFAULT_TREES:
@@ -67,7 +70,7 @@ class RunSpec:
             what += f" {self.compression}"
         if self.tuned:
             what += " tuned"
-        where = f", uplinks {format_rate(self.uplink_bps)}" if self.uplink_bps else ""
+        where = f", uplinks {self.uplinks or format_rate(self.uplink_bps)}" if self.uplink_bps else ""
         if self.loss:
             where += f", {self.loss:g}% loss"
         return f"{what}, {self.world} workers, {format_bytes(self.size)}{where}"

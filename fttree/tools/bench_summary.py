@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..core.config import Config
+from ..core.shares import bound_seconds
 from ..core.trees import TREE_FAMILIES
 from .bench_patterns import LATER_TARGET, NODE_TARGET_S, PATTERN_NAMES, POLICIES, THESIS
 from .bench_plan import BenchOptions
 from .bench_spec import DEFAULT_TREES, RunResult
-from .units import format_bytes, ring_bound_bytes
+from .units import format_bytes, parse_uplinks, ring_bound_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,9 @@ class Summary:
                         + (f": {'; '.join(false[:3])}" if false else "")))
         if 7 in o.sweep_workers and not o.uplink:
             out += self._loopback_targets()
-        if o.uplink:
+        if o.uplink and parse_uplinks(o.uplink).by_rank:
+            out += self._uneven_targets()
+        elif o.uplink:
             out += self._slow_link_targets()
             for bwr in self.bandwidth_rows():
                 if bwr["system"] == "gloo" or bwr["size"] * 4 < 16_000_000:
@@ -190,6 +193,26 @@ class Summary:
                 if gloo and bwr["median_s"] and compressed:
                     out.append((bwr["median_s"] <= 0.55 * gloo, f"{what}: step/gloo {bwr['median_s'] / gloo:.2f} "
                                                                 f"(target <= 0.55)"))
+        return out
+
+    def _uneven_targets(self) -> list[tuple[bool, str]]:
+        """Uplinks of unequal speed (issue 28): from 16 MB on, float32 fttree at most 0.65x
+        gloo's step and within 15% of the bound; bf16 at most 0.35x gloo's step."""
+        out: list[tuple[bool, str]] = []
+        o = self.opts
+        for bwr in self.bandwidth_rows():
+            if bwr["system"] == "gloo" or bwr["size"] * 4 < 16_000_000 or not bwr["median_s"]:
+                continue
+            what = f"uplinks {o.uplink}, {bwr['workers']} workers, {format_bytes(bwr['size'])}, {bwr['system']}"
+            gloo = self.nofault("gloo", bwr["workers"], bwr["size"])
+            compressed = bwr["system"].endswith(("bf16", "fp16"))
+            limit = 0.35 if compressed else 0.65
+            if gloo:
+                out.append((bwr["median_s"] <= limit * gloo, f"{what}: step/gloo {bwr['median_s'] / gloo:.2f} "
+                                                             f"(target <= {limit:g})"))
+            if not compressed and bwr["bound_s"]:
+                ratio = bwr["median_s"] / bwr["bound_s"]
+                out.append((ratio <= 1.15, f"{what}: step/bound {ratio:.2f} (target <= 1.15)"))
         return out
 
     def default_runs(self) -> list[RunResult]:
@@ -264,7 +287,8 @@ class Summary:
                         continue
                     per = run.bytes_per_step()
                     med = run.median("none")
-                    bound_s = bound * 8 / o.uplink_bps if o.uplink_bps else None
+                    bound_s = (bound_seconds(size * 4, parse_uplinks(o.uplink).bytes_per_s(world)) if o.uplink
+                               else None)
                     rows.append({"workers": world, "size": size, "system": name, "bound_bytes": bound,
                                  "max_bytes": max(per.values()), "mean_bytes": sum(per.values()) / len(per),
                                  "median_s": med, "bound_s": bound_s})

@@ -11,7 +11,7 @@ import sys
 
 from ..errors import ConfigError
 from . import SOURCE_ROOT
-from .units import parse_rate
+from .units import parse_uplinks
 
 
 class Uplinks:
@@ -23,8 +23,9 @@ class Uplinks:
     Nobody outside the namespace is shaped: other jobs on this machine's lo keep full speed."""
 
     def __init__(self, rate: str, name: str | None = None, loss: float = 0.0) -> None:
-        self.rate = rate
-        self.bps = parse_rate(rate)
+        self.spec = parse_uplinks(rate)  # a default rate and per-rank ones: "100mbit,3=10mbit"
+        self.rate = self.spec.default
+        self.bps = self.spec.bps
         self.loss = loss  # percent of packets to and from every rank dropped (netem/loss.sh)
         self.name = name or f"fttree-bench-{os.getpid()}"
         self.netem = SOURCE_ROOT / "netem"
@@ -56,10 +57,12 @@ class Uplinks:
         self._script("cluster.sh", "up", self.name, "-n", str(ranks))
 
     def apply(self, world: int) -> None:
-        self._script("uplink.sh", "--netns", self.name, "--ranks", str(world), self.rate)
+        args = ["--netns", self.name, "--ranks", str(world),
+                *(arg for r, rate in self.spec.by_rank if r < world for arg in ("--rank", f"{r}={rate}")), self.rate]
+        self._script("uplink.sh", *args)
         if self.loss:
             self._script("reset.sh", "--netns", self.name)  # the last run's rules (a smaller world's too)
-            self._script("uplink.sh", "--netns", self.name, "--ranks", str(world), self.rate)
+            self._script("uplink.sh", *args)
             for rank in range(world):
                 self._script("loss.sh", "--netns", self.name, str(rank), f"{self.loss:g}")
 

@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     notes = StepNotes(ar)
     # a rounding per hop (leaf to root, and the result): depth + 2 unit roundoffs of the sum
-    rtol = {"bf16": 2.0**-8, "fp16": 2.0**-11}.get(args.compression or "", 0.0) * (ar.world.bit_length() + 2)
+    wire = args.compression or ("bf16" if ar.config.bf16_uplinks_below > 0 else "")  # slow ranks' sums in bf16
+    rtol = {"bf16": 2.0**-8, "fp16": 2.0**-11}.get(wire, 0.0) * (ar.world.bit_length() + 2)
     payload = Payload(args.rank, ar.world, args.size, rtol)
     views: list[dict[str, Any]] = []  # appended on the loop thread, read after the steps
     assert ar.node is not None

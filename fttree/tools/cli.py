@@ -101,7 +101,8 @@ def _job_options(f: F) -> F:
     f = click.option("--uplink", default=None, metavar="RATE",
                      help="A first guess of the workers' uplink speed in tc units (100mbit, 1gbit), the same on "
                           "every worker; never needed: each worker measures its own, and the group agrees on a pace "
-                          "after the first step (default guess: a LAN's 50 MB/s).")(f)
+                          "after the first step (default guess: a LAN's 50 MB/s). 100mbit,3=10mbit declares rank "
+                          "3's uplink slower: the trees' shares then follow the uplinks, so rank 3 becomes a leaf.")(f)
     f = click.option("--timeout-policy", type=click.Choice(TIMEOUT_POLICIES), default=_DEFAULTS.timeout_policy,
                      show_default=True,
                      help="adaptive: learnt per link, --timeout is the first guess; static: always --timeout.")(f)
@@ -115,12 +116,15 @@ def _job_options(f: F) -> F:
     return _faults_option(f)
 
 
-def uplink_bytes_per_s(rate: str) -> float:
-    """Bytes per second of a tc rate ("100mbit"), or a usage error naming the flag."""
-    from .units import parse_rate
+def uplink_settings(rate: str) -> dict[str, Any]:
+    """Config fields of an --uplink spec ("100mbit" or "100mbit,3=10mbit"), or a usage error
+    naming the flag."""
+    from .units import parse_rate, parse_uplinks
 
     try:
-        return parse_rate(rate) / 8
+        spec = parse_uplinks(rate)
+        return {"uplink_bytes_per_s": spec.bps / 8,
+                "uplinks_by_rank": tuple((r, parse_rate(text) / 8) for r, text in spec.by_rank)}
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--uplink") from None
 
@@ -170,12 +174,12 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
     extra = _parse_settings(settings)
     try:
         peers = parse_peers(peers_file.read_text().splitlines())
-        pace = Config().uplink_bytes_per_s if uplink is None else uplink_bytes_per_s(uplink)
+        uplinks = {} if uplink is None else uplink_settings(uplink)
         fields: dict[str, Any] = dict(
             timeout_s=timeout, step_timeout_s=step_timeout, startup_timeout_s=startup_timeout,
             fault_tolerant=not no_ft, timeout_policy=timeout_policy, link_memory=not no_link_memory,
             on_node_failure=on_node_failure, trees=trees, chunk_bytes=chunk_bytes or Config().chunk_bytes,
-            uplink_bytes_per_s=pace, auth_key_file=_path(auth_key_file), tls_dir=_path(tls_dir),
+            **uplinks, auth_key_file=_path(auth_key_file), tls_dir=_path(tls_dir),
             tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_ca_file=_path(tls_ca), insecure=insecure)
         fields.update(extra)  # --set NAME=VALUE wins over a flag of the same setting
         ar = FTTreeAllreduce(rank, peers, faults=faults, join=join or False, **http_kwargs(rank, peers), **fields)
@@ -273,7 +277,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     if uplink is not None:
-        uplink_bytes_per_s(uplink)  # a bad rate fails here, not in every worker
+        uplink_settings(uplink)  # a bad rate fails here, not in every worker
     _parse_settings(settings)  # likewise a bad setting
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
             str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,

@@ -4,6 +4,8 @@ allreduce must send. No benchmark here: the product CLI imports it for --uplink.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import ConfigError
 from .demo import THESIS_MLP_PARAMS
 
@@ -65,3 +67,61 @@ def ring_bound_bytes(size: int, world: int) -> float:
     """The least any rank can send in an allreduce of `size` float32 (every rank must send
     2N(p-1)/p bytes for the others to get its share in and the sum out): the ring's figure."""
     return 2 * size * 4 * (world - 1) / world
+
+
+@dataclass(frozen=True)
+class UplinkSpec:
+    """`--uplink 100mbit,3=10mbit`: every rank's uplink at a default tc rate, some ranks at rates
+    of their own (edges of unequal speed)."""
+
+    default: str
+    by_rank: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def bps(self) -> float:
+        """The default rate, bits per second."""
+        return parse_rate(self.default)
+
+    def rate_of(self, rank: int) -> str:
+        return dict(self.by_rank).get(rank, self.default)
+
+    def bytes_per_s(self, world: int) -> tuple[float, ...]:
+        """Each rank's uplink of a world, bytes per second."""
+        return tuple(parse_rate(self.rate_of(r)) / 8 for r in range(world))
+
+    def declared(self, world: int) -> str:
+        """Config.uplinks_by_rank for a world's workers ('' when every rank has the default)."""
+        if not any(r < world for r, _ in self.by_rank):
+            return ""
+        return ",".join(f"{r}={b:g}" for r, b in enumerate(self.bytes_per_s(world)))
+
+    def __str__(self) -> str:
+        return ",".join([self.default, *(f"{r}={rate}" for r, rate in self.by_rank)])
+
+
+def parse_uplinks(text: str) -> UplinkSpec:
+    """'100mbit' or '100mbit,3=10mbit,5=50mbit': a default rate, then RANK=RATE overrides."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or "=" in parts[0]:
+        raise ConfigError(f"bad uplinks {text!r}: start with the default rate, then RANK=RATE, like 100mbit,3=10mbit")
+    parse_rate(parts[0])
+    by_rank: dict[int, str] = {}
+    for part in parts[1:]:
+        rank, eq, rate = part.partition("=")
+        if not eq or not rank.strip().isdigit():
+            raise ConfigError(f"bad uplinks {text!r}: {part!r} is not RANK=RATE (like 3=10mbit)")
+        parse_rate(rate)
+        by_rank[int(rank)] = rate.strip()
+    return UplinkSpec(parts[0], tuple(sorted(by_rank.items())))
+
+
+def split_uplink_list(text: str) -> list[str]:
+    """'10mbit,3=1mbit,100mbit' -> ['10mbit,3=1mbit', '100mbit']: a list of uplink specs, each
+    rate with the RANK=RATE overrides that follow it."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if "=" in part and specs:
+            specs[-1] += f",{part}"
+        else:
+            specs.append(part)
+    return specs
