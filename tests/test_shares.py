@@ -115,3 +115,19 @@ def test_a_slow_rank_sends_its_sums_as_bf16_and_everyone_else_float32() -> None:
     assert all(sent_by(mixed, r) == sent_by(plain, r) for r in range(7) if r != 3)
     with pytest.raises(ConfigError, match="bf16_uplinks_below must be a rate"):
         Config(bf16_uplinks_below=-1)
+
+
+def test_the_plan_follows_a_view_change_and_every_member_agrees() -> None:
+    """Rank 5 dies at step 1: the survivors plan over the new view (rank 3 still slow) and every
+    step's sum stays exact and alike on every rank; steps of both views ran on several trees."""
+    size = 48 * 1024
+    run = simulate(7, "crash 5 @1", 5, contribution=counted(size), chunk_bytes=4096, uplink_bytes_per_s=FAST,
+                   uplinks_by_rank={3: SLOW})
+    run.check()
+    assert all(5 not in res.contributors for res in run.results(4).values())
+    survivors = tuple(r for r in range(7) if r != 5)
+    machine = run.network.nodes[0].replica.machine
+    assert machine.view.members == survivors
+    trees = {machine.tree_of(c, 48) for c in range(48)}
+    assert trees == {t for t, n in enumerate(plan(one_slow(6, slow=survivors.index(3)), 48)) if n}
+    assert sent_by(run, 3) < 2 * 5 * size * 8  # about N a step: a leaf in both views' plans
