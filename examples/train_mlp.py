@@ -298,6 +298,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     step, epoch = 0, 0
     carried: list[int] = []  # a restarted process: what its earlier process committed in this epoch
     resumed = opt.syncing  # a restarted process comes in mid-epoch: its sampler is in that epoch already
+
     def audit_now(members_audit: bool) -> bool:
         """--restart: one number after each round tells every process whether the members audit
         an epoch now. A restarted process still waiting for the group's history cannot know

@@ -26,6 +26,7 @@ from .core.config import COMPRESSIONS, NONFINITE_POLICIES, Config
 from .core.dtypes import STEP_DTYPES, step_dtype
 from .core.faults import FaultKind, FaultSchedule
 from .core.reduce_ops import check_reduce, fill_identity
+from .core.timeouts import SLACK
 from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
@@ -533,11 +534,21 @@ class FTTreeAllreduce:
         inner.add_done_callback(finish)
         return outer
 
+    def outcome_limit_s(self, nbytes: int) -> float:
+        """How long a blocking call waits for a step's outcome before it calls the event loop
+        stuck. The node fails a step itself, at a deadline that allows three times the step's
+        bytes at the slowest rate it knows (protocol.TreeMachine._extended); this backstop
+        allows twice that at the slowest rate known here (the view's pace, the declared
+        uplinks), so a healthy 100 MB step behind 10 Mbit/s (80 s and more) is not cut short."""
+        cfg = self.config
+        rates = [self.view.pace or cfg.uplink_bytes_per_s, *(r for _, r in cfg.uplinks_by_rank)]
+        return cfg.step_timeout_s + 10 + 2 * SLACK * 3 * nbytes / min(rates)
+
     def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
                   compression: str | None = None) -> Any:
         """Blocking allreduce. Raises StepAborted (naming peers) if the step cannot finish."""
         future = self.allreduce_async(tensor, average=average, reduce=reduce, compression=compression)
-        limit = self.config.step_timeout_s + 10
+        limit = self.outcome_limit_s(int(getattr(tensor, "nbytes", 0)))
         try:
             return future.result(timeout=limit)
         except FutureTimeout:

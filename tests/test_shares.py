@@ -131,3 +131,18 @@ def test_the_plan_follows_a_view_change_and_every_member_agrees() -> None:
     trees = {machine.tree_of(c, 48) for c in range(48)}
     assert trees == {t for t, n in enumerate(plan(one_slow(6, slow=survivors.index(3)), 48)) if n}
     assert sent_by(run, 3) < 2 * 5 * size * 8  # about N a step: a leaf in both views' plans
+
+
+def test_a_blocking_wait_allows_for_a_big_step_behind_the_slowest_declared_uplink() -> None:
+    """The backstop that calls the event loop stuck must outlast the node's own deadline: a
+    100 MB step behind a declared 10 Mbit/s uplink takes 80 s and more when healthy."""
+    from fttree import FTTreeAllreduce
+
+    from .conftest import local_peers
+
+    peers = local_peers(7)
+    lan = FTTreeAllreduce(0, peers)
+    slow = FTTreeAllreduce(0, peers, uplink_bytes_per_s=FAST, uplinks_by_rank={3: SLOW})
+    assert lan.outcome_limit_s(0) == lan.config.step_timeout_s + 10
+    assert slow.outcome_limit_s(100_000_000) > 3 * 100_000_000 / SLOW  # the node allows 3x the bytes' time
+    assert slow.outcome_limit_s(4096) < slow.config.step_timeout_s + 11

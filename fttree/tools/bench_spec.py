@@ -19,7 +19,7 @@ from ..core.config import Config
 from ..core.faults import FaultSchedule
 from .bench_patterns import PATTERNS, WARMUP_STEPS
 from .nodefaults import NodeFault, node_faults
-from .units import format_bytes, format_rate
+from .units import format_bytes, format_rate, parse_uplinks
 
 DEFAULT_TREES = Config().trees  # the API's default: the matrix and node-failure runs use it
 SLOW_BF16 = "slow-bf16"  # a sweep compression: only ranks below the default uplink send bf16 sums
@@ -78,7 +78,8 @@ class RunSpec:
     def deadline_s(self) -> float:
         per_step = 5.0 + 3 * self.timeout_s + self.size * 4 / 20e6  # generous: a 2-core box shared with others
         if self.uplink_bps:
-            per_step += 3 * (self.size * 4 * 8) / self.uplink_bps  # a tree's interior rank sends 3N
+            slowest = min(parse_uplinks(self.uplinks).bytes_per_s(self.world)) * 8 if self.uplinks else self.uplink_bps
+            per_step += 3 * (self.size * 4 * 8) / slowest  # an interior rank sends 3N; a ring waits for the slowest
             per_step = max(per_step, self.step_timeout_s)  # a failed step still ends within the run
         return 120.0 + self.steps * per_step + len(self.windows) * self.step_timeout_s
 

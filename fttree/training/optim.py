@@ -103,16 +103,18 @@ def _named_tensors(target: Any, *, buffers: bool = True) -> Named:
 
 
 def _settle(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
-            context: Callable[[int], str]) -> list[StepResult | FTTreeError]:
+            context: Callable[[int], str], nbytes: int = 0) -> list[StepResult | FTTreeError]:
     """The outcome of every future (a result or its fttree error, with `context(i)` noted),
-    once all have settled, so no step of this batch is left running behind the caller."""
-    deadline = time.monotonic() + ar.config.step_timeout_s + 10
+    once all have settled, so no step of this batch is left running behind the caller.
+    `nbytes`: the batch's bytes, which the wait allows for at the slowest known rate."""
+    limit = ar.outcome_limit_s(nbytes)
+    deadline = time.monotonic() + limit
     outcomes: list[StepResult | FTTreeError] = []
     for i, fut in enumerate(futures):
         try:
             outcomes.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
         except FutureTimeout:
-            outcomes.append(StepAborted(-1, f"rank {ar.rank}: no outcome within {ar.config.step_timeout_s + 10:g} s "
+            outcomes.append(StepAborted(-1, f"rank {ar.rank}: no outcome within {limit:g} s "
                                             f"(event loop stuck?) while {context(i)}"))
         except FTTreeError as exc:
             exc.add_note(f"fttree rank {ar.rank}: while {context(i)}")
@@ -128,9 +130,9 @@ def _first_error(outcomes: Sequence[StepResult | FTTreeError]) -> list[StepResul
 
 
 def _wait(futures: Sequence[Future[StepResult]], ar: FTTreeAllreduce,
-          context: Callable[[int], str]) -> list[StepResult]:
+          context: Callable[[int], str], nbytes: int = 0) -> list[StepResult]:
     """Results of all futures; on failure, the first error after every future has settled."""
-    return _first_error(_settle(futures, ar, context))
+    return _first_error(_settle(futures, ar, context, nbytes))
 
 
 def close_gracefully(allreduce: FTTreeAllreduce) -> None:
@@ -173,8 +175,8 @@ def values_digest(named: Named) -> str:
     that start from the same seed have the same one, so nothing needs to be copied."""
     h = hashlib.blake2b(digest_size=8)
     for _, t in named:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                 if t.numel() else b"")
+        if t.numel():  # a device tensor comes to the host once, at the start
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
         h.update(b"\0")
     return f"{int.from_bytes(h.digest(), 'big') >> 4:015x}"
 
@@ -225,7 +227,8 @@ def broadcast_parameters(target: Any, allreduce: FTTreeAllreduce, root_rank: int
         futures.append(ar.submit_array(flat, f"broadcast from rank {root_rank} {dtype.name}[{total}] #{layout}",
                                        nonfinite="allow"))
         plans.append(members)
-    results = _wait(futures, ar, lambda i: f"broadcasting parameters from rank {root_rank}")
+    results = _wait(futures, ar, lambda i: f"broadcasting parameters from rank {root_rank}",
+                    nbytes=sum(t.numel() * t.element_size() for _, t in named))
     if ar.rank == root_rank:
         return True
     with torch.no_grad():
@@ -427,7 +430,8 @@ class GradientSync:
         def context(i: int) -> str:
             return f"averaging gradient bucket {self.buckets[i].index} ({self.buckets[i].names()})"
 
-        outcomes = _settle(futures, self.ar, context)
+        nbytes = sum(spec.size * 4 for spec in self.buckets)
+        outcomes = _settle(futures, self.ar, context, nbytes)
         for _ in range(self.RETRIES):
             again = [i for i, out in enumerate(outcomes) if isinstance(out, StepRetry)]
             if not again:
@@ -436,7 +440,7 @@ class GradientSync:
             futures = list(futures)
             for i in again:
                 futures[i] = self._launch(self.buckets[i], contribute)
-            for i, out in zip(again, _settle([futures[i] for i in again], self.ar, context), strict=True):
+            for i, out in zip(again, _settle([futures[i] for i in again], self.ar, context, nbytes), strict=True):
                 outcomes[i] = out
         return outcomes
 
