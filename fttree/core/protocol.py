@@ -450,6 +450,8 @@ class TreeMachine:
         self._rates: tuple[float, ...] | None = None  # the members' unequal declared uplinks (None: even shares)
         # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
         self._bf16_up = self.cfg.uplink_of(rank) < self.cfg.bf16_uplinks_below
+        # a step's bytes may take as long as the slowest declared uplink needs (Config.uplinks_by_rank)
+        self._slowest_declared = min((r for _, r in self.cfg.uplinks_by_rank), default=float("inf"))
         self.trees: tuple[_Tree, ...] = self._build_trees(view)
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
@@ -1424,12 +1426,12 @@ class TreeMachine:
         if the step's bytes may still be on their way. Behind 1 Mbit/s a 1.63 MB step takes
         twenty seconds and more (a first step, cut for a LAN before a pace was agreed, three
         times that). A deadline allows for three times the step's bytes at the slowest of the
-        group's pace, this rank's measured uplink and the slowest one members reported (`uplink`,
-        from the driver). The root's, which waits for its children's uplinks, is also put off
-        while a child it waits for sends tensor data (a silent child is evicted by the
-        membership), up to MAX_DEADLINE_EXTENSIONS times its length."""
+        group's pace, the slowest declared uplink, this rank's measured uplink and the slowest one
+        members reported (`uplink`, from the driver). The root's, which waits for its children's
+        uplinks, is also put off while a child it waits for sends tensor data (a silent child is
+        evicted by the membership), up to MAX_DEADLINE_EXTENSIONS times its length."""
         key = event.key
-        pace = self.view.pace or self.cfg.uplink_bytes_per_s
+        pace = min(self.view.pace or self.cfg.uplink_bytes_per_s, self._slowest_declared)
         rate = min(pace, event.uplink) if event.uplink > 0 else pace
         end = op.started + base_s + SLACK * 3 * op.nbytes * op.chunks / rate
         if now < end:
