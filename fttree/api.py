@@ -541,8 +541,8 @@ class FTTreeAllreduce:
         allows twice that at the slowest rate known here (the view's pace, the declared
         uplinks), so a healthy 100 MB step behind 10 Mbit/s (80 s and more) is not cut short."""
         cfg = self.config
-        rates = [self.view.pace or cfg.uplink_bytes_per_s, *(r for _, r in cfg.uplinks_by_rank)]
-        return cfg.step_timeout_s + 10 + 2 * SLACK * 3 * nbytes / min(rates)
+        rate = min(self.view.pace or cfg.uplink_bytes_per_s, cfg.slowest_declared)
+        return cfg.step_timeout_s + 10 + 2 * SLACK * 3 * nbytes / rate
 
     def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
                   compression: str | None = None) -> Any:

@@ -227,6 +227,12 @@ class Config:
         return dict(self.uplinks_by_rank).get(rank, self.uplink_bytes_per_s)
 
     @property
+    def slowest_declared(self) -> float:
+        """The slowest uplink `uplinks_by_rank` declares (inf: none): a step's bytes may need
+        that long, so deadlines allow for it."""
+        return min((rate for _, rate in self.uplinks_by_rank), default=float("inf"))
+
+    @property
     def root_give_up_s(self) -> float:
         return self.root_timeout_s if self.root_timeout_s is not None else self.step_timeout_s / 2
 

@@ -63,7 +63,7 @@ from .buffers import BufferPool
 from .config import Config
 from .messages import COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
 from .reduce_ops import REDUCE_OPS
-from .shares import member_rates, plan, tree_of_planned, uniform
+from .shares import plan, tree_of_planned, uniform
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
@@ -450,8 +450,6 @@ class TreeMachine:
         self._rates: tuple[float, ...] | None = None  # the members' unequal declared uplinks (None: even shares)
         # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
         self._bf16_up = self.cfg.uplink_of(rank) < self.cfg.bf16_uplinks_below
-        # a step's bytes may take as long as the slowest declared uplink needs (Config.uplinks_by_rank)
-        self._slowest_declared = min((r for _, r in self.cfg.uplinks_by_rank), default=float("inf"))
         self.trees: tuple[_Tree, ...] = self._build_trees(view)
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
@@ -610,7 +608,7 @@ class TreeMachine:
 
     def _build_trees(self, view: View) -> tuple[_Tree, ...]:
         family = self.cfg.trees
-        rates = member_rates(view.members, self.cfg.uplink_bytes_per_s, dict(self.cfg.uplinks_by_rank))
+        rates = tuple(self.cfg.uplink_of(r) for r in view.members)  # in slot order
         self._rates = None if family != "rotated" or uniform(rates) else rates  # shares follow unequal uplinks
         return tuple(_Tree.build(family, t, view, self.rank) for t in range(tree_count(family, view.size)))
 
@@ -1431,7 +1429,7 @@ class TreeMachine:
         uplinks, is also put off while a child it waits for sends tensor data (a silent child is
         evicted by the membership), up to MAX_DEADLINE_EXTENSIONS times its length."""
         key = event.key
-        pace = min(self.view.pace or self.cfg.uplink_bytes_per_s, self._slowest_declared)
+        pace = min(self.view.pace or self.cfg.uplink_bytes_per_s, self.cfg.slowest_declared)
         rate = min(pace, event.uplink) if event.uplink > 0 else pace
         end = op.started + base_s + SLACK * 3 * op.nbytes * op.chunks / rate
         if now < end:

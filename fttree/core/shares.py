@@ -21,7 +21,7 @@ before max(N / slowest uplink, 2(p-1)N / sum of uplinks).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -29,11 +29,6 @@ import numpy as np
 from . import topology as topo
 
 LEXI_TOP = 4  # the plan compares trees by their members' few largest times (all would cost p log p a chunk)
-
-
-def member_rates(members: Sequence[int], default: float, by_rank: Mapping[int, float]) -> tuple[float, ...]:
-    """Each member's uplink in bytes per second, in the view's slot order."""
-    return tuple(float(by_rank.get(r, default)) for r in members)
 
 
 def heap_sends(size: int) -> np.ndarray:

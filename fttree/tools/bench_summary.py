@@ -176,7 +176,7 @@ class Summary:
                         + (f": {'; '.join(false[:3])}" if false else "")))
         if 7 in o.sweep_workers and not o.uplink:
             out += self._loopback_targets()
-        if o.uplink and parse_uplinks(o.uplink).by_rank:
+        if o.uneven:
             out += self._uneven_targets()
         elif o.uplink:
             out += self._slow_link_targets()
