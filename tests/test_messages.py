@@ -111,7 +111,7 @@ def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int 
 
 @pytest.mark.parametrize(("raw", "needle"), [
     (_raw({"k": 1}, magic=b"XX"), "magic"),
-    (_raw({"k": 1}, version=9), "version 9"),
+    (_raw({"k": 1}, version=VERSION + 1), f"version {VERSION + 1}"),
     (_raw({"k": 99, "f": 0}), "unknown message kind 99"),
     (_raw({"k": 1, "f": 0, "d": "<f4", "e": 3}, b"\0" * 8), "does not hold 3"),
     (_raw({"k": 1, "f": 0, "d": "|O", "e": 1}, b"\0" * 8), "unsupported dtype"),

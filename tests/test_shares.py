@@ -9,10 +9,12 @@ import pytest
 
 from fttree.core.config import Config
 from fttree.core.protocol import TreeMachine
-from fttree.core.shares import bound_seconds, busiest_seconds, plan, rotated_loads
+from fttree.core.shares import bound_seconds, busiest_seconds, measured_rates, plan, rotated_loads
 from fttree.core.trees import tree_of
 from fttree.core.view import View
 from fttree.errors import ConfigError
+from fttree.net.steps import StepResult
+from fttree.testing.sim import SimNetwork
 from fttree.testing.simulate import counted, simulate
 
 FAST, SLOW = 12.5e6, 1.25e6  # 100 and 10 Mbit/s
@@ -146,3 +148,119 @@ def test_a_blocking_wait_allows_for_a_big_step_behind_the_slowest_declared_uplin
     assert lan.outcome_limit_s(0) == lan.config.step_timeout_s + 10
     assert slow.outcome_limit_s(100_000_000) > 3 * 100_000_000 / SLOW  # the node allows 3x the bytes' time
     assert slow.outcome_limit_s(4096) < slow.config.step_timeout_s + 11
+
+
+# ---- measured uplinks, agreed through the view (membership.py "Pace", View.uplinks) ---------------
+
+MLP = 407_050  # the thesis MLP's float32 parameters: 1.63 MB
+
+
+def run_steps(net: SimNetwork, first: int, count: int) -> list[float]:
+    """Steps `first` .. `first + count - 1`, one after another; each gives every rank the exact
+    sum. The simulated seconds each took."""
+    times = []
+    for step in range(first, first + count):
+        data = [np.full(MLP, float(r + 1 + step), dtype=np.float32) for r in range(net.world)]
+        start = net.now
+        net.submit_all(step, data)
+        net.run_until_finished(step, limit_s=600)
+        for r in range(net.world):
+            out = net.outcome(r, step)
+            assert isinstance(out, StepResult), (r, step, out)
+            np.testing.assert_array_equal(out.data, sum(data))
+        times.append(net.now - start)
+    return times
+
+
+def held_uplinks(net: SimNetwork) -> tuple[int, ...]:
+    """The measured uplinks the view holds, the same on every member."""
+    views = {n.view for n in net.nodes}
+    assert len(views) == 1, views
+    return views.pop().uplinks
+
+
+def planned(net: SimNetwork, chunks: int) -> list[int]:
+    """The tree of each chunk of a `chunks`-chunk step, the same on every member."""
+    plans = {tuple(n.machine.tree_of(c, chunks) for c in range(chunks)) for n in net.nodes}
+    assert len(plans) == 1, plans
+    return list(plans.pop())
+
+
+def test_measured_uplinks_give_the_shares_at_defaults_and_the_views_settle() -> None:
+    """Nothing declared: one rank behind 10 Mbit/s among 100 Mbit/s ones. The pace rounds put
+    every member's measured uplink into the view; the shares follow it (the slow rank a leaf of
+    every tree used) and the step meets the bound. Each member is compared with its own figure,
+    so the fast ones stop asking for rounds: before, a fast member among slow ones was always
+    beyond twice the pace and asked again in every view, one round a step for good."""
+    world, slow = 7, 3
+    rates = {r: SLOW if r == slow else FAST for r in range(world)}
+    net = SimNetwork(world, uplink=rates, wire=False)
+    times = run_steps(net, 0, 8)
+    settled = net.nodes[0].view.epoch
+    times += run_steps(net, 8, 6)
+    assert net.nodes[0].view.epoch == settled, "a pace round after the figures were in"
+    held = held_uplinks(net)
+    view = net.nodes[0].view
+    assert view.uplink_of(slow) == pytest.approx(SLOW, rel=0.05)
+    assert all(view.uplink_of(r) == pytest.approx(FAST, rel=0.1) for r in range(world) if r != slow), held
+    trees = planned(net, 48)
+    for t in set(trees):
+        assert not view.tree(t, "rotated").neighbours(slow).children, f"rank {slow} is interior in tree {t}"
+    bound = bound_seconds(MLP * 4, tuple(rates.values()))
+    assert times[-1] <= 1.1 * bound, (times, bound)
+    assert times[0] > 1.5 * bound  # the even spread, before any figure: what the shares save
+
+
+def test_a_rank_whose_uplink_slows_mid_run_becomes_a_leaf_and_one_that_recovers_gets_even_shares() -> None:
+    """Rank 2's uplink drops from 100 to 10 Mbit/s mid-run, then comes back. The meter keeps the
+    best rate of the last 30 s (net/uplink.py), so the drop shows after that window; then one
+    pace round puts it into the view, every member plans alike and the step meets the bound. A
+    recovery shows at the next step: the figure doubles past the view's, and the shares go back
+    to even within a few steps. Every sum stays exact throughout."""
+    world, slow = 7, 2
+    net = SimNetwork(world, uplink=FAST, wire=False)
+    run_steps(net, 0, 4)
+    even = [tree_of("rotated", c, 48, world) for c in range(48)]
+    assert planned(net, 48) == even
+    net.reshape(slow, SLOW)
+    dropped_at = net.now
+    step, times = 4, []
+    while net.nodes[0].view.uplink_of(slow) > 2 * SLOW:
+        assert net.now - dropped_at < 45, "the slow uplink is not in the view 45 s after the drop"
+        times += run_steps(net, step, 1)
+        step += 1
+    assert net.now - dropped_at >= 30 - 3  # not before the meter's window let go of the fast slices
+    times += run_steps(net, step, 3)
+    step += 3
+    view = net.nodes[0].view
+    for t in set(planned(net, 48)):
+        assert not view.tree(t, "rotated").neighbours(slow).children, f"rank {slow} is interior in tree {t}"
+    bound = bound_seconds(MLP * 4, tuple(SLOW if r == slow else FAST for r in range(world)))
+    assert times[-1] <= 1.1 * bound < times[0] / 1.5, (times, bound)
+    net.reshape(slow, FAST)
+    recovered = run_steps(net, step, 5)
+    assert planned(net, 48) == even, held_uplinks(net)
+    assert recovered[-1] <= 1.1 * bound_seconds(MLP * 4, (FAST,) * world) + 0.05, recovered
+
+
+def test_a_view_keeps_each_members_figure_through_trees_and_evictions() -> None:
+    view = View(4, (0, 1, 2, 3, 4), 1_000, (5_000, 1_000, 5_000, 5_000, 4_000))
+    assert [view.tree(t, "rotated").uplink_of(2) for t in range(5)] == [5_000] * 5
+    assert view.tree(2, "rotated").tree(1, "rotated").uplink_of(1) == 1_000
+    after = view.without([1], 5)
+    assert {r: after.uplink_of(r) for r in after.members} == {0: 5_000, 2: 5_000, 3: 5_000, 4: 4_000}
+    assert View(1, (0, 1), 0, (0, 0)).uplinks == ()
+    assert view.uplink_of(9) == 0
+    assert view != View(4, (0, 1, 2, 3, 4), 1_000)
+    with pytest.raises(ConfigError, match="one rate >= 0 per member"):
+        View(1, (0, 1, 2), 0, (1, 2))
+
+
+def test_measured_rates_plan_only_when_every_member_has_one_and_they_differ() -> None:
+    assert measured_rates(()) is None
+    assert measured_rates((FAST, 0, SLOW)) is None  # one not measured yet
+    assert measured_rates((FAST, 0.7 * FAST, FAST)) is None  # within a factor 2: even shares
+    rounded = measured_rates((int(FAST), int(0.98 * FAST), int(SLOW)))
+    assert rounded is not None
+    assert rounded[0] == rounded[1]
+    assert rounded[2] < rounded[0] / 8

@@ -110,11 +110,13 @@ class Config:
     uplink_bytes_per_s: float = 50e6
     # declared uplinks of some ranks, bytes per second ({3: 1.25e6}, or "3=1.25e6,5=6.25e6"; the
     # others at uplink_bytes_per_s): when they differ, the rotated trees' shares of a step follow
-    # them, so slow ranks become leaves (core/shares.py)
+    # them, so slow ranks become leaves (core/shares.py); without it the shares follow the
+    # uplinks the workers measure, once the view holds them (docs/bandwidth.md)
     uplinks_by_rank: tuple[tuple[int, float], ...] = ()
-    # a rank whose declared uplink (uplink_of) is below this many bytes per second sends its sums
-    # up as bf16: half its bytes, so only slow links pay the precision cost (the next hop adds
-    # in float32; results travel as the root made them, alike everywhere). 0: off
+    # a rank whose uplink (declared, or else measured and held by the view) is below this many
+    # bytes per second sends its sums up as bf16: half its bytes, so only slow links pay the
+    # precision cost (the next hop adds in float32; results travel as the root made them, alike
+    # everywhere). 0: off
     bf16_uplinks_below: float = 0.0
 
     # -- bookkeeping bounds (nothing grows with the number of steps run)

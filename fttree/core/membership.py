@@ -18,10 +18,14 @@ take long: twice the round trip they were answered in (RFC 6298's SRTT + 4 RTTVA
 Pace. How a step is cut into chunks must be the same on every member, and the best cut follows
 the uplinks (pipelined in small chunks behind 10 Mbit/s, in few large ones on a LAN). So the view
 carries a pace (view.py), changed like a join: a member whose measured uplink is far from the
-view's pace (beyond a factor 2, never above Config.uplink_bytes_per_s) tells the coordinator
-(PACE), which runs a round that fences nothing; every member promises with its own measured
-uplink, and the value is the same members at the slowest promised pace, from the training step
-after every promiser's current one (they hold new steps until it is decided).
+uplink the view holds for it (beyond a factor 2, never above Config.uplink_bytes_per_s; the
+view's pace while it holds none) tells the coordinator (PACE), which runs a round that fences
+nothing; every member promises with its own measured uplink, and the value is the same members
+at the slowest promised pace, with every member's promised uplink (View.uplinks, which the
+rotated trees' shares follow), from the training step after every promiser's current one (they
+hold new steps until it is decided). Comparing each member with its own figure, not with the
+pace, is what keeps a fast member among slow ones from asking for a round in every view; a
+figure changes only when the link's rate halves or doubles, so noise never starts a round.
 
 A member that finished its job says so (DONE, with its last step) and closes only once every
 member has: its silence after that is no failure. A member still running steps past another's
@@ -83,7 +87,7 @@ RETRANSMIT_TRIES = 1 + 2 + 4
 MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; more ask again later
 MAX_STALLS = 3  # a view change stalled this many times (3 node deadlines each) stops this rank
 JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
-PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's pace
+PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's figure for it
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
 RELAYED_KINDS = frozenset(
     {Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT}
@@ -230,17 +234,18 @@ class ViewValue:
     plan: tuple[int, ...]
     user_step: int = -1  # a join or a pace change: the training step it takes effect at (-1: at once)
     pace: int = 0  # the view's pace (view.py)
+    uplinks: tuple[int, ...] = ()  # the members' measured uplinks, in the order of `members` (view.py)
 
     @classmethod
     def of(cls, msg: Agreement) -> ViewValue | None:
         if not msg.proposed:
             return None
         return cls(epoch=msg.proposed, members=msg.members, committed=msg.committed, plan=msg.plan,
-                   user_step=msg.user_step, pace=msg.pace)
+                   user_step=msg.user_step, pace=msg.pace, uplinks=msg.uplinks)
 
     def fields(self) -> dict[str, Any]:
         return {"proposed": self.epoch, "members": self.members, "committed": self.committed, "plan": self.plan,
-                "user_step": self.user_step, "pace": self.pace}
+                "user_step": self.user_step, "pace": self.pace, "uplinks": self.uplinks}
 
 
 def flatten_plan(plan: Iterable[CatchUp]) -> tuple[int, ...]:
@@ -447,13 +452,17 @@ class Membership:
         it, steps are cut as on a LAN anyway)."""
         return int(min(self.rate, self.cfg.uplink_bytes_per_s))
 
+    def _held_rate(self, rank: int) -> float:
+        """The uplink the view holds for `rank`; the view's pace while it holds none."""
+        return self.view.uplink_of(rank) or self.view.pace or self.cfg.uplink_bytes_per_s
+
     def _maybe_ask_pace(self, now: float, out: list[MemberAction]) -> None:
         """Ask the coordinator for a pace round, once a view, if this rank's uplink is far from
-        the view's pace."""
+        what the view holds for it."""
         target = self._target_pace()
-        pace = self.view.pace or self.cfg.uplink_bytes_per_s
+        held = self._held_rate(self.rank)
         if (not target or self._pace_asked == self.view.epoch or self.state is not MemberState.ACTIVE
-                or pace / PACE_FACTOR <= target <= pace * PACE_FACTOR):
+                or held / PACE_FACTOR <= target <= held * PACE_FACTOR):
             return
         self._pace_asked = self.view.epoch
         coordinator = self.view.members[0]
@@ -467,10 +476,10 @@ class Membership:
     def _maybe_pace_round(self, now: float, out: list[MemberAction]) -> None:
         """As coordinator: run a pace round that members asked for, when nothing else is being
         agreed or waits to take effect."""
-        pace = self.view.pace or self.cfg.uplink_bytes_per_s
         for rank, wanted in list(self._pace_wanted.items()):
-            if pace / PACE_FACTOR <= wanted <= pace * PACE_FACTOR:
-                del self._pace_wanted[rank]  # the view's pace is near it now (a round since)
+            held = self._held_rate(rank)
+            if held / PACE_FACTOR <= wanted <= held * PACE_FACTOR:
+                del self._pace_wanted[rank]  # the view holds a figure near it now (a round since)
         if not self._pace_wanted or not self._may_change() or self.view.members[0] != self.rank:
             return
         self._pace_wanted.clear()
@@ -781,8 +790,10 @@ class Membership:
             members = self.view.members + tuple(j for j in r.joining if j not in self.view)
             rates = [rate for rate in r.rates.values() if rate > 0]
             pace = min(rates) if r.pace and rates else self.view.pace
+            # each member's figure: what it promised now in a pace round, else what the view held
+            uplinks = tuple((r.rates.get(m, 0) if r.pace else 0) or self.view.uplink_of(m) for m in members)
             r.value = ViewValue(epoch=self.view.epoch + (r.ballot // SLOTS), members=members, committed=(), plan=(),
-                                user_step=max(r.user_steps.values(), default=-1) + 1, pace=pace)
+                                user_step=max(r.user_steps.values(), default=-1) + 1, pace=pace, uplinks=uplinks)
         else:
             promised = set(r.promises)
             new = self.view.without([m for m in self.view.members if m not in promised],
@@ -796,7 +807,7 @@ class Membership:
                     plan.append(CatchUp(step=step, holder=self.rank if self.rank in holders else holders[0],
                                         lacking=lacking))
             r.value = ViewValue(epoch=new.epoch, members=new.members, committed=tuple(committed),
-                                plan=flatten_plan(plan), pace=new.pace)
+                                plan=flatten_plan(plan), pace=new.pace, uplinks=new.uplinks)
         r.accepting = True
         accept = self._agree(Kind.VIEW_ACCEPT, ballot=r.ballot, **r.value.fields())
         self._to_all(accept, out, but=tuple(r.dead))
@@ -982,7 +993,7 @@ class Membership:
             return
         try:
             plan = unflatten_plan(value.plan)
-            view = View(value.epoch, value.members, value.pace)
+            view = View(value.epoch, value.members, value.pace, value.uplinks)
         except ValueError:
             return  # a broken value: the change will time out and run again
         user_step = value.user_step

@@ -25,10 +25,11 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 8  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+VERSION = 9  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
 #               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
 #               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own; 8: a JOIN's
-#               query and a JOIN_REPLY's answer in fields of their own (was one `code`)
+#               query and a JOIN_REPLY's answer in fields of their own (was one `code`); 9: a view's
+#               measured uplinks (`uplinks`) in the view change's frames and JOIN_REPLY
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -254,7 +255,8 @@ class Agreement(Frame):
             ("ac", "accepted", "accepted ballot", _INT), ("pp", "proposed", "proposed epoch", _INT),
             ("mb", "members", "members", _INTS), ("cm", "committed", "committed", _INTS),
             ("pn", "plan", "plan", _INTS), ("us", "user_step", "user step", _INT), ("pc", "pace", "pace", _INT),
-            ("st", "steps", "steps", _INTS), ("ts", "training_step", "training step", _INT),
+            ("ul", "uplinks", "uplinks", _INTS), ("st", "steps", "steps", _INTS),
+            ("ts", "training_step", "training step", _INT),
             ("rt", "rate", "rate", _INT), ("dd", "dead", "dead", _INTS), ("jn", "joining", "joining", _INTS),
             ("pr", "pace_round", "pace round", _BOOL), ("pm", "promised", "promised", _INTS),
             ("w", "view_size", "view size", _INT))
@@ -269,6 +271,7 @@ class Agreement(Frame):
     plan: tuple[int, ...] = ()  # the value's catch-up plan, flattened (membership.py)
     user_step: int = -1  # the value's training step a join or pace change takes effect at (-1: at once)
     pace: int = 0  # the value's pace, bytes per second (view.py; 0: the configured one)
+    uplinks: tuple[int, ...] = ()  # the value's members' measured uplinks, bytes per second (view.py)
     steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
     training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
     rate: int = 0  # VIEW_PROMISE: the sender's measured uplink, bytes per second
@@ -292,7 +295,7 @@ class Join(Frame):
     WIRE = (("q", "query", "query", _INT), ("an", "answer", "answer", _INT), ("in", "incarnation", "incarnation", _INT),
             ("t", "target", "target", _INT), ("ad", "addresses", "addresses", _ADDRS),
             ("mb", "members", "members", _INTS), ("s", "step", "step", _INT), ("us", "user_step", "user step", _INT),
-            ("pc", "pace", "pace", _INT))
+            ("pc", "pace", "pace", _INT), ("ul", "uplinks", "uplinks", _INTS))
 
     query: int = 0  # JOIN, JOIN_ASK: what is asked, a Query (admission.py)
     answer: int = 0  # JOIN_REPLY: an Answer (admission.py)
@@ -303,6 +306,7 @@ class Join(Frame):
     step: int = -1  # JOIN_REPLY, ADMITTED: the allreduce step the joiner takes part from
     user_step: int = -1  # JOIN_REPLY, ADMITTED: the training step that is
     pace: int = 0  # JOIN_REPLY: the view's pace
+    uplinks: tuple[int, ...] = ()  # JOIN_REPLY: the view's members' measured uplinks
 
 
 @dataclass(slots=True, kw_only=True)

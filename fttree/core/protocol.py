@@ -63,7 +63,7 @@ from .buffers import BufferPool
 from .config import Config
 from .messages import COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
 from .reduce_ops import REDUCE_OPS
-from .shares import plan, tree_of_planned, uniform
+from .shares import measured_rates, plan, tree_of_planned, uniform
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
@@ -447,9 +447,9 @@ class TreeMachine:
         self.rank = rank
         self.view = view
         self.cfg = config or Config()
-        self._rates: tuple[float, ...] | None = None  # the members' unequal declared uplinks (None: even shares)
-        # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
-        self._bf16_up = self.cfg.uplink_of(rank) < self.cfg.bf16_uplinks_below
+        self._rates: tuple[float, ...] | None = None  # the members' unequal uplinks (None: even shares)
+        self._earlier_rates: dict[int, tuple[float, ...] | None] = {}  # those of the _same_trees epochs
+        self._bf16_up = False  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
         self.trees: tuple[_Tree, ...] = self._build_trees(view)
         self._ops: dict[OpId, _Op] = {}
         self._retired: set[OpId] = set()
@@ -538,9 +538,12 @@ class TreeMachine:
         of the view before run on in it."""
         if view.members == self.view.members and view.epoch > self.view.epoch:
             self._same_trees.add(self.view.epoch)
+            self._earlier_rates[self.view.epoch] = self._rates  # its ops keep their shares
             self.view = view
+            self._rates, self._bf16_up = self._follow_uplinks(view)
             return
         self._same_trees.clear()
+        self._earlier_rates.clear()
         self.view = view
         self.trees = self._build_trees(view)
 
@@ -607,19 +610,43 @@ class TreeMachine:
     # ---- the trees (trees.py) ---------------------------------------------------------
 
     def _build_trees(self, view: View) -> tuple[_Tree, ...]:
+        self._rates, self._bf16_up = self._follow_uplinks(view)
         family = self.cfg.trees
-        rates = tuple(self.cfg.uplink_of(r) for r in view.members)  # in slot order
-        self._rates = None if family != "rotated" or uniform(rates) else rates  # shares follow unequal uplinks
         return tuple(_Tree.build(family, t, view, self.rank) for t in range(tree_count(family, view.size)))
 
-    def tree_of(self, chunk: int, chunks: int) -> int:
+    def _follow_uplinks(self, view: View) -> tuple[tuple[float, ...] | None, bool]:
+        """The members' uplinks the shares follow in `view` (None: even shares), and whether
+        this rank's is slow enough to send its sums as bf16: the declared ones
+        (Config.uplinks_by_rank) or else the measured ones the view holds."""
+        if self.cfg.uplinks_by_rank:
+            rates: tuple[float, ...] | None = tuple(self.cfg.uplink_of(r) for r in view.members)  # in slot order
+            mine = self.cfg.uplink_of(self.rank)
+        else:
+            rates = measured_rates(view.uplinks)
+            mine = view.uplink_of(self.rank) or self.cfg.uplink_bytes_per_s
+        if self.cfg.trees != "rotated" or rates is None or uniform(rates):
+            rates = None
+        return rates, mine < self.cfg.bf16_uplinks_below
+
+    def _rates_in(self, epoch: int | None) -> tuple[float, ...] | None:
+        """The shares' uplinks in view `epoch`: a pace change keeps the trees, but each view's
+        ops keep that view's shares."""
+        if epoch is None or epoch == self.view.epoch:
+            return self._rates
+        if self._expected is not None and epoch == self._expected.epoch:
+            return self._follow_uplinks(self._expected)[0]
+        return self._earlier_rates.get(epoch, self._rates)
+
+    def tree_of(self, chunk: int, chunks: int, epoch: int | None = None) -> int:
         """The tree chunk `chunk` of a step of `chunks` chunks runs on in this view (trees.py).
         A one-chunk step always runs on tree 0: small tensors and their fault costs are those
         of the single tree. Stateless, so a frame that comes before the local submit is checked
-        against the same rule (and `tree` in its header). With unequal declared uplinks the
-        rotated trees carry shares that follow them (shares.py)."""
-        if self._rates is not None and chunks >= 2 and len(self._rates) >= 2:
-            return tree_of_planned(plan(self._rates, chunks), chunk)
+        against the same rule (and `tree` in its header). With unequal uplinks (declared, or
+        measured and held by the view) the rotated trees carry shares that follow them
+        (shares.py)."""
+        rates = self._rates_in(epoch)
+        if rates is not None and chunks >= 2 and len(rates) >= 2:
+            return tree_of_planned(plan(rates, chunks), chunk)
         return tree_of(self.cfg.trees, chunk, chunks, self.view.size)
 
     def _t(self, op: _Op) -> _Tree:
@@ -730,7 +757,7 @@ class TreeMachine:
                                  f"already (max_live_ops)"))
             return None
         op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
-                                    chunks=chunks, tree=self.tree_of(chunk, chunks))
+                                    chunks=chunks, tree=self.tree_of(chunk, chunks, epoch))
         return op
 
     def _retire(self, op: _Op) -> None:
@@ -911,7 +938,7 @@ class TreeMachine:
             self._on_catchup(msg, now, out)
             return
         probe = msg.kind in (Kind.PROBE, Kind.PROBE_ACK)
-        tree = msg.tree if probe else self.tree_of(msg.chunk, msg.chunks)  # a probe: the uplink of its tree
+        tree = msg.tree if probe else self.tree_of(msg.chunk, msg.chunks, msg.epoch)  # a probe: its tree's uplink
         if msg.tree != tree or not 0 <= tree < len(self.trees):
             self._tree_mismatch(msg, tree, now, out)
             return

@@ -9,9 +9,13 @@ sets the step. Here each chunk goes, in turn, to the tree that keeps the busiest
 (bytes sent / its uplink) lowest: slow ranks end up leaves of the trees that carry the step,
 and the fast ranks share the interior work.
 
-Every member computes the same plan from the same inputs (the view's members, the declared
-rates, the chunk count; Config.uplinks_by_rank must be the same on every worker), with integer
-chunk counts, so no message is needed to agree on it.
+Every member computes the same plan from the same inputs (the view's members, the rates, the
+chunk count), with integer chunk counts, so no message is needed to agree on it. The rates are
+the declared ones (Config.uplinks_by_rank, the same on every worker) or else the measured ones
+the view carries (View.uplinks: agreed in the membership's pace rounds, so they change only
+with the view). Measured rates count only when every member has one and they differ by
+UNEVEN or more, and are rounded to a grid of GRID steps per doubling: a few per cent of noise
+between equal links keeps the even spread, and the plan the same from one round to the next.
 
 The bound: every rank sends at least N bytes (its contribution, or the result it roots; nothing
 smaller carries an N-value input), and all ranks together at least 2(p-1)N (each byte of the
@@ -28,6 +32,8 @@ import numpy as np
 
 from . import topology as topo
 
+UNEVEN = 2.0  # measured uplinks this far apart or more get planned shares; closer ones, even shares
+GRID = 4  # measured rates are rounded to 2 ** (k / GRID) bytes per second before planning
 LEXI_TOP = 4  # the plan compares trees by their members' few largest times (all would cost p log p a chunk)
 
 
@@ -72,6 +78,14 @@ def plan(rates: tuple[float, ...], chunks: int) -> tuple[int, ...]:
 
 def uniform(rates: Sequence[float]) -> bool:
     return min(rates) == max(rates)
+
+
+def measured_rates(uplinks: Sequence[int]) -> tuple[float, ...] | None:
+    """The rates to plan shares on from measured uplinks (slot order), rounded to the grid;
+    None for even shares: some member not measured yet, or all within a factor UNEVEN."""
+    if not uplinks or min(uplinks) <= 0 or max(uplinks) < UNEVEN * min(uplinks):
+        return None
+    return tuple(float(2.0 ** (round(np.log2(rate) * GRID) / GRID)) for rate in uplinks)
 
 
 def tree_of_planned(counts: Sequence[int], chunk: int) -> int:

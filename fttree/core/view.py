@@ -8,7 +8,9 @@ this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in s
 The view also carries the group's pace: the uplink speed (bytes per second) that decides how a
 step is cut into chunks (Config.chunk_bytes_for), so every member cuts the same step the same
 way. It starts at `Config.uplink_bytes_per_s` and follows the members' measured uplinks through
-agreed view changes (membership.py, "Pace").
+agreed view changes (membership.py, "Pace"). The same rounds record each member's own measured
+uplink (`uplinks`), which the rotated trees' shares follow (shares.py): figures every member
+holds alike, changed only with the view.
 
 Large steps spread their chunks over several trees (trees.py): tree 0 is the heap over
 `members`, the others heaps over other orders of the same members (`View.tree(t, family)`), in
@@ -31,12 +33,13 @@ from .trees import base_slot, base_spans, check_tree, tree_order, tree_slot
 
 @dataclass(frozen=True, slots=True, init=False, repr=False, eq=False, match_args=False)
 class View:
-    """`View(epoch, members, pace)`; two views are equal when those three are."""
+    """`View(epoch, members, pace, uplinks)`; two views are equal when those four are."""
 
     __match_args__ = ("epoch", "members", "pace")
 
     epoch: int
     pace: int  # bytes per second the group's steps are cut into chunks for (0: Config.uplink_bytes_per_s)
+    uplinks: tuple[int, ...]  # members' measured uplinks, bytes/s, in tree 0's slot order (0: not known; (): none)
     _order: tuple[int, ...]  # the view's members in slot order (tree 0's); a tree's view shares it
     _slot: dict[int, int]  # rank -> its slot in _order; shared the same way
     _family: str  # this view is the heap of tree _tree of _family over _order (tree 0: the view's own)
@@ -44,19 +47,23 @@ class View:
     _neighbours: dict[int, Neighbours]  # View.neighbours of the ranks asked (a worker asks of a few per tree)
     _trees: dict[tuple[str, int], View] | None  # View.tree, kept by tree 0 only
 
-    def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0) -> None:
+    def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0, uplinks: tuple[int, ...] = ()) -> None:
         if pace < 0:
             raise ConfigError(f"view {epoch} pace must not be negative, got {pace}")
         if not members:
             raise ConfigError(f"view {epoch} has no members")
         if len(set(members)) != len(members) or min(members) < 0:
             raise ConfigError(f"view {epoch} members {list(members)} must be distinct ranks >= 0")
-        self._fill(epoch, pace, members, {rank: slot for slot, rank in enumerate(members)}, "single", 0)
+        if uplinks and (len(uplinks) != len(members) or min(uplinks) < 0):
+            raise ConfigError(f"view {epoch} uplinks {list(uplinks)} must be one rate >= 0 per member "
+                              f"({len(members)})")
+        self._fill(epoch, pace, tuple(uplinks) if any(uplinks) else (), members,
+                   {rank: slot for slot, rank in enumerate(members)}, "single", 0)
 
-    def _fill(self, epoch: int, pace: int, order: tuple[int, ...], slot: dict[int, int], family: str,
-              tree: int) -> None:
+    def _fill(self, epoch: int, pace: int, uplinks: tuple[int, ...], order: tuple[int, ...], slot: dict[int, int],
+              family: str, tree: int) -> None:
         base = tree == 0
-        for name, value in (("epoch", epoch), ("pace", pace), ("_order", order), ("_slot", slot),
+        for name, value in (("epoch", epoch), ("pace", pace), ("uplinks", uplinks), ("_order", order), ("_slot", slot),
                             ("_family", family), ("_tree", tree), ("_neighbours", {}),
                             ("_trees", {} if base else None)):
             object.__setattr__(self, name, value)
@@ -119,12 +126,14 @@ class View:
         if tree == 0:
             return self
         if self._trees is None:  # a tree of a tree: over this one's order, which is computed
-            return View(self.epoch, self.members, self.pace).tree(tree, family)
+            members = self.members
+            uplinks = tuple(self.uplink_of(r) for r in members) if self.uplinks else ()
+            return View(self.epoch, members, self.pace, uplinks).tree(tree, family)
         found = self._trees.get((family, tree))
         if found is None:
             check_tree(family, tree, self.size)
             found = object.__new__(View)
-            found._fill(self.epoch, self.pace, self._order, self._slot, family, tree)
+            found._fill(self.epoch, self.pace, self.uplinks, self._order, self._slot, family, tree)
             self._trees[(family, tree)] = found
         return found
 
@@ -141,7 +150,14 @@ class View:
                     members[slot] = last
                 continue  # the member moved here may be gone too
             slot += 1
-        return View(epoch, tuple(members), self.pace)
+        return View(epoch, tuple(members), self.pace, tuple(self.uplink_of(r) for r in members) if self.uplinks else ())
+
+    def uplink_of(self, rank: int) -> int:
+        """`rank`'s measured uplink as the view holds it, bytes per second (0: not known)."""
+        if not self.uplinks:
+            return 0
+        slot = self._slot.get(rank)
+        return 0 if slot is None else self.uplinks[slot]
 
     def subtree(self, rank: int) -> frozenset[int]:
         """Every rank in the subtree rooted at `rank`, itself included."""
@@ -153,13 +169,15 @@ class View:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, View):
             return NotImplemented
-        return self.epoch == other.epoch and self.pace == other.pace and self.members == other.members
+        return self.epoch == other.epoch and self.pace == other.pace and self.members == other.members \
+            and self.uplinks == other.uplinks
 
     def __hash__(self) -> int:
-        return hash((self.epoch, self.members, self.pace))
+        return hash((self.epoch, self.members, self.pace, self.uplinks))
 
     def __repr__(self) -> str:
-        return f"View(epoch={self.epoch!r}, members={self.members!r}, pace={self.pace!r})"
+        uplinks = f", uplinks={self.uplinks!r}" if self.uplinks else ""
+        return f"View(epoch={self.epoch!r}, members={self.members!r}, pace={self.pace!r}{uplinks})"
 
     def __str__(self) -> str:
         return f"view {self.epoch} {list(self.members)}"

@@ -143,4 +143,4 @@ def send_reply(rank: int, reply: Reply, transport: Transport) -> None:
     addresses = tuple((r, a) for r in members if (a := transport.address_of(r)))
     transport.send(reply.dst, Join(kind=Kind.JOIN_REPLY, src=rank, answer=reply.answer, epoch=view.epoch,
                                    members=members, step=reply.first_step, user_step=reply.user_step,
-                                   pace=view.pace, addresses=addresses))
+                                   pace=view.pace, uplinks=view.uplinks, addresses=addresses))

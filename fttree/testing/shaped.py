@@ -185,6 +185,11 @@ class ShapedNetwork:
         t = self.transports[rank] = ShapedTransport(rank, self)
         return t
 
+    def reshape(self, rank: int, rate: float) -> None:
+        """`rank`'s uplink sends `rate` bytes per second from now on (tc class change)."""
+        up = self.uplinks[rank]
+        up.rate, up.segment = float(rate), segment_bytes(float(rate))
+
     def streams_of(self, rank: int) -> list[_Stream]:
         return self._by_src.get(rank, [])
 

@@ -188,6 +188,12 @@ class SimNetwork:
 
     # ---- the fault language ----------------------------------------------------------------
 
+    def reshape(self, rank: int, rate: float) -> None:
+        """`rank`'s uplink sends `rate` bytes per second from now on (a shaped network only)."""
+        if not isinstance(self.wire, ShapedNetwork):
+            raise ConfigError("reshape needs a shaped network: SimNetwork(uplink=...)")
+        self.wire.reshape(rank, rate)
+
     def cut(self, a: int, b: int) -> None:
         self.wire.cut(a, b)
 
