@@ -325,7 +325,7 @@ class FTTreeAllreduce:
 
     def submit_array(self, flat: np.ndarray, signature: str, *, contribute: bool = True,
                      nonfinite: str | None = None, reduce: str = "sum",
-                     compression: str | None = None) -> Future[StepResult]:
+                     compression: str | None = None, closable: bool = False) -> Future[StepResult]:
         """Low-level: start a step on a flat array the caller hands over (not copied).
         `contribute=False`: take part with the op's identity (zeros for a sum), not counted
         among the contributors (a joiner still receiving its state does). `nonfinite` overrides
@@ -334,7 +334,10 @@ class FTTreeAllreduce:
         contributions meet, "sum" or one of core/reduce_ops.REDUCE_OPS (max, min, product,
         band, bor, bxor); every rank must pass the same, or the step fails as a mismatch.
         `compression`: this step's float32 data travels as "bf16", "fp16" or "int8" (None:
-        Config.compression); ranks may differ."""
+        Config.compression); ranks may differ. `closable`: under straggler_policy="deadline" the
+        step may close without late members (their contributions are left out and the result
+        names them in `late`): for averaged gradients, whose result says whom it holds; every
+        other step waits for every member."""
         if self._loop is None or self.node is None:
             raise FTTreeError("FTTreeAllreduce is not started: use it as a context manager or call start()")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
@@ -366,7 +369,8 @@ class FTTreeAllreduce:
             if policy == "skip":  # as a mixed-precision optimizer skips a step
                 fill_identity(flat, reduce)
                 self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=False,
-                                                                    reduce=reduce, compression=compression))
+                                                                    reduce=reduce, compression=compression,
+                                                                    closable=closable))
                 self._loop.call_soon_threadsafe(node.skipped_nonfinite, step)
                 return future
             reason = f"rank {self.rank}'s contribution to step {step} holds NaN or Inf (nonfinite='abort')"
@@ -376,7 +380,8 @@ class FTTreeAllreduce:
         if not contribute:
             fill_identity(flat, reduce)
         self._loop.call_soon_threadsafe(lambda: node.submit(step, flat, signature, future, contribute=contribute,
-                                                            reduce=reduce, compression=compression))
+                                                            reduce=reduce, compression=compression,
+                                                            closable=closable))
         return future
 
     def _empty_step(self, flat: np.ndarray, signature: str, contribute: bool,
@@ -462,6 +467,14 @@ class FTTreeAllreduce:
         return self._next_step
 
     @property
+    def late_steps_ahead(self) -> int:
+        """Allreduce steps, from the next one submitted here, that the group already closed
+        without this rank (Config.straggler_policy="deadline": it was late). Their results are
+        here or on their way; submitting them returns at once and adds nothing. A training loop
+        that skips them (DistributedOptimizer.steps_behind) catches up with the group."""
+        return 0 if self.node is None else self.node.machine.closed_run(self._next_step)
+
+    @property
     def joining(self) -> bool:
         """True for a worker that joins a running group (restarted, or new with join=...): it is
         admitted at its first step (or at admit()), and skips the setup the group did long ago."""
@@ -507,16 +520,17 @@ class FTTreeAllreduce:
                 self.last = res
 
     def allreduce_async(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
-                        compression: str | None = None) -> Future[Any]:
+                        compression: str | None = None, closable: bool = False) -> Future[Any]:
         """Start an allreduce; the Future gives the summed (or averaged) tensor, or with
         `reduce` its elementwise max, min, product, band, bor or bxor over the contributors.
         `compression`: a float32 tensor travels as "bf16", "fp16" or "int8" (None:
-        Config.compression)."""
+        Config.compression). `closable`: a sum that may close without late members
+        (submit_array); `last` then says whom it holds."""
         flat, signature, how = _as_flat_array(tensor, self.staging)
         if average and (flat.dtype.kind != "f" or reduce != "sum"):
             raise TypeError(f"average=True needs a floating-point tensor and reduce='sum' (got {flat.dtype}, "
                             f"{reduce!r})")
-        inner = self.submit_array(flat, signature, reduce=reduce, compression=compression)
+        inner = self.submit_array(flat, signature, reduce=reduce, compression=compression, closable=closable)
         outer: Future[Any] = Future()
 
         def finish(done: Future[StepResult]) -> None:
@@ -545,9 +559,10 @@ class FTTreeAllreduce:
         return cfg.step_timeout_s + 10 + 2 * SLACK * 3 * nbytes / rate
 
     def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
-                  compression: str | None = None) -> Any:
+                  compression: str | None = None, closable: bool = False) -> Any:
         """Blocking allreduce. Raises StepAborted (naming peers) if the step cannot finish."""
-        future = self.allreduce_async(tensor, average=average, reduce=reduce, compression=compression)
+        future = self.allreduce_async(tensor, average=average, reduce=reduce, compression=compression,
+                                      closable=closable)
         limit = self.outcome_limit_s(int(getattr(tensor, "nbytes", 0)))
         try:
             return future.result(timeout=limit)

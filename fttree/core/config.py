@@ -21,13 +21,14 @@ TIMEOUT_POLICIES = ("static", "adaptive")
 NODE_FAILURE_POLICIES = ("forward", "abort", "rollback")
 COMPRESSIONS = (None, "bf16", "fp16", "int8")
 NONFINITE_POLICIES = ("skip", "abort", "allow")
+STRAGGLER_POLICIES = ("wait", "deadline")
 
 # Settings that must be the same on every worker of a job: they decide how a step is cut into
 # chunks and trees, what travels on the wire, or what a failure does to the steps in flight
 # (a difference fails steps, or ends them differently on different ranks). The credentials
 # must match in content: the same key, certificates of the same CA.
 SAME_ON_EVERY_WORKER = frozenset({"trees", "chunk_bytes", "uplink_bytes_per_s", "uplinks_by_rank", "compression",
-                                  "fault_tolerant",
+                                  "fault_tolerant", "straggler_policy", "straggler_grace_s", "max_late",
                                   "on_node_failure", "auth_key_file", "tls_ca_file", "tls_dir"})
 
 
@@ -83,6 +84,16 @@ class Config:
     on_node_failure: str = "forward"  # steps in flight: "forward" (finish on the survivors), "abort", "rollback"
     node_deadline_s: float = 1.0  # least silence that suspects a neighbour (more when watches learnt longer)
     confirm_wait_s: float = 0.25  # a suspicion must stand this long, unrefuted, before an eviction
+
+    # -- stragglers: a worker that computes slowly (docs/failures.md, "Stragglers")
+    # "wait": every step waits for every member. "deadline": once at most max_late of a tree
+    # root's inputs (its own contribution, its children's sums) are missing, it closes the step
+    # straggler_grace_s past the median arrival of the others; the late ranks take part with
+    # zeros, are named in the result's `late`, are not counted and stay members (no rank is
+    # evicted for being slow). Only closable steps close so (gradient buckets: submit_array)
+    straggler_policy: str = "wait"
+    straggler_grace_s: float = 0.25  # how long past the median input a root waits for the late ones
+    max_late: int = 1  # a root closes a step without at most this many of its inputs
 
     # -- data path
     # a step travels as chunks of at most this size, pipelined through the tree (a step larger
@@ -179,6 +190,8 @@ class Config:
         below = self.bf16_uplinks_below
         if isinstance(below, bool) or not isinstance(below, int | float) or below < 0:
             raise ConfigError(f"bf16_uplinks_below must be a rate in bytes per second, or 0 (off), got {below!r}")
+        if not isinstance(self.max_late, int) or isinstance(self.max_late, bool) or self.max_late < 1:
+            raise ConfigError(f"max_late must be a positive integer, got {self.max_late!r}")
         if not isinstance(self.watch_retries, int) or self.watch_retries < 0:
             raise ConfigError(f"watch_retries must be a non-negative integer, got {self.watch_retries!r}")
 
@@ -189,6 +202,9 @@ class Config:
                               f"got {self.on_node_failure!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}")
+        if self.straggler_policy not in STRAGGLER_POLICIES:
+            raise ConfigError(f"straggler_policy must be one of {', '.join(STRAGGLER_POLICIES)}, "
+                              f"got {self.straggler_policy!r}")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be None, 'bf16', 'fp16' or 'int8', got {self.compression!r}")
         if self.timeout_policy not in TIMEOUT_POLICIES:

@@ -29,7 +29,8 @@ VERSION = 9  # 2: epoch in every header, ABORT code and queued bytes in fields o
 #               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
 #               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own; 8: a JOIN's
 #               query and a JOIN_REPLY's answer in fields of their own (was one `code`); 9: a view's
-#               measured uplinks (`uplinks`) in the view change's frames and JOIN_REPLY
+#               measured uplinks (`uplinks`) in the view change's frames and JOIN_REPLY;
+#               META_CLOSE and the late ranks of a sum or result (`late`)
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -116,6 +117,11 @@ class Kind(IntEnum):
     # a member passes a JOIN on to the coordinator, whose link to the joiner may be down: rank
     # `target`, process `incarnation`, listening at `addresses`, asks to be admitted
     JOIN_ASK = 37
+    # stragglers (protocol.py, Config.straggler_policy): from the parent in the op's tree: the
+    # step closes without the late ranks below you; if you have not submitted, take part with
+    # `size` zeros of `dtype` (not counted: you are late), and pass it on to your children
+    # whose sums have not come
+    META_CLOSE = 38
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
@@ -123,7 +129,7 @@ DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BC
 TREE_OP_KINDS = frozenset({Kind.DATA_REDUCE, Kind.META_REDUCE_SENT, Kind.META_REDUCE_RECEIVED,
                             Kind.META_REDUCE_REQUEST, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST,
                             Kind.META_BCAST_RECEIVED, Kind.META_BCAST_SENT, Kind.PROBE, Kind.PROBE_ACK,
-                            Kind.META_BCAST_REQUEST, Kind.META_STALLED})
+                            Kind.META_BCAST_REQUEST, Kind.META_STALLED, Kind.META_CLOSE})
 #: the membership's kinds (Detection, Agreement, Join but JOIN_REPLY, Notice): frames of no step
 VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
                         Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
@@ -203,7 +209,8 @@ class Message(Frame):
             ("e", "numel", "numel", _INT), ("g", "signature", "signature", _STR),
             ("qb", "queued_bytes", "queued bytes", _INT), ("rt", "rate", "rate", _INT),
             ("an", "answer", "answer", _BOOL), ("pl", "planned", "planned", _BOOL),
-            ("r", "reason", "reason", _STR), ("m", "missing", "missing", _INTS), ("ab", "code", "abort code", _INT))
+            ("r", "reason", "reason", _STR), ("m", "missing", "missing", _INTS), ("ab", "code", "abort code", _INT),
+            ("lt", "late", "late ranks", _INTS), ("sz", "size", "size", _INT), ("cl", "closable", "closable", _BOOL))
 
     step: int = -1
     chunk: int = 0
@@ -222,6 +229,9 @@ class Message(Frame):
     reason: str = ""  # ABORT: why, for the user
     missing: tuple[int, ...] = ()  # ABORT: ranks whose contributions never arrived
     code: int = 0  # ABORT: an AbortCode (protocol.py)
+    late: tuple[int, ...] = ()  # data kinds: ranks that were late and take part with zeros, not counted
+    size: int = 0  # META_CLOSE: the chunk's elements (of `dtype`), for a late rank's zeros
+    closable: bool = False  # DATA_REDUCE(_REQUEST): the step may close without late ranks (Submit.closable)
 
     @property
     def op(self) -> tuple[int, int]:
@@ -396,6 +406,10 @@ def _encode_step_fields(msg: Message, header: dict[str, Any]) -> None:
         header["n"] = list(msg.contributors)
     if msg.payload is not None:
         header.update(d=msg.dtype, e=msg.numel, g=msg.signature)
+    elif msg.kind is Kind.META_CLOSE:
+        header.update(d=msg.dtype, g=msg.signature)
+    if msg.late or msg.closable or msg.size:
+        _encode_straggler_fields(msg, header)
     if msg.queued_bytes:
         header["qb"] = msg.queued_bytes
     if msg.rate:
@@ -405,12 +419,25 @@ def _encode_step_fields(msg: Message, header: dict[str, Any]) -> None:
     if msg.planned:
         header["pl"] = True
     if msg.kind is Kind.ABORT:
-        if msg.code:
-            header["ab"] = msg.code
-        if msg.reason:
-            header["r"] = msg.reason
-        if msg.missing:
-            header["m"] = list(msg.missing)
+        _encode_abort(msg, header)
+
+
+def _encode_straggler_fields(msg: Message, header: dict[str, Any]) -> None:
+    if msg.late:
+        header["lt"] = list(msg.late)
+    if msg.closable:
+        header["cl"] = True
+    if msg.size:
+        header["sz"] = msg.size
+
+
+def _encode_abort(msg: Message, header: dict[str, Any]) -> None:
+    if msg.code:
+        header["ab"] = msg.code
+    if msg.reason:
+        header["r"] = msg.reason
+    if msg.missing:
+        header["m"] = list(msg.missing)
 
 
 def _encode_fields(msg: Frame, header: dict[str, Any]) -> None:

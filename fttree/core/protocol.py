@@ -53,7 +53,7 @@ observer never hears "sent" for data that is not yet on the wire.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
 from typing import Any, NamedTuple
 
@@ -64,6 +64,7 @@ from .config import Config
 from .messages import COMPRESSIONS, Frame, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
 from .reduce_ops import REDUCE_OPS
 from .shares import measured_rates, plan, tree_of_planned, uniform
+from .stragglers import CLOSE_AHEAD_STEPS, ZERO_DTYPES, close_at, data_dtype, identity_zeros
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
 from .trees import tree_count, tree_of
@@ -93,6 +94,7 @@ class TimerKind(Enum):
     ROOT_DEADLINE = "root_deadline"  # the root gives up waiting for contributions
     LINGER = "linger"  # a finished op is kept this long to serve late observers
     PROBE = "probe"  # time to probe a primary link marked failed (link memory)
+    STRAGGLER = "straggler"  # a root closes its op without its late inputs (stragglers.py)
     MEMBER_CHECK = "member_check"  # membership: look for silent neighbours while a step is in flight
     MEMBER_CONFIRM = "member_confirm"  # membership: a suspicion may have stood long enough
     MEMBER_ROUND = "member_round"  # membership: the coordinator's round deadline
@@ -127,6 +129,7 @@ class NoteKind(Enum):
     PROTOCOL = "protocol"  # a message broke the protocol and was dropped
     LINK = "link"  # a primary link was marked failed, or put back into use
     NONFINITE = "nonfinite"  # a contribution held NaN or Inf and was left out of its step
+    LATE = "late"  # a step closed without a straggler's contribution (stragglers.py)
 
 
 class Cause(Enum):
@@ -145,6 +148,8 @@ class Cause(Enum):
     STALE_DROPPED = "stale_dropped"
     PROTOCOL_VIOLATION = "protocol_violation"
     NONFINITE_SKIPPED = "nonfinite_skipped"  # this rank's contribution held NaN or Inf: left out
+    STEP_CLOSED = "step_closed"  # (root) closed an op without the late rank(s) of child `peer`'s subtree
+    LATE_DROPPED = "late_dropped"  # this rank's contribution came `seconds` after its step closed: not added
 
     @property
     def kind(self) -> NoteKind:
@@ -161,6 +166,7 @@ _KIND_OF = {
     Cause.DUPLICATE_DROPPED: NoteKind.DUPLICATE, Cause.STALE_DROPPED: NoteKind.STALE,
     Cause.PROTOCOL_VIOLATION: NoteKind.PROTOCOL,
     Cause.NONFINITE_SKIPPED: NoteKind.NONFINITE,
+    Cause.STEP_CLOSED: NoteKind.LATE, Cause.LATE_DROPPED: NoteKind.LATE,
 }
 
 
@@ -182,6 +188,9 @@ class Submit:
     # float32 data of this step travels as "bf16", "fp16" or "int8" (None: Config.compression).
     # Ranks may differ: every hop decodes what it gets
     compression: str | None = None
+    # under straggler_policy="deadline", the step may close without late ranks (gradient buckets);
+    # False (a broadcast, a layout check, an audit): it waits for every member
+    closable: bool = False
 
 
 class LinkState(NamedTuple):
@@ -253,6 +262,7 @@ class Complete:
     chunk: int
     result: np.ndarray  # read-only view; copy before handing it to a user
     contributors: tuple[int, ...]
+    late: tuple[int, ...] = ()  # members that took part with zeros, late (stragglers.py): not counted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -274,6 +284,7 @@ class Note:
     text: str
     peer: int = -1  # the other rank it concerns
     link: tuple[int, int] | None = None  # the primary link (child, parent) it is about
+    seconds: float | None = None  # LATE_DROPPED: how late the contribution came, after its step closed
 
     @property
     def kind(self) -> NoteKind:
@@ -282,7 +293,8 @@ class Note:
     def as_record(self) -> dict[str, Any]:
         """A JSON-ready form, for step records and logs."""
         return {"step": self.step, "kind": self.kind.value, "cause": self.cause.value, "peer": self.peer,
-                "link": None if self.link is None else f"{self.link[0]}-{self.link[1]}", "text": self.text}
+                "link": None if self.link is None else f"{self.link[0]}-{self.link[1]}", "text": self.text,
+                "seconds": self.seconds}
 
 
 Action = Send | SetTimer | CancelTimer | Complete | Fail | Note | Void
@@ -437,6 +449,15 @@ class _Op:
     relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
     awaiting_catchup: bool = False  # committed in the view it ran in; its result comes straight from a holder
     linger_over: bool = False  # its linger ended during a view change: kept until the change is installed
+    # stragglers (stragglers.py)
+    late: set[int] = field(default_factory=set)  # late ranks whose zeros are in `acc`
+    result_late: tuple[int, ...] = ()  # ... and in the result
+    closed_at: float = -1.0  # when this rank's own contribution was closed out (it took part with zeros)
+    taken: bool = False  # ... and its caller's contribution came after all (not added)
+    arrivals: list[float] = field(default_factory=list)  # (root) when each input came: own, then children's
+    close_armed: bool = False  # (root) its STRAGGLER timer is set
+    closed_children: set[int] = field(default_factory=set)  # children sent META_CLOSE
+    closable: bool = False  # the step may close without late ranks (Submit.closable, or the children's sums say so)
 
 
 class TreeMachine:
@@ -461,6 +482,7 @@ class TreeMachine:
         self.fenced = False  # a view change is being agreed: take and produce no results
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
         self._expected: View | None = None  # a decided view of the same members, in effect from a later step
+        self._closed_steps: dict[int, float] = {}  # steps this rank took part in with zeros, late -> when
         self._same_trees: set[int] = set()  # earlier epochs of these very members (pace changes): their ops go on
         self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
         self.scratch = BufferPool(keep=SCRATCH_BUFFERS)  # compression's working arrays
@@ -560,11 +582,20 @@ class TreeMachine:
         self._max_step_submitted = step - 1
         self._retired_floor = step
 
-    def result_of(self, step: int) -> list[tuple[int, np.ndarray, tuple[int, ...], str]]:
-        """(chunk, result, contributors, signature) of every chunk of `step` finished here and
-        still kept (a holder serves them to ranks that lack them after a view change)."""
-        return [(op.chunk, op.result, op.result_contributors, op.signature) for (s, _c), op in sorted(self._ops.items())
-                if s == step and op.done and op.result is not None]
+    def closed_run(self, step: int) -> int:
+        """How many steps from `step` on this rank was late for in a row (stragglers.py): the
+        group closed them without it, and their results are here or on their way. (Membership
+        tests only: safe to ask from another thread.)"""
+        run = 0
+        while step + run in self._closed_steps:
+            run += 1
+        return run
+
+    def result_of(self, step: int) -> list[tuple[int, np.ndarray, tuple[int, ...], tuple[int, ...], str]]:
+        """(chunk, result, contributors, late, signature) of every chunk of `step` finished here
+        and still kept (a holder serves them to ranks that lack them after a view change)."""
+        return [(op.chunk, op.result, op.result_contributors, op.result_late, op.signature)
+                for (s, _c), op in sorted(self._ops.items()) if s == step and op.done and op.result is not None]
 
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
@@ -784,8 +815,39 @@ class TreeMachine:
 
     def _on_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
         op_id = (ev.step, ev.chunk)
-        if self.is_retired(op_id) or (op_id in self._ops and self._ops[op_id].submitted):
+        held = self._ops.get(op_id)
+        if ev.step in self._closed_steps and not self.is_retired(op_id) and not (held is not None and held.taken):
+            self._late_submit(ev, now, out)
+            return
+        if self.is_retired(op_id) or (held is not None and held.submitted):
             raise ValueError(f"step {ev.step} chunk {ev.chunk} was already submitted on rank {self.rank}")
+        self._start(ev, now, out)
+
+    def _late_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
+        """The caller's contribution to a step that closed without it (stragglers.py): it is not
+        added. The caller gets the result the others made, now or when it comes."""
+        closed_at = self._closed_steps[ev.step]
+        op = self._ops.get((ev.step, ev.chunk))
+        if op is None or not op.submitted:  # this chunk's close has not come: zeros, as in the others
+            self._start(replace(ev, data=identity_zeros(ev.data.size, ev.data.dtype.str), contribute=False), now,
+                        out, late=True)
+            op = self._ops[(ev.step, ev.chunk)]
+        op.taken = True
+        if ev.chunk == 0:
+            out.append(Note(step=ev.step, cause=Cause.LATE_DROPPED, peer=self.rank, seconds=now - closed_at,
+                            text=f"rank {self.rank}'s contribution to step {ev.step} came {now - closed_at:.3f} s "
+                                 f"after the step closed without it: not added (straggler_policy='deadline')"))
+        if op.done and op.result is not None:  # finished before the caller came: hand it over now
+            view = op.result.view()
+            view.flags.writeable = False
+            out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
+                                late=op.result_late))
+        elif op.done and op.failure is not None:
+            out.append(op.failure)
+
+    def _start(self, ev: Submit, now: float, out: list[Action], *, late: bool = False) -> None:
+        """Our contribution to an op (`late`: zeros, this rank being late; not counted)."""
+        op_id = (ev.step, ev.chunk)
         if ev.data.ndim != 1:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
@@ -801,6 +863,11 @@ class TreeMachine:
         op.wire = COMPRESSIONS[compression] if compression and op.dtype == "<f4" else op.dtype
         if ev.contribute:
             op.contributors.add(self.rank)
+        op.closable = op.closable or ev.closable
+        if late:
+            op.late.add(self.rank)
+            op.closed_at = now
+        op.arrivals.append(now)
         if op.failure is not None:  # an ABORT arrived before our submit
             self._emit_failure(op, op.failure, now, out)
             return
@@ -819,6 +886,7 @@ class TreeMachine:
                 return
         self._add_in_order(op)
         self._maybe_send_up(op, now, out)
+        self._maybe_arm_close(op, now, out)
 
     def _matches(self, op: _Op, msg: Message, now: float, out: list[Action]) -> bool:
         """True if msg's tensor matches ours; otherwise abort the op everywhere."""
@@ -866,6 +934,7 @@ class TreeMachine:
         else:
             op.combine(op.acc, incoming, out=op.acc)
         op.contributors.update(msg.contributors)
+        op.late.update(msg.late)
 
     def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
         t = self._t(op)
@@ -893,7 +962,9 @@ class TreeMachine:
                     op.acc = op.acc.copy()
                 op.result = op.acc
             op.result_contributors = contributors
+            op.result_late = tuple(sorted(op.late))
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
+            out.append(CancelTimer(key=self._timer(TimerKind.STRAGGLER, op)))
             self._finish(op, now, out)
             return
         if self._ft and t.up.failed and t.up.relays:
@@ -903,10 +974,12 @@ class TreeMachine:
             for relay in t.up.relays:
                 out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
                                                               contributors, origin=self.rank, target=parent,
-                                                              planned=True)))
+                                                              planned=True, late=tuple(sorted(op.late)),
+                                                              closable=op.closable)))
         else:
             out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op), contributors,
-                                                           origin=self.rank)))
+                                                           origin=self.rank, late=tuple(sorted(op.late)),
+                                                           closable=op.closable)))
         if self._ft:
             for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
@@ -998,6 +1071,8 @@ class TreeMachine:
                 self._sample(op, Phase.BCAST, msg.src, now)
             case Kind.ABORT:
                 self._on_abort(op, msg, now, out)
+            case Kind.META_CLOSE:
+                self._on_close(op, msg, now, out)
             case _:
                 out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
@@ -1060,10 +1135,17 @@ class TreeMachine:
         if not contributors <= t.subtrees[origin] or contributors & op.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
+        late = set(msg.late)
+        if not late <= t.subtrees[origin] or late & (contributors | op.contributors | op.late):
+            return self._protocol(out, msg, f"late ranks {sorted(late)} are not a fresh part of rank {origin}'s "
+                                            f"subtree apart from its contributors")
         if not self._matches(op, msg, now, out):
             return
         op.got_children.add(origin)
         op.held[origin] = msg
+        op.closable = op.closable or msg.closable
+        op.arrivals.append(now)
+        self._maybe_arm_close(op, now, out)
         if op.submitted:
             self._add_in_order(op)
         if msg.src != origin:
@@ -1215,6 +1297,7 @@ class TreeMachine:
             return None
         self._take_result(op, msg)
         op.result_contributors = msg.contributors
+        op.result_late = msg.late
         if msg.src != t.me.parent and op.requested_by:
             # Our sum needed a relay AND the result came around too: the link to the parent is
             # down both ways. A request alone is no proof (an observer cut off from our parent
@@ -1311,6 +1394,7 @@ class TreeMachine:
             return
         result = self._take_result(op, msg)
         op.result_contributors = msg.contributors
+        op.result_late = msg.late
         op.done = True
         op.awaiting_catchup = False
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
@@ -1319,7 +1403,8 @@ class TreeMachine:
                              f"after the view change"))
         view = result.view()
         view.flags.writeable = False
-        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
+        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
+                            late=op.result_late))
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     # ---- finishing ---------------------------------------------------------------------
@@ -1328,7 +1413,7 @@ class TreeMachine:
         t = self._t(op)
         assert op.result is not None
         out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                    op.result_contributors)))
+                                                    op.result_contributors, late=op.result_late)))
         parent = t.view.neighbours(dst).parent
         link = None if parent is None else (dst, parent)
         if dst in op.detoured_for:
@@ -1355,7 +1440,7 @@ class TreeMachine:
                 # brothers relaying for each other would each wait for the other.
                 continue
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                          op.result_contributors)))
+                                                          op.result_contributors, late=op.result_late)))
         if self._ft:
             for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
@@ -1374,11 +1459,13 @@ class TreeMachine:
         op.own = None  # our contribution too: the caller's buffer may take the next step's now
         view = op.result.view()
         view.flags.writeable = False
-        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors))
+        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
+                            late=op.result_late))
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     def _emit_failure(self, op: _Op, failure: Fail, now: float, out: list[Action]) -> None:
         op.done = True
+        op.failure = failure  # a late rank's caller may come for it (_late_submit)
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
         out.append(failure)
@@ -1427,24 +1514,36 @@ class TreeMachine:
             case TimerKind.DEADLINE:
                 if not op.done and not self._extended(op, event, self.cfg.step_timeout_s, now, out):
                     self._deadline(op, now, out)
+            case TimerKind.STRAGGLER:
+                self._close(op, now, out)
             case TimerKind.ROOT_DEADLINE:
                 if not op.done and not op.reduce_sent and not self._extended(op, event, self.cfg.root_give_up_s, now,
                                                                                  out):
-                    missing = tuple(sorted(set(self.view.members) - op.contributors
-                                           - {r for m in op.held.values() for r in m.contributors}))
-                    waiting = sorted(set(self._t(op).me.children) - op.got_children)
-                    reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
-                              f"(root still waiting for the subtree sums of children {waiting})")
-                    self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
+                    self._root_gives_up(op, now, out)
             case TimerKind.LINGER:
-                if self.fenced:  # a holder may have to serve this result after the view change
-                    op.linger_over = True
-                elif any(phase is Phase.BCAST for phase, _peer in op.watch_started):
-                    # still watching a neighbour's result on its way over a slow link: this
-                    # backup node must be able to send its own copy if that one gets stuck
-                    out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
-                else:
-                    self._retire(op)
+                self._linger_over(op, now, out)
+
+    def _root_gives_up(self, op: _Op, now: float, out: list[Action]) -> None:
+        missing = tuple(sorted(set(self.view.members) - op.contributors
+                               - {r for m in op.held.values() for r in m.contributors}))
+        waiting = sorted(set(self._t(op).me.children) - op.got_children)
+        reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
+                  f"(root still waiting for the subtree sums of children {waiting})")
+        self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
+
+    def _linger_over(self, op: _Op, now: float, out: list[Action]) -> None:
+        if self.fenced:  # a holder may have to serve this result after the view change
+            op.linger_over = True
+        elif op.closed_at >= 0 and not op.taken and op.done:
+            # closed without this rank, whose caller has not come for the result yet: kept for
+            # it (at most CLOSE_AHEAD_STEPS steps ahead of its newest submit)
+            out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+        elif any(phase is Phase.BCAST for phase, _peer in op.watch_started):
+            # still watching a neighbour's result on its way over a slow link: this backup node
+            # must be able to send its own copy if that one gets stuck
+            out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+        else:
+            self._retire(op)
 
     def _extended(self, op: _Op, event: TimerFired, base_s: float, now: float, out: list[Action]) -> bool:
         """A step deadline gives up on silence, not on slowness: True (and the deadline moved on)
@@ -1552,6 +1651,82 @@ class TreeMachine:
             peers = tuple(r for r in (me.parent, *relays) if r is not None)
         self._emit_failure(op, Fail(step=op.step, chunk=op.chunk, code=AbortCode.TIMEOUT,
                                     reason=reason, peers=peers), now, out)
+
+    # ---- stragglers (stragglers.py): a root closes a step without its late inputs ----------
+
+    def _maybe_arm_close(self, op: _Op, now: float, out: list[Action]) -> None:
+        """As a tree's root under straggler_policy="deadline": once at most max_late inputs are
+        missing and half are in, close the op straggler_grace_s past the median input."""
+        if self.cfg.straggler_policy != "deadline" or not op.closable or op.close_armed or op.reduce_sent or op.done:
+            return
+        t = self._t(op)
+        if t.me.parent is not None or (op.submitted and op.combine is not np.add):
+            return  # only roots decide; a closed step's zeros are only neutral in a sum
+        at = close_at(op.arrivals, len(t.me.children) + 1, self.cfg.max_late, self.cfg.straggler_grace_s)
+        if at is not None:
+            op.close_armed = True
+            out.append(SetTimer(key=self._timer(TimerKind.STRAGGLER, op), at=max(at, now)))
+
+    def _close(self, op: _Op, now: float, out: list[Action]) -> None:
+        """The grace is over: the missing children are told to close (their late ranks take
+        part with zeros), and this root takes part with zeros if it is the late one."""
+        if op.done or op.reduce_sent or self.fenced:
+            return
+        if op.submitted:
+            assert op.acc is not None
+            size, dtype, signature = op.acc.size, op.dtype, op.signature
+        else:
+            if not op.held:
+                return
+            first = next(iter(op.held.values()))
+            size, dtype, signature = first.numel, data_dtype(first.dtype), first.signature
+        missing = [c for c in self._t(op).me.children if c not in op.got_children]
+        for child in missing:
+            out.append(Note(step=op.step, cause=Cause.STEP_CLOSED, peer=child,
+                            text=f"step {op.step} chunk {op.chunk}: closed without the late rank(s) below rank "
+                                 f"{child}, {self.cfg.straggler_grace_s:g} s past the median input"))
+        self._close_below(op, missing, size, dtype, signature, out)
+        if not op.submitted:
+            out.append(Note(step=op.step, cause=Cause.STEP_CLOSED, peer=self.rank,
+                            text=f"step {op.step} chunk {op.chunk}: closed without this root's own late contribution, "
+                                 f"{self.cfg.straggler_grace_s:g} s past the median input"))
+            self._close_here(op, size, dtype, signature, now, out)
+
+    def _close_below(self, op: _Op, children: list[int], size: int, dtype: str, signature: str,
+                     out: list[Action]) -> None:
+        for child in children:
+            if child not in op.closed_children:
+                op.closed_children.add(child)
+                out.append(Send(dst=child, msg=self._msg(op, Kind.META_CLOSE, size=size, dtype=dtype,
+                                                         signature=signature)))
+
+    def _close_here(self, op: _Op, size: int, dtype: str, signature: str, now: float, out: list[Action]) -> None:
+        """This rank is late for op's step: it takes part in this op with zeros, not counted, and
+        so will its caller's contribution to every chunk of the step (_late_submit)."""
+        self._closed_steps.setdefault(op.step, now)
+        while len(self._closed_steps) > CLOSE_AHEAD_STEPS:  # the oldest were taken or are long gone
+            del self._closed_steps[next(iter(self._closed_steps))]
+        self._start(Submit(step=op.step, chunk=op.chunk, chunks=op.chunks, data=identity_zeros(size, dtype),
+                           signature=signature, contribute=False, closable=True), now, out, late=True)
+
+    def _on_close(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+        """Our parent closed the op without the late ranks below it: pass it on to our missing
+        children, and take part with zeros if we have not submitted."""
+        t = self._t(op)
+        if msg.src != t.me.parent:
+            return self._protocol(out, msg, f"only rank {self.rank}'s parent closes its steps")
+        itemsize = np.dtype(msg.dtype).itemsize if msg.dtype in ZERO_DTYPES else 0
+        if not itemsize or not 0 < msg.size * itemsize <= self.cfg.max_payload_bytes:
+            return self._protocol(out, msg, f"a close for {msg.size} x {msg.dtype!r}, not a chunk a step can have")
+        if op.done or op.reduce_sent:
+            return None  # our sum went up before the close came
+        if not op.submitted and op.step > self._max_step_submitted + CLOSE_AHEAD_STEPS:
+            return None  # too far behind to take part with zeros: the step waits for us
+        self._close_below(op, [c for c in t.me.children if c not in op.got_children], msg.size, msg.dtype,
+                          msg.signature, out)
+        if not op.submitted:
+            self._close_here(op, msg.size, msg.dtype, msg.signature, now, out)
+        return None
 
     # ---- link memory, probes, hard failures ----------------------------------------------
 

@@ -296,9 +296,9 @@ class Replica:
         for plan in inst.catch_up:
             if plan.holder != self.rank:
                 continue
-            for chunk, result, contributors, signature in self.machine.result_of(plan.step):
+            for chunk, result, contributors, late, signature in self.machine.result_of(plan.step):
                 msg = Message(kind=Kind.CATCHUP, src=self.rank, epoch=inst.view.epoch, step=plan.step, chunk=chunk,
-                              contributors=contributors, dtype=result.dtype.str, numel=int(result.size),
+                              contributors=contributors, late=late, dtype=result.dtype.str, numel=int(result.size),
                               signature=signature, payload=result.data.cast("B"))
                 out.extend(Send(dst=dst, msg=msg) for dst in plan.lacking)
         out.append(ViewApplied(installed=inst, superseded=superseded))

@@ -13,9 +13,11 @@ Every member computes the same plan from the same inputs (the view's members, th
 chunk count), with integer chunk counts, so no message is needed to agree on it. The rates are
 the declared ones (Config.uplinks_by_rank, the same on every worker) or else the measured ones
 the view carries (View.uplinks: agreed in the membership's pace rounds, so they change only
-with the view). Measured rates count only when every member has one and they differ by
-UNEVEN or more, and are rounded to a grid of GRID steps per doubling: a few per cent of noise
-between equal links keeps the even spread, and the plan the same from one round to the next.
+with the view). A member without a figure is planned at the fastest figure: its link never held
+back what it sent (a slow link fills its budget and is measured within a step; a fast one
+sending little may never be). Measured rates count only when they differ by UNEVEN or more, and
+are rounded to a grid of GRID steps per doubling: a few per cent of noise between equal links
+keeps the even spread, and the plan the same from one round to the next.
 
 The bound: every rank sends at least N bytes (its contribution, or the result it roots; nothing
 smaller carries an N-value input), and all ranks together at least 2(p-1)N (each byte of the
@@ -81,11 +83,15 @@ def uniform(rates: Sequence[float]) -> bool:
 
 
 def measured_rates(uplinks: Sequence[int]) -> tuple[float, ...] | None:
-    """The rates to plan shares on from measured uplinks (slot order), rounded to the grid;
-    None for even shares: some member not measured yet, or all within a factor UNEVEN."""
-    if not uplinks or min(uplinks) <= 0 or max(uplinks) < UNEVEN * min(uplinks):
+    """The rates to plan shares on from measured uplinks (slot order; 0: not measured, planned
+    at the fastest figure), rounded to the grid; None for even shares: nothing measured, or all
+    within a factor UNEVEN."""
+    if not uplinks or max(uplinks) <= 0:
         return None
-    return tuple(float(2.0 ** (round(np.log2(rate) * GRID) / GRID)) for rate in uplinks)
+    rates = [rate if rate > 0 else max(uplinks) for rate in uplinks]
+    if max(rates) < UNEVEN * min(rates):
+        return None
+    return tuple(float(2.0 ** (round(np.log2(rate) * GRID) / GRID)) for rate in rates)
 
 
 def tree_of_planned(counts: Sequence[int], chunk: int) -> int:

@@ -91,7 +91,9 @@ default in_order=True). `commit_from(opt)` after each `opt.step()` is the whole 
 What commit_from reads (`opt.last_step`, the same on every survivor): a training step's
 contributors are the ranks in the result of *every* gradient bucket of the step (a rank that
 died during backward may be in the first buckets and not the last: its batch is not
-committed and goes to the survivors); the view for the next step is those contributors, not
+committed and goes to the survivors); the view for the next step is those contributors and the
+step's late members (Config.straggler_policy="deadline": their batches go to the pool like a
+failed member's and are dealt again; they stay members), not
 `ar.view` read after the step, which a concurrent view change could make differ between ranks.
 A step that fails (`StepAborted` from `opt.step()`) commits nothing: see "limits" in the
 docs/failures.md. With one plain `ar.allreduce` per step, `commit_from(ar)` reads `ar.last` instead.
@@ -786,7 +788,7 @@ class ElasticSampler:
             if res is None:
                 raise ConfigError("commit_from: the allreduce handle has finished no step yet")
             key, contributors, members, contributed = ("allreduce step", int(res.step)), res.contributors, \
-                res.contributors, None
+                tuple(sorted({*res.contributors, *res.late})), None
         else:
             raise ConfigError(f"commit_from takes a DistributedOptimizer, GradientSync or FTTreeAllreduce, "
                               f"not {type(source).__name__}")

@@ -16,7 +16,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -108,6 +108,8 @@ class NodeStatus:
     note_counts: dict[NoteKind, int]
     reruns: int  # steps run again in a new view after a node failure
     foreign_frames: int = 0  # frames dropped because their sender may not send them (SENDER_RULES)
+    late_streak: dict[int, int] = field(default_factory=dict)  # member -> steps in a row it was late in
+    late_total: dict[int, int] = field(default_factory=dict)  # member -> steps it was late in
 
 
 class Node:
@@ -256,13 +258,15 @@ class Node:
     # ---- steps -------------------------------------------------------------------------------
 
     def submit(self, step: int, data: np.ndarray, signature: str, future: Future[StepResult], *,
-               contribute: bool = True, abort: str = "", reduce: str = "sum", compression: str | None = None) -> None:
+               contribute: bool = True, abort: str = "", reduce: str = "sum", compression: str | None = None,
+               closable: bool = False) -> None:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again).
         `abort`: fail the step on every rank for this reason, naming this one."""
         if self._holding:  # a join is being agreed: this step may be the one it starts at
             self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute,
-                                                        abort=abort, reduce=reduce, compression=compression))
+                                                        abort=abort, reduce=reduce, compression=compression,
+                                                        closable=closable))
             return
         if not self._marked:  # without training-step marks, every allreduce step is one
             self._at_boundary(step, step)
@@ -272,7 +276,7 @@ class Node:
             future.set_exception(GroupLeft(step, self.stopped))
             return
         req = Request(step=step, data=data, signature=signature, future=future, contribute=contribute, abort=abort,
-                      reduce=reduce, compression=compression)
+                      reduce=reduce, compression=compression, closable=closable)
         self.steps.submit(req, hold=self.replica.membership.state is MemberState.CHANGING)
 
     def boundary(self, user_step: int | None, first_step: int) -> None:
@@ -319,7 +323,8 @@ class Node:
         return NodeStatus(rank=self.rank, machine=self.machine.status(), membership=self.membership.status(),
                           transport=self.transport.status(), steps_in_flight=tuple(self.active_steps()),
                           last_steps=tuple(self.step_durations), note_counts=dict(self.note_counts),
-                          reruns=self.reruns, foreign_frames=self.foreign_frames)
+                          reruns=self.reruns, foreign_frames=self.foreign_frames,
+                          late_streak=dict(self.steps.late_streak), late_total=dict(self.steps.late_total))
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""

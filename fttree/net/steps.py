@@ -34,6 +34,9 @@ class StepResult:
     contributors: tuple[int, ...]
     duration_s: float
     epoch: int = 0  # the view the step ran in
+    # members that were late (Config.straggler_policy = "deadline"): in the step with zeros, not
+    # counted, still members. This rank, if it is among them, got the others' result.
+    late: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +51,7 @@ class Request:
     abort: str = ""  # fail the step everywhere for this reason (a NaN in our contribution, nonfinite="abort")
     reduce: str = "sum"  # how contributions meet (core/reduce_ops.py)
     compression: str | None = None  # float32 data travels as this (None: Config.compression)
+    closable: bool = False  # under straggler_policy="deadline", the step may close without late ranks
 
 
 @dataclass(slots=True)
@@ -59,6 +63,7 @@ class _Running:
     began: float  # the scheduler's clock, for the membership's silence checks
     results: dict[int, np.ndarray] = field(default_factory=dict)
     contributors: tuple[int, ...] | None = None
+    late: set[int] = field(default_factory=set)  # late in some chunk (a late rank is late in all)
     epoch: int = 0
 
 
@@ -83,6 +88,8 @@ class StepBook:
         self.durations: deque[tuple[int, float]] = deque(maxlen=100)
         # (step, duration_s, error or None) when a step finishes here
         self.listeners: list[Callable[[int, float, str | None], None]] = []
+        self.late_streak: dict[int, int] = {}  # member -> steps in a row it was late in (stragglers.py)
+        self.late_total: dict[int, int] = {}  # member -> steps it was late in
 
     def __contains__(self, step: int) -> bool:
         return step in self.running or any(r.step == step for r in self.held_back)
@@ -137,12 +144,13 @@ class StepBook:
         req = run.request
         run.results.clear()
         run.contributors = None
+        run.late.clear()
         run.epoch = self.replica.machine.view.epoch
         for chunk, start in run.offsets.items():
             self._run_chunk(Submit(step=req.step, chunk=chunk, chunks=len(run.offsets),
                                    data=req.data[start:start + run.per_chunk], signature=req.signature,
                                    contribute=req.contribute, abort=req.abort, reduce=req.reduce,
-                                   compression=req.compression))
+                                   compression=req.compression, closable=req.closable))
 
     def complete(self, done: Complete) -> None:
         run = self.running.get(done.step)
@@ -150,6 +158,7 @@ class StepBook:
             return
         run.results[done.chunk] = done.result
         run.contributors = done.contributors if run.contributors is None else run.contributors
+        run.late.update(done.late)
         if len(run.results) < len(run.offsets):
             return
         # Every chunk is in: only now does the result replace the contribution (a step may have
@@ -160,6 +169,8 @@ class StepBook:
             data[start:start + result.size] = result
         del self.running[done.step]
         self.replica.completed.append(done.step)
+        late = tuple(sorted(run.late))
+        self._count_late(late, run.contributors)
         duration = self.scheduler.monotonic() - run.started
         self.durations.append((done.step, duration))
         for listener in self.listeners:
@@ -168,7 +179,15 @@ class StepBook:
         future = run.request.future
         if not future.done():
             future.set_result(StepResult(step=done.step, data=data, contributors=run.contributors,
-                                         duration_s=duration, epoch=run.epoch))
+                                         duration_s=duration, epoch=run.epoch, late=late))
+
+    def _count_late(self, late: tuple[int, ...], contributors: tuple[int, ...]) -> None:
+        """Who was late in a finished step, and for how many steps in a row (status, metrics)."""
+        for rank in late:
+            self.late_streak[rank] = self.late_streak.get(rank, 0) + 1
+            self.late_total[rank] = self.late_total.get(rank, 0) + 1
+        for rank in contributors:
+            self.late_streak.pop(rank, None)
 
     def fail(self, fail: Fail) -> None:
         run = self.running.pop(fail.step, None)

@@ -148,6 +148,12 @@ def render(snap: Snapshot) -> str:
     w.family("fttree_foreign_frames_total", "counter",
              "Frames dropped because their sender may not send them (not a member, for a member's message).",
              [({}, snap.foreign_frames)])
+    w.family("fttree_late_steps_total", "counter",
+             "Steps that closed without a member's contribution, that member being late (a straggler).",
+             [({"rank": r}, n) for r, n in sorted(snap.late_total.items())])
+    w.family("fttree_late_steps_in_a_row", "gauge",
+             "Steps in a row, up to the newest, that closed without this member (0 once it contributes).",
+             [({"rank": r}, n) for r, n in sorted(snap.late_streak.items())])
     w.family("fttree_refused_connections_total", "counter",
              "Connections refused at the handshake: another job, no proof of the job's key, a wrong rank.",
              [({}, snap.refusals)])

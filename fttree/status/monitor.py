@@ -175,6 +175,8 @@ class Snapshot:
     frame_errors: int
     refusals: int  # connections refused at the handshake
     foreign_frames: int  # frames dropped because their sender may not send them
+    late_streak: dict[int, int]  # member -> steps in a row it was late in (straggler_policy="deadline")
+    late_total: dict[int, int]  # member -> steps it was late in
     faults: str
     links: tuple[LinkView, ...]
     observed: tuple[LinkView, ...]
@@ -212,6 +214,8 @@ class Snapshot:
                        "stale": self.stale, "protocol_errors": self.protocol_errors,
                        "frame_errors": self.frame_errors, "refusals": self.refusals,
                        "foreign_frames": self.foreign_frames},
+            "stragglers": {"late_in_a_row": {str(r): n for r, n in sorted(self.late_streak.items())},
+                           "late_total": {str(r): n for r, n in sorted(self.late_total.items())}},
             "links": [link(v) for v in self.links],
             "observed_links": [link(v) for v in self.observed],
             "recent_events": [asdict(e) for e in self.events],
@@ -480,6 +484,7 @@ class Monitor:
             duplicates=counts.get(NoteKind.DUPLICATE, 0), stale=counts.get(NoteKind.STALE, 0),
             protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
             refusals=status.transport.refusals, foreign_frames=status.foreign_frames,
+            late_streak=status.late_streak, late_total=status.late_total,
             faults=status.transport.faults,
             links=tuple(self._view(lk, current, status) for lk in self._links.values()),
             observed=tuple(self._view(lk, current, status) for _, lk in sorted(self._observed.items())),

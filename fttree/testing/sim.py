@@ -249,7 +249,8 @@ class SimNetwork:
 
     # ---- driving -----------------------------------------------------------------------------
 
-    def submit(self, rank: int, step: int, data: np.ndarray, *, signature: str | None = None) -> Future[StepResult]:
+    def submit(self, rank: int, step: int, data: np.ndarray, *, signature: str | None = None,
+               closable: bool = False) -> Future[StepResult]:
         """Rank `rank` starts `step` with its contribution `data` (copied). Node faults of the
         schedule (crash R @S, hang R @S..E, restart R @S[..E]) strike when the rank reaches their
         step; `join R @S` starts rank R's process when the first member reaches step S."""
@@ -270,7 +271,7 @@ class SimNetwork:
             transport = self.nodes[rank].transport
             if isinstance(transport, FaultyTransport):  # as the API counts them: membership frames
                 transport.marks.next_step = max(transport.marks.next_step, step + 1)  # belong to this step
-            self.nodes[rank].submit(step, flat, sig, future)
+            self.nodes[rank].submit(step, flat, sig, future, closable=closable)
 
         self.run_as(rank, go)
         return future

@@ -116,6 +116,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--tuned", is_flag=True,
               help="With --uplink: also run fttree with the timeouts derived from the declared rate, beside its "
                    "defaults.")
+@click.option("--measured", is_flag=True,
+              help="With uneven --uplink: do not tell fttree's workers the rates; they measure their uplinks and "
+                   "the shares follow once the view holds the figures (the first steps run on even shares).")
 @click.option("--loss", type=click.FloatRange(min=0, max=50), default=0.0, metavar="PERCENT",
               help="With --uplink: every rank's links drop this share of packets (netem/loss.sh), for gloo too.")
 @click.option("--compression", "compression_text", default="", metavar="LIST",
@@ -139,7 +142,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           sweep_workers: str, sweep_policies: str, link_memory: bool, window: int, gap: int, clean_steps: int,
           gloo: bool, plain: bool, plots: bool,
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
-          elastic: int | None, uplink: str, tuned: bool, loss: float, compression_text: str, trees_text: str,
+          elastic: int | None, uplink: str, tuned: bool, measured: bool, loss: float, compression_text: str,
+          trees_text: str,
           diloco: int | None, budget: int, dry_run: bool, strict: bool, out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
@@ -216,6 +220,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
             sweep_policies = Config().timeout_policy  # what a user gets
     elif tuned or loss:
         raise click.UsageError("--tuned and --loss need --uplink")
+    if measured and not (uplink and "=" in uplink):
+        raise click.UsageError("--measured needs uneven uplinks (--uplink 100mbit,3=10mbit)")
 
     def family(text: str) -> str:
         if text not in ("double", "rotated", *(("single",) if uplink else ())):
@@ -239,7 +245,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         clean_steps=clean_steps, gloo=gloo, plain=plain, step_timeout_s=step_timeout, chunk_bytes=chunk_bytes,
         link_memory=link_memory, sweep_policies=_split(sweep_policies, policy, "--sweep-policies"), uplink=uplink,
         compressions=_split(compression_text, compression, "--compression"),
-        trees=_split(trees_text, family, "--trees"), tuned=tuned, loss=loss)
+        trees=_split(trees_text, family, "--trees"), tuned=tuned, loss=loss, measured=measured)
     if not opts.timeouts or not opts.policies:
         raise click.UsageError("--timeouts and --policies need at least one value")
     runs, notes = plan(opts)

@@ -65,6 +65,7 @@ class BenchOptions:
     trees: tuple[str, ...] = ("double", "rotated")
     tuned: bool = False  # under uplinks: also fttree with timeouts derived from the declared rate
     loss: float = 0.0  # under uplinks: percent of packets every rank's links drop
+    measured: bool = False  # under uneven uplinks: fttree is not told the rates, its workers measure them
 
     @property
     def uplink_bps(self) -> float:
@@ -78,7 +79,7 @@ class BenchOptions:
 
     def declared(self, world: int) -> tuple[tuple[str, str], ...]:
         """fttree's setting for unequal uplinks: each rank's, declared (none when all are equal)."""
-        text = parse_uplinks(self.uplink).declared(world) if self.uplink else ""
+        text = parse_uplinks(self.uplink).declared(world) if self.uplink and not self.measured else ""
         return (("uplinks_by_rank", text),) if text else ()
 
     @property
@@ -98,6 +99,11 @@ class BenchOptions:
     def node_policy(self) -> str:
         """Node-failure runs use one policy: the API's default (adaptive) when it is measured."""
         return "adaptive" if "adaptive" in self.policies else self.policies[0]
+
+
+# --measured: steps before the view holds every worker's uplink (the pace rounds after the
+# first steps), which run on even shares; they are warm-up
+MEASURING_STEPS = 3
 
 
 def sweep_steps(size: int, uplink: bool = False) -> tuple[int, int]:
@@ -161,6 +167,8 @@ def _sweep_run(opts: BenchOptions, world: int, size: int, policy: str, compressi
     gets it (nothing derived from the declared rate); `tuned`: with the timeouts
     uplink_timeouts derives from it."""
     warmup, measured = sweep_steps(size, bool(opts.uplink))
+    if opts.measured and opts.uneven:
+        warmup += MEASURING_STEPS
     timeout_s, step_timeout_s = opts.timeouts[0], opts.step_timeout_s
     settings: tuple[tuple[str, str], ...] = ()
     if opts.uplink:

@@ -71,6 +71,8 @@ class RunSpec:
         if self.tuned:
             what += " tuned"
         where = f", uplinks {self.uplinks or format_rate(self.uplink_bps)}" if self.uplink_bps else ""
+        if self.kind == "fttree" and self.uplinks and "uplinks_by_rank" not in dict(self.settings):
+            where += " measured"  # not told the rates (bench --measured)
         if self.loss:
             where += f", {self.loss:g}% loss"
         return f"{what}, {self.world} workers, {format_bytes(self.size)}{where}"

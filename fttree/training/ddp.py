@@ -89,7 +89,9 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
     try:
         flat, sig, _ = _as_flat_array(buffer, ar.staging)
         layout = digest(tuple(p.shape) for p in bucket.parameters())
-        submitted = ar.submit_array(flat, f"ddp bucket {bucket.index()} {sig} #{layout}")
+        # closable: a late rank's gradients may be left out (straggler_policy="deadline"); the
+        # average divides by the contributors
+        submitted = ar.submit_array(flat, f"ddp bucket {bucket.index()} {sig} #{layout}", closable=True)
     except Exception as exc:  # not started, closed, unsupported dtype: report through the future
         fail(exc)
         return outer

@@ -68,6 +68,9 @@ class TrainingStep:
     # change can be installed at any moment, so two survivors could read different views.
     members_next: tuple[int, ...]
     contributed: bool  # False: this rank gave an empty contribution (synchronize(contribute=False))
+    # members that were late in some bucket (Config.straggler_policy="deadline") and not in every
+    # bucket's result: their batches are not in the step, and they stay members (in members_next)
+    late: tuple[int, ...] = ()
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -374,7 +377,7 @@ class GradientSync:
         wire = self.compression if spec.dtype == np.float32 else None
         if not contribute:
             buf.fill(0)
-            return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire)
+            return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire, closable=True)
         buf[spec.size] = 1
         flat, flags = torch.from_numpy(buf), buf[spec.flags_at:spec.flags_at + len(spec.slots)]
         for k, slot in enumerate(spec.slots):
@@ -389,7 +392,9 @@ class GradientSync:
                                 f"gradients are supported")
             dst.copy_(grad.detach().reshape(-1))
             flags[k] = 1
-        return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire)
+        # closable: under straggler_policy="deadline" a late rank's gradients are left out; the
+        # count slot and the flags divide by the workers whose gradients are in
+        return self.ar.submit_array(buf, signature, contribute=self.contribute, compression=wire, closable=True)
 
     # ---- step (caller thread) ------------------------------------------------------------
 
@@ -417,10 +422,22 @@ class GradientSync:
         results = _first_error(outcomes)
         for spec, res in zip(self.buckets, results, strict=True):
             self._write_back(spec, res)
-        common = sorted(set.intersection(*(set(res.contributors) for res in results)))
-        self.last_step = TrainingStep(step=step, contributors=tuple(common), epoch=max(res.epoch for res in results),
-                                      members_next=tuple(common), contributed=contribute and counted)
+        common = set.intersection(*(set(res.contributors) for res in results))
+        late = set().union(*(res.late for res in results)) - common
+        self.last_step = TrainingStep(step=step, contributors=tuple(sorted(common)),
+                                      epoch=max(res.epoch for res in results),
+                                      members_next=tuple(sorted(common | late)), contributed=contribute and counted,
+                                      late=tuple(sorted(late)))
         self.synchronized = True
+
+    @property
+    def steps_behind(self) -> int:
+        """Training steps, from the next one, that the group already closed without this rank,
+        a straggler (Config.straggler_policy="deadline"): computing their gradients would be
+        wasted, as they would not be added. Skip each with `opt.step(contribute=False)` (it
+        returns at once with the others' average) and drop its batch: the sampler deals it
+        again. 0 under the default policy."""
+        return self.ar.late_steps_ahead // max(1, len(self.buckets))
 
     def _settle_retrying(self, futures: list[Future[StepResult]], contribute: bool = True
                          ) -> list[StepResult | FTTreeError]:
@@ -720,3 +737,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def last_step(self) -> TrainingStep | None:
         """The newest training step that finished here: its contributors and next view."""
         return self.sync.last_step
+
+    @property
+    def steps_behind(self) -> int:
+        """Training steps, from the next one, that the group already closed without this rank
+        (GradientSync.steps_behind)."""
+        return self.sync.steps_behind
