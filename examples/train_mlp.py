@@ -101,7 +101,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --faults \"crash R @S\": start rank R again once its process ended; it rejoins, takes "
                         "the training state from a peer, and the run goes on past --steps until R is back among "
                         "a step's contributors")
-    return p.parse_args(argv)
+    p.add_argument("--compute-s", type=float, default=0.0, metavar="S",
+                   help="every worker also waits S seconds per local step, as a device whose compute takes that "
+                        "long would (one machine's few cores cannot run many real devices side by side)")
+    p.add_argument("--slow", default=None, metavar="R[:F]",
+                   help="rank R computes F times as slowly as the others (default F 2): after its forward and "
+                        "backward it waits F-1 times what they took, as an older device would")
+    p.add_argument("--straggler-policy", choices=["wait", "deadline"], default=None,
+                   help="fttree's straggler_policy (default: the library's, wait): deadline closes a step without "
+                        "a late rank, which skips the steps it is behind (opt.steps_behind) and whose batches are "
+                        "dealt again")
+    p.add_argument("--straggler-grace", type=float, default=None, metavar="S",
+                   help="fttree's straggler_grace_s: how long past the median arrival a step waits for a late rank")
+    args = p.parse_args(argv)
+    args.slow_rank, args.slow_factor = parse_slow(p, args.slow)
+    if args.straggler_policy is not None and args.comm != "fttree":
+        p.error("--straggler-policy is fttree's (gloo waits for every rank)")
+    return args
+
+
+def device_time(args: argparse.Namespace, rank: int, computed_s: float) -> None:
+    """The rest of a local step's compute on the device this worker plays: --compute-s, and for
+    the --slow rank its factor times everything its step took."""
+    factor = args.slow_factor if rank == args.slow_rank else 1.0
+    wait = factor * (computed_s + args.compute_s) - computed_s
+    if wait > 0:
+        time.sleep(wait)
+
+
+def parse_slow(p: argparse.ArgumentParser, text: str | None) -> tuple[int | None, float]:
+    """--slow R[:F] -> (R, F)."""
+    if text is None:
+        return None, 1.0
+    rank, _, factor = text.partition(":")
+    try:
+        r, f = int(rank), float(factor or 2.0)
+    except ValueError:
+        p.error(f"--slow {text!r}: expected a rank and an optional factor, e.g. 3 or 3:2.5")
+    if r < 0 or not f >= 1.0:
+        p.error(f"--slow {text!r}: the rank must be >= 0 and the factor >= 1")
+    return r, f
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -115,6 +154,8 @@ def launch(args: argparse.Namespace) -> int:
         port = str(free_port())
         envs = {r: {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port} for r in range(n)}
+    if args.slow_rank is not None and not 0 <= args.slow_rank < n:
+        raise SystemExit(f"--slow {args.slow}: not a rank of {n} workers")
     if args.restart is not None and not 0 <= args.restart < n:
         raise SystemExit(f"--restart {args.restart}: not a rank of {n} workers")
     if args.restart is not None and args.comm != "fttree":
@@ -135,8 +176,10 @@ def train(args: argparse.Namespace) -> int:
         from fttree.core.protocol import NoteKind
 
         restarted = os.environ.get(RESTARTED) == "1"  # the crash is behind this process: no --faults
+        stragglers = {k: v for k, v in (("straggler_policy", args.straggler_policy),
+                                        ("straggler_grace_s", args.straggler_grace)) if v is not None}
         ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-                                             faults=None if restarted else args.faults or None).start()
+                                             faults=None if restarted else args.faults or None, **stragglers).start()
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
@@ -192,7 +235,7 @@ def train(args: argparse.Namespace) -> int:
 
     if args.comm == "fttree":
         try:
-            audits, fewest = train_with_sampler(args, ar, opt, model, data, progress, recoveries, evaluate)
+            audits, fewest, late = train_with_sampler(args, ar, opt, model, data, progress, recoveries, evaluate)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -207,6 +250,7 @@ def train(args: argparse.Namespace) -> int:
                                        "detours": sum(n.kind.value == "detour" for n in recoveries),
                                        "notes": dict(Counter(n.cause.value for n in recoveries)),
                                        "fewest_contributors": fewest,
+                                       "late_steps": {str(r): n for r, n in sorted(late.items())},
                                        "epochs": len(audits),
                                        "exactly_once": all(a["once"] for a in audits if a["complete"]),
                                        "last_contributors": list(opt.last_step.contributors) if opt.last_step else [],
@@ -225,6 +269,7 @@ def train(args: argparse.Namespace) -> int:
             out = net(x)
             loss = loss_fn(out, y)
             loss.backward()
+            device_time(args, rank, time.perf_counter() - t0)
             opt.step()
             seconds = time.perf_counter() - t0
             acc = float((out.argmax(1) == y).float().mean())
@@ -245,11 +290,11 @@ def train(args: argparse.Namespace) -> int:
 
 def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
                        progress: Progress, recoveries: list[Any],
-                       evaluate: Any = None) -> tuple[list[dict[str, Any]], int]:
+                       evaluate: Any = None) -> tuple[list[dict[str, Any]], int, dict[int, int]]:
     """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
     optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
-    ends with an audit of what was committed. Returns the audits and the fewest workers whose
-    batches one step's sum held."""
+    ends with an audit of what was committed. Returns the audits, the fewest workers whose
+    batches one step's sum held, and per rank the steps that closed without it (late)."""
     import numpy as np
     from torch.utils.data import DataLoader
 
@@ -272,6 +317,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
     # --restart R: every worker goes on past --steps until R, once missing from a step, is back
     # among a step's contributors; all see the same contributors, so all stop at the same step
     missed, back = opt.syncing, restart is None
+    late: Counter[int] = Counter()  # rank -> training steps that closed without it (--straggler-policy)
 
     def commit_done(trained: list[int]) -> None:
         """Commit the newest step if its outer step finished here and it is not committed yet."""
@@ -285,6 +331,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
             back = back or (missed and restart in done.contributors)
         if not opt.syncing:  # a restarted process counts from when it holds the group's model
             fewest = min(fewest, len(done.contributors))
+        late.update(done.late)
         if rank in done.contributors:
             trained.extend(in_flight.get(done.step, []))
         in_flight.pop(done.step, None)
@@ -329,7 +376,15 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
         for batch in loader:
             seen = len(recoveries)
             t0 = time.perf_counter()
-            if batch is None:  # nothing left for this rank this epoch: take part, counted in no average
+            if batch is not None and not args.diloco and opt.steps_behind:
+                # a straggler (--straggler-policy deadline): the group closed this step without it
+                # already; computing it would be wasted. Take the others' average; the sampler
+                # deals this batch again
+                opt.zero_grad()
+                opt.step(contribute=False)
+                loss_value, acc, note = float("nan"), float("nan"), "late: skipped a step closed without this rank"
+                batch = None
+            elif batch is None:  # nothing left for this rank this epoch: take part, counted in no average
                 for _ in range(inner_steps):
                     opt.zero_grad()
                     opt.step(contribute=False)
@@ -342,9 +397,11 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
                     if not len(part):
                         opt.step(contribute=False)
                         continue
+                    began = time.perf_counter()
                     out = model(x[part])
                     loss = loss_fn(out, y[part])
                     loss.backward()
+                    device_time(args, rank, time.perf_counter() - began)
                     opt.step()
                     losses.append(loss.item())
                     hits += int((out.argmax(1) == y[part]).sum())
@@ -369,7 +426,7 @@ def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Mo
         audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
                                   quiet=args.json))
         epoch += 1
-    return audits, fewest
+    return audits, fewest, dict(late)
 
 
 def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n_train: int,

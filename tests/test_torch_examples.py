@@ -63,3 +63,29 @@ def test_examples_have_help() -> None:
         proc = run_example(str(EXAMPLES / script), "--help")
         assert proc.returncode == 0, proc.stderr
         assert "usage:" in proc.stdout
+
+
+def test_train_mlp_leaves_a_straggler_out_and_deals_its_samples_again_exactly_once() -> None:
+    """`--slow 2:2 --straggler-policy deadline`: rank 2 computes twice as slowly; steps close
+    without it, it skips the steps it is behind, nobody is evicted, and every finished epoch
+    committed each sample exactly once (its batches dealt again to the others)."""
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--steps", "30", "--compute-s", "0.1",
+                       "--slow", "2:2", "--straggler-policy", "deadline", "--straggler-grace", "0.05",
+                       "--synthetic", "2000", "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary, audits = json.loads(lines[-1]), json.loads(lines[-2])["audits"]
+    assert summary["late_steps"].get("2", 0) > 0, summary
+    assert summary["fewest_contributors"] == 3, summary
+    assert summary["exactly_once"], audits
+    assert sum(a["complete"] for a in audits) >= 2, audits
+    assert all(a["departed"] == [] and a["answered"] == [0, 1, 2, 3] for a in audits), audits  # nobody evicted
+
+
+def test_train_mlp_names_a_bad_straggler_setting() -> None:
+    for extra, says in ((["--slow", "9"], "not a rank of 4 workers"), (["--slow", "x"], "--slow 'x'"),
+                        (["--slow", "1:0.5"], "factor >= 1"),
+                        (["--straggler-policy", "deadline", "--comm", "gloo"], "fttree's")):
+        proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", *extra)
+        assert proc.returncode != 0
+        assert says in proc.stderr, proc.stderr
