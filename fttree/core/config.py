@@ -92,7 +92,7 @@ class Config:
     # zeros, are named in the result's `late`, are not counted and stay members (no rank is
     # evicted for being slow). Only closable steps close so (gradient buckets: submit_array)
     straggler_policy: str = "wait"
-    straggler_grace_s: float = 0.25  # how long past the median input a root waits for the late ones
+    straggler_grace_s: float = 0.1  # how long past the median input a root waits for the late ones
     max_late: int = 1  # a root closes a step without at most this many of its inputs
 
     # -- data path

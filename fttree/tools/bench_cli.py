@@ -43,6 +43,25 @@ def _out_option(f: F) -> F:
                         show_default=True, help="Where the JSON and PNG files go.")(f)
 
 
+def _straggler(world: int, uplink: str, budget: int, dry_run: bool, out_dir: Path) -> None:
+    """--straggler: the slow-compute pattern behind each rate; straggler.md in out_dir."""
+    from .bench_diloco import run as run_training
+    from .bench_straggler import DATA, configs
+    from .units import split_uplink_list
+
+    rates = [_checked_uplinks(spec) for spec in split_uplink_list(uplink)]
+    if dry_run:
+        for rate in rates:
+            for c in configs(budget):
+                click.echo(f"{rate}: {c.label}: {c.local_steps} steps")
+        return
+    tables = run_training(rates, world, budget, click.echo, configs, DATA)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "straggler.md").write_text("\n\n".join(tables) + "\n")
+    if len(tables) < len(rates):
+        sys.exit(1)
+
+
 def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> None:
     from . import longrun
     from .bench_run import execute, machine_info
@@ -133,8 +152,12 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
 @click.option("--diloco", type=click.IntRange(min=2), default=None, metavar="WORKERS",
               help="Instead of the matrix: gloo DDP, fttree DDP and fttree DiLoCo (H = 8, 32, 128; float32 and "
                    "int8) training to gloo's accuracy behind each --uplink rate (default 10mbit,100mbit).")
+@click.option("--straggler", type=click.IntRange(min=3), default=None, metavar="WORKERS",
+              help="Instead of the matrix: one worker's compute twice as slow (emulated device time), gloo DDP "
+                   "against fttree waiting and fttree with straggler_policy=deadline, training the thesis MLP to "
+                   "gloo's accuracy behind each --uplink rate (default 100mbit); audits each epoch's samples.")
 @click.option("--budget", type=click.IntRange(min=1), default=30, show_default=True,
-              help="--diloco: gloo DDP's training steps (its final accuracy is the target).")
+              help="--diloco, --straggler: gloo DDP's training steps (its final accuracy is the target).")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
@@ -144,7 +167,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
           elastic: int | None, uplink: str, tuned: bool, measured: bool, loss: float, compression_text: str,
           trees_text: str,
-          diloco: int | None, budget: int, dry_run: bool, strict: bool, out_dir: Path) -> None:
+          diloco: int | None, straggler: int | None, budget: int, dry_run: bool, strict: bool,
+          out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
 
@@ -177,6 +201,9 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         (out_dir / "diloco.md").write_text("\n\n".join(tables) + "\n")
         if len(tables) < len(rates):
             sys.exit(1)
+        return
+    if straggler is not None:
+        _straggler(straggler, uplink or "100mbit", budget, dry_run, out_dir)
         return
     if elastic is not None:
         from .bench_elastic import run as run_elastic

@@ -25,6 +25,7 @@ from .bench_uplinks import Uplinks
 
 HIDDEN = 1280  # 784-1280-10: 1,017,610 parameters
 SAMPLES = 1_000_000  # no epoch ends within a budget: the bench times training, not the audit
+DATA = ("--hidden", str(HIDDEN), "--synthetic", str(SAMPLES))  # the model and data of every run
 POLL_S = 0.5  # how often the uplinks' byte counters are read
 FAULT_SAMPLES = 50_000  # the kill-and-restart run: epochs of about 2 rounds of H=32, each audited
 
@@ -87,17 +88,32 @@ class Run:
                 f"{s.get('fewest_contributors')}; {s.get('epochs')} epochs audited (the last may be cut by the "
                 f"end of the run): {once}")
 
+    def straggler_line(self) -> str:
+        """For a run with --straggler-policy: how often each rank was late, and whether every
+        epoch it finished used each sample exactly once ('' for other runs)."""
+        if "--straggler-policy" not in self.config.args:
+            return ""
+        s = self.summary
+        if not s:
+            return f"{self.config.label}: no summary (the run failed)"
+        once = "each sample exactly once" if s.get("exactly_once") else "NOT exactly once"
+        late = ", ".join(f"rank {r} in {n}" for r, n in s.get("late_steps", {}).items()) or "none"
+        return (f"{self.config.label}: steps closed without a late rank: {late} of {s.get('steps')}; fewest "
+                f"contributors {s.get('fewest_contributors')}; {s.get('epochs')} epochs audited (the last may be "
+                f"cut by the end of the run): {once}")
+
     @property
     def final(self) -> float:
         return float(self.evals[-1]["accuracy"]) if self.evals else float("nan")
 
 
-def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]) -> Run:
+def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None],
+            data: Sequence[str] = DATA) -> Run:
     up.apply(world)  # zeroes the counters
     evals_every = 1 if "--diloco" in config.args else max(1, config.local_steps // 10)
     steps = config.local_steps
     cmd = [sys.executable, str(SOURCE_ROOT / "examples" / "train_mlp.py"), "-n", str(world), "--steps", str(steps),
-           "--hidden", str(HIDDEN), "--synthetic", str(SAMPLES), "--eval-every", str(evals_every), "--json",
+           *data, "--eval-every", str(evals_every), "--json",
            "--warmup", "0",
            "--step-timeout", "120", *config.args]
     run = Run(config)
@@ -153,29 +169,32 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
         lines.append(f"| {run.config.label} | {hit['t']:.1f} s ({hit['local_steps']} local steps) | "
                      f"{hit['t'] / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
                      f"{run.final:.4f} |")
-    notes = [line for line in (run.restart_line() for run in runs) if line]
+    notes = [line for run in runs for line in (run.restart_line(), run.straggler_line()) if line]
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def run(rates: Sequence[str], world: int, budget: int, echo: Callable[[str], None]) -> list[str]:
-    """Every configuration behind each rate; returns one markdown table per rate."""
+def run(rates: Sequence[str], world: int, budget: int, echo: Callable[[str], None],
+        make: Callable[[int], list[Config]] = configs, data: Sequence[str] = DATA) -> list[str]:
+    """Every configuration (`make(budget)`, gloo's first: it sets the target) behind each rate;
+    returns one markdown table per rate."""
     from .realfaults import sigterm_as_interrupt
 
     tables = []
     with sigterm_as_interrupt():  # a SIGTERM still takes the namespace and its workers down
         for rate in rates:
-            table = _run_rate(rate, world, budget, echo)
+            table = _run_rate(rate, world, make(budget), echo, data)
             if table:
                 tables.append(table)
     return tables
 
 
-def _run_rate(rate: str, world: int, budget: int, echo: Callable[[str], None]) -> str:
+def _run_rate(rate: str, world: int, runs_of: Sequence[Config], echo: Callable[[str], None],
+              data: Sequence[str]) -> str:
     """One rate's table ('' when gloo, which sets the target, failed)."""
     echo(f"{rate} uplinks, {world} workers:")
     with Uplinks(rate) as up:
         up.start(world)
-        runs = [run_one(up, world, c, echo) for c in configs(budget)]
+        runs = [run_one(up, world, c, echo, data) for c in runs_of]
     if runs[0].error or not runs[0].evals:
         echo(f"gloo DDP failed behind {rate}: no target")
         return ""
