@@ -46,3 +46,42 @@ def test_bookkeeping_stays_bounded_over_many_thousand_ops() -> None:
         assert after["active_ops"] == 0
         assert after["steps"] == 0
         assert after["watches"] == 0  # every backup watch ended with its op (owes_peers reads this set)
+
+
+def run_with_a_straggler(net: SimNetwork, first: int, steps: int, late_by_s: float) -> int:
+    """Steps in which rank 2 submits `late_by_s` after the others; how many closed without it."""
+    closed = 0
+    for step in range(first, first + steps):
+        start = net.now
+        for rank in range(net.world):
+            data = np.full(CHUNKS, rank + 1, np.int64)
+            if rank == 2:
+                net.at(start + late_by_s, lambda d=data, s=step: net.submit(2, s, d, closable=True))
+            else:
+                net.submit(rank, step, data, closable=True)
+        net.run_until_finished(step)
+        out = net.outcome(0, step)
+        assert isinstance(out, StepResult)
+        closed += out.late == (2,)
+        net.results.clear()
+        net.finished_at.clear()
+        net.notes.clear()
+    return closed
+
+
+def test_a_straggler_late_in_every_step_leaves_nothing_growing() -> None:
+    """straggler_policy="deadline" over 300 steps of 25 chunks with rank 2 late in every one:
+    every step closes without it, and what the nodes keep (the late rank's closed steps, the
+    per-member late counts, the ops) stays the same from step 100 to step 300."""
+    net = SimNetwork(3, chunk_bytes=8, retired_memory=1000, wire=False, straggler_policy="deadline",
+                     straggler_grace_s=0.05)
+    assert run_with_a_straggler(net, 0, 100, 0.3) == 100
+    net.run()
+    early = [n.footprint() for n in net.nodes]
+    assert run_with_a_straggler(net, 100, 200, 0.3) == 200
+    net.run()
+    late = [n.footprint() for n in net.nodes]
+    assert early == late, (early, late)
+    assert late[2]["closed_steps"] == 64  # at most CLOSE_AHEAD_STEPS: the oldest, long taken, are forgotten
+    assert net.nodes[0].status().late_total == {2: 300}
+    assert net.nodes[0].status().late_streak == {2: 300}

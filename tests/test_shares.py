@@ -272,3 +272,28 @@ def test_measured_rates_plan_only_when_they_differ_and_a_member_not_measured_cou
     assert rounded is not None
     assert rounded[0] == rounded[1]
     assert rounded[2] < rounded[0] / 8
+
+
+def test_per_link_bf16_error_on_real_gradients() -> None:
+    """bf16 from the slow rank only, on the thesis MLP's pseudo-gradients (8 local SGD steps):
+    the error against float32 is that of one rank's part rounded to bf16, far below bf16 on
+    every link; every rank holds the same bits. `pytest -s` prints the figures."""
+    from .test_compression import run_one_step
+    from .test_int8 import _pseudo_gradients
+
+    grads = _pseudo_gradients(7)
+    base = {"chunk_bytes": 1 << 20, "uplink_bytes_per_s": FAST, "uplinks_by_rank": {3: SLOW}}
+    _, ref = run_one_step(7, grads, **base)
+    _, slow = run_one_step(7, grads, bf16_uplinks_below=FAST, **base)
+    _, every = run_one_step(7, grads, compression="bf16", **base)
+    f32 = ref[0].data.astype(np.float64)
+
+    def rel(outs: list[StepResult]) -> float:
+        assert all(np.array_equal(o.data, outs[0].data) for o in outs)
+        return float(np.linalg.norm(outs[0].data.astype(np.float64) - f32) / np.linalg.norm(f32))
+
+    slow_err, every_err = rel(slow), rel(every)
+    print(f"\nper-link bf16 (rank 3 of 7 slow), thesis MLP pseudo-gradients: relative L2 error {slow_err:.2e}; "
+          f"bf16 on every link {every_err:.2e}")
+    assert 0 < slow_err < every_err / 2
+    assert slow_err < 2 ** -8

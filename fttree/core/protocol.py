@@ -636,7 +636,8 @@ class TreeMachine:
         """Sizes of everything this machine keeps between events: none may grow with the
         number of ops run (tests check it over many thousands of ops)."""
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
-                "retired": len(self._retired), "held": sum(len(op.held) for op in self._ops.values())}
+                "retired": len(self._retired), "closed_steps": len(self._closed_steps),
+                "held": sum(len(op.held) for op in self._ops.values())}
 
     # ---- the trees (trees.py) ---------------------------------------------------------
 
