@@ -259,16 +259,21 @@ def test_a_view_keeps_each_members_figure_through_trees_and_evictions() -> None:
         View(1, (0, 1, 2), 0, (1, 2))
 
 
+def planned_rates(uplinks: tuple[int, ...]) -> tuple[float, ...] | None:
+    view = View(1, tuple(range(len(uplinks))), 0, uplinks)
+    return measured_rates([view.planned_uplink(r) for r in view.members])
+
+
 def test_measured_rates_plan_only_when_they_differ_and_a_member_not_measured_counts_as_the_fastest() -> None:
     assert measured_rates(()) is None
-    assert measured_rates((0, 0, 0)) is None  # nothing measured yet
-    assert measured_rates((int(FAST), int(0.7 * FAST), int(FAST))) is None  # within a factor 2: even shares
-    assert measured_rates((int(FAST), 0, int(0.9 * FAST))) is None  # equal links, one never backlogged
-    assert measured_rates((0, 0, int(SLOW))) is None  # only the slow link filled its budget: nothing to go by
-    unknown = measured_rates((0, int(FAST), int(SLOW)))
+    assert planned_rates((0, 0, 0)) is None  # nothing measured yet
+    assert planned_rates((int(FAST), int(0.7 * FAST), int(FAST))) is None  # within a factor 2: even shares
+    assert planned_rates((int(FAST), 0, int(0.9 * FAST))) is None  # equal links, one never backlogged
+    assert planned_rates((0, 0, int(SLOW))) is None  # only the slow link filled its budget: nothing to go by
+    unknown = planned_rates((0, int(FAST), int(SLOW)))
     assert unknown is not None
     assert unknown[0] == unknown[1] > 8 * unknown[2]
-    rounded = measured_rates((int(FAST), int(0.98 * FAST), int(SLOW)))
+    rounded = planned_rates((int(FAST), int(0.98 * FAST), int(SLOW)))
     assert rounded is not None
     assert rounded[0] == rounded[1]
     assert rounded[2] < rounded[0] / 8

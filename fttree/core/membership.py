@@ -453,11 +453,9 @@ class Membership:
         return int(min(self.rate, self.cfg.uplink_bytes_per_s))
 
     def _held_rate(self, rank: int) -> float:
-        """The uplink the view holds for `rank`; for a member it holds none of, the fastest it
-        holds (what the shares plan it at, shares.measured_rates); the view's pace while it
+        """The uplink the view plans `rank` at (View.planned_uplink); the view's pace while it
         holds no figure at all."""
-        return (self.view.uplink_of(rank) or max(self.view.uplinks, default=0) or self.view.pace
-                or self.cfg.uplink_bytes_per_s)
+        return self.view.planned_uplink(rank) or self.view.pace or self.cfg.uplink_bytes_per_s
 
     def _maybe_ask_pace(self, now: float, out: list[MemberAction]) -> None:
         """Ask the coordinator for a pace round, once a view, if this rank's uplink is far from

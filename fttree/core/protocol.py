@@ -654,7 +654,7 @@ class TreeMachine:
             rates: tuple[float, ...] | None = tuple(self.cfg.uplink_of(r) for r in view.members)  # in slot order
             mine = self.cfg.uplink_of(self.rank)
         else:
-            rates = measured_rates(view.uplinks)
+            rates = measured_rates([view.planned_uplink(r) for r in view.members])
             mine = view.uplink_of(self.rank) or self.cfg.uplink_bytes_per_s
         if self.cfg.trees != "rotated" or rates is None or uniform(rates):
             rates = None

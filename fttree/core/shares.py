@@ -82,13 +82,12 @@ def uniform(rates: Sequence[float]) -> bool:
     return min(rates) == max(rates)
 
 
-def measured_rates(uplinks: Sequence[int]) -> tuple[float, ...] | None:
-    """The rates to plan shares on from measured uplinks (slot order; 0: not measured, planned
-    at the fastest figure), rounded to the grid; None for even shares: nothing measured, or all
+def measured_rates(rates: Sequence[int]) -> tuple[float, ...] | None:
+    """The rates to plan shares on from the members' planned uplinks (slot order,
+    View.planned_uplink), rounded to the grid; None for even shares: nothing measured, or all
     within a factor UNEVEN."""
-    if not uplinks or max(uplinks) <= 0:
+    if not rates or min(rates) <= 0:
         return None
-    rates = [rate if rate > 0 else max(uplinks) for rate in uplinks]
     if max(rates) < UNEVEN * min(rates):
         return None
     return tuple(float(2.0 ** (round(np.log2(rate) * GRID) / GRID)) for rate in rates)

@@ -159,6 +159,11 @@ class View:
         slot = self._slot.get(rank)
         return 0 if slot is None else self.uplinks[slot]
 
+    def planned_uplink(self, rank: int) -> int:
+        """What the shares plan `rank`'s uplink at (shares.py): its figure, else the fastest the
+        view holds (its link never held back what it sent); 0 while the view holds none."""
+        return self.uplink_of(rank) or max(self.uplinks, default=0)
+
     def subtree(self, rank: int) -> frozenset[int]:
         """Every rank in the subtree rooted at `rank`, itself included."""
         size, order = self.size, self._order
