@@ -272,7 +272,7 @@ def test_compressed_sums_are_decoded_into_working_arrays_and_the_root_into_its_s
     assert takes[3:] == [steps] * 4  # leaves: their encoding only
     root = net.machines[0]
     for step in range(steps):
-        ((_chunk, result, _contributors, _sig),) = root.result_of(step)
+        ((_chunk, result, _contributors, _late, _sig),) = root.result_of(step)
         assert any(np.shares_memory(result, buf) for buf in root.buffers.lent), step
     net.run()
 

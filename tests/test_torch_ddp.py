@@ -135,7 +135,8 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
 
         logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)6d rank {rank} %(name)s %(message)s")
     result: dict[str, Any] = {}
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
+    # the test process hosts the store (run_workers): no rank has to start first or stay last
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=120))
     ar = None
     if scenario.startswith("backend"):
         import fttree.training.backend
@@ -174,15 +175,10 @@ def worker(scenario: str, rank: int, port: int, peers: list[str], outdir: Path) 
 
 def exit_together(store: Any, rank: int) -> None:
     """Leave only when every rank is done: closing fttree right after the last step could drop
-    results still queued for peers. The store's host (rank 0) leaves last."""
+    results still queued for peers. (The store lives in the test process, which outlasts them.)"""
     if store.add("done", 1) == WORLD:
         store.set("all_done", "1")
     store.wait(["all_done"], timedelta(seconds=60))
-    if rank != 0:
-        if store.add("left", 1) == WORLD - 1:
-            store.set("all_left", "1")
-        return
-    store.wait(["all_left"], timedelta(seconds=60))
 
 
 # ---- parent side --------------------------------------------------------------------------
@@ -190,11 +186,18 @@ def exit_together(store: Any, rank: int) -> None:
 
 def run_workers(scenario: str, tmp_path: Path, env: dict[str, str] | None = None,
                 deadline_s: float = 150) -> list[dict[str, Any]]:
-    from .conftest import free_port, local_peers
+    import torch.distributed as dist
+
+    from .conftest import local_peers
     from .procs import run_all
 
     peers = local_peers(WORLD)
-    args = [scenario, str(free_port()), json.dumps(peers), str(tmp_path)]
+    # The store lives here, for as long as the workers run: a worker that starts late (a loaded
+    # machine) finds it whatever the others did meanwhile. Before, rank 0 hosted it, and beside
+    # two CPU burners rank 1 once spent its whole 120 s failing to connect to it.
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    args = [scenario, str(store.port), json.dumps(peers), str(tmp_path)]
     # a generous step timeout: on a loaded machine ranks can reach the first step seconds apart
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60", **(env or {})}
     logs = run_all([[sys.executable, __file__, str(rank), *args] for rank in range(WORLD)], full_env, deadline_s)
