@@ -839,10 +839,7 @@ class TreeMachine:
                             text=f"rank {self.rank}'s contribution to step {ev.step} came {now - closed_at:.3f} s "
                                  f"after the step closed without it: not added (straggler_policy='deadline')"))
         if op.done and op.result is not None:  # finished before the caller came: hand it over now
-            view = op.result.view()
-            view.flags.writeable = False
-            out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
-                                late=op.result_late))
+            out.append(self._completed(op))
         elif op.done and op.failure is not None:
             out.append(op.failure)
 
@@ -1393,7 +1390,7 @@ class TreeMachine:
             return
         if not self._matches(op, msg, now, out):
             return
-        result = self._take_result(op, msg)
+        self._take_result(op, msg)
         op.result_contributors = msg.contributors
         op.result_late = msg.late
         op.done = True
@@ -1402,10 +1399,7 @@ class TreeMachine:
         out.append(Note(step=op.step, cause=Cause.RESULT_CAME_AROUND, peer=msg.src,
                         text=f"step {op.step}: its result (committed in view {op.epoch}) came from rank {msg.src} "
                              f"after the view change"))
-        view = result.view()
-        view.flags.writeable = False
-        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
-                            late=op.result_late))
+        out.append(self._completed(op))
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     # ---- finishing ---------------------------------------------------------------------
@@ -1458,11 +1452,17 @@ class TreeMachine:
         if t.me.parent is not None:
             op.acc = op.acc_wire = None  # our sum is in the result now; drop the buffer early (see linger_s)
         op.own = None  # our contribution too: the caller's buffer may take the next step's now
+        out.append(self._completed(op))
+        out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+
+    @staticmethod
+    def _completed(op: _Op) -> Complete:
+        """The op's result for the caller: a read-only view, with whom it holds."""
+        assert op.result is not None
         view = op.result.view()
         view.flags.writeable = False
-        out.append(Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
-                            late=op.result_late))
-        out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
+        return Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
+                        late=op.result_late)
 
     def _emit_failure(self, op: _Op, failure: Fail, now: float, out: list[Action]) -> None:
         op.done = True
