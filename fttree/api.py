@@ -114,7 +114,8 @@ class FTTreeAllreduce:
     `fttree.Config` (durations in seconds, named `*_s`), given as keywords or as `config`:
     `timeout_s` is the backup-link watch (the first guess of the adaptive policy),
     `step_timeout_s` bounds a whole step, after which it raises StepAborted naming what it
-    waited for. `faults` is an in-process fault schedule (see fttree.core.faults).
+    waited for (put off by up to `submit_wait_s` while a member says it is still computing).
+    `faults` is an in-process fault schedule (see fttree.core.faults).
     `http_port` (0: any free port) serves /status, /metrics and /faults (see fttree.status.control).
     `join=True` asks the running group named by `peers` to admit this rank (a restarted worker
     finds the group by itself); `join="HOST:PORT"` asks through that member, and then `peers`
@@ -553,10 +554,11 @@ class FTTreeAllreduce:
         stuck. The node fails a step itself, at a deadline that allows three times the step's
         bytes at the slowest rate it knows (protocol.TreeMachine._extended); this backstop
         allows twice that at the slowest rate known here (the view's pace, the declared
-        uplinks), so a healthy 100 MB step behind 10 Mbit/s (80 s and more) is not cut short."""
+        uplinks), so a healthy 100 MB step behind 10 Mbit/s (80 s and more) is not cut short,
+        and the node's wait for a member still computing (submit_wait_s)."""
         cfg = self.config
         rate = min(self.view.pace or cfg.uplink_bytes_per_s, cfg.slowest_declared)
-        return cfg.step_timeout_s + 10 + 2 * SLACK * 3 * nbytes / rate
+        return cfg.step_timeout_s + cfg.submit_wait_s + 10 + 2 * SLACK * 3 * nbytes / rate
 
     def allreduce(self, tensor: Any, *, average: bool = False, reduce: str = "sum",
                   compression: str | None = None, closable: bool = False) -> Any:

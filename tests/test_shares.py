@@ -145,9 +145,10 @@ def test_a_blocking_wait_allows_for_a_big_step_behind_the_slowest_declared_uplin
     peers = local_peers(7)
     lan = FTTreeAllreduce(0, peers)
     slow = FTTreeAllreduce(0, peers, uplink_bytes_per_s=FAST, uplinks_by_rank={3: SLOW})
-    assert lan.outcome_limit_s(0) == lan.config.step_timeout_s + 10
+    # the node waits a step deadline, and up to submit_wait_s more for a slow caller
+    assert lan.outcome_limit_s(0) == lan.config.step_timeout_s + lan.config.submit_wait_s + 10
     assert slow.outcome_limit_s(100_000_000) > 3 * 100_000_000 / SLOW  # the node allows 3x the bytes' time
-    assert slow.outcome_limit_s(4096) < slow.config.step_timeout_s + 11
+    assert slow.outcome_limit_s(4096) < slow.config.step_timeout_s + slow.config.submit_wait_s + 11
 
 
 # ---- measured uplinks, agreed through the view (membership.py "Pace", View.uplinks) ---------------

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from fttree import StepResult
+from fttree import StepAborted, StepResult
 from fttree.core.config import Config
 from fttree.core.messages import Kind, Message
 from fttree.core.protocol import Cause, NoteKind, Received, Send, Submit, TreeMachine
@@ -37,7 +37,7 @@ def one_late_step(net: SimNetwork, step: int, late: dict[int, float], elements: 
             net.at(start + late[r], lambda r=r: net.submit(r, step, data[r], closable=closable))
         else:
             net.submit(r, step, data[r], closable=closable)
-    net.run_until_finished(step, limit_s=60)
+    net.run_until_finished(step, limit_s=60 + max(late.values(), default=0.0))
     return data, start
 
 
@@ -87,6 +87,48 @@ def test_the_default_policy_and_a_step_that_is_not_closable_wait_for_everyone(po
         assert out.contributors == tuple(range(7))
         assert out.late == ()
         assert net.finished_at[(r, 0)] - start >= LATE_BY
+
+
+@pytest.mark.parametrize("late_rank", [5, 1, 0], ids=["leaf", "interior", "root"])
+def test_at_defaults_a_rank_computing_for_longer_than_every_deadline_is_waited_for(late_rank: int) -> None:
+    """Slow compute is not broken: at defaults (the wait policy) a rank whose caller submits a
+    minute after the others, past the root's give-up (15 s) and the step deadline (30 s), is
+    waited for: it says it is alive and computing when its neighbours ping it. The step ends
+    with everyone's sum, nobody is evicted, and every other rank noted what it waited for."""
+    net = SimNetwork(7)
+    for step, late_by in ((0, 60.0), (1, 0.0), (2, 45.0)):
+        data, start = one_late_step(net, step, {late_rank: late_by}, 1000)
+        for r, out in enumerate(outcomes(net, step)):
+            np.testing.assert_array_equal(out.data, sum(data))
+            assert out.contributors == tuple(range(7))
+            assert net.finished_at[(r, step)] - start < late_by + 1.0
+    assert all(net.nodes[r].membership.view.epoch == 0 for r in range(7)), "a slow rank was evicted"
+    waits = [(r, n) for r, n in net.notes if n.cause is Cause.STILL_COMPUTING]
+    assert {n.step for _, n in waits} == {0, 2}
+    assert all(n.peer == late_rank and n.kind is NoteKind.WAIT for _, n in waits)
+    assert len(waits) == 2 * 6  # once a step on each rank that waited
+    assert {r for r, _ in waits} == set(range(7)) - {late_rank}  # each deadline found it computing
+
+
+def test_a_live_rank_that_never_submits_fails_the_step_after_submit_wait_s_naming_it() -> None:
+    """A caller that never comes (a user's loop that skipped a step) is bounded: submit_wait_s
+    after the step began, every rank's step fails, naming the rank and why it was waited for."""
+    net = SimNetwork(7, submit_wait_s=40.0)
+    data = [np.ones(1000, dtype=np.float32) for _ in range(7)]
+    for r in range(7):
+        if r != 5:
+            net.submit(r, 0, data[r])
+    net.run_until_finished(0, ranks=[r for r in range(7) if r != 5], limit_s=120)
+    for r in range(7):
+        if r == 5:
+            continue
+        out = net.outcome(r, 0)
+        assert isinstance(out, StepAborted), (r, out)
+        # the root gives up 40 s past its own deadline (15 s) and tells everyone; rank 2's
+        # subtree sent nothing: the root sees no further
+        assert "no contribution from ranks [2, 5, 6] within 55 s, the last 40 s (submit_wait_s) because ranks [5] " \
+               "said they were still computing it" in out.reason, (r, out.reason)
+        assert net.finished_at[(r, 0)] == pytest.approx(55.0, abs=1.0)
 
 
 def test_a_root_missing_more_inputs_than_max_late_waits_for_them() -> None:

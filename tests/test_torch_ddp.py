@@ -281,8 +281,9 @@ def test_backend_ddp_with_a_cut_link(tmp_path: Path) -> None:
 
 def test_backend_mismatched_models_fail_on_every_worker(tmp_path: Path) -> None:
     """DDP's own shape check (an allgather on the backend) stops rank 2; the others learn of it
-    when rank 2 never joins the next collective, by the root's abort, not by a hang."""
-    results = run_workers("backend_mismatch", tmp_path, {"FTTREE_STEP_TIMEOUT": "4"})
+    when rank 2 never joins the next collective, by the root's abort, not by a hang. Rank 2's
+    node lives on and says it has not submitted yet: the others wait for it submit_wait_s."""
+    results = run_workers("backend_mismatch", tmp_path, {"FTTREE_STEP_TIMEOUT": "4", "FTTREE_SUBMIT_WAIT": "6"})
     errors = [res.get("error", "") for res in results]
     assert "sizes [17, 12] appears not to match" in errors[2], errors[2]
     for rank in (0, 1):

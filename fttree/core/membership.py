@@ -87,6 +87,7 @@ RETRANSMIT_TRIES = 1 + 2 + 4
 MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; more ask again later
 MAX_STALLS = 3  # a view change stalled this many times (3 node deadlines each) stops this rank
 JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
+COMPUTING_FRESH = 3.0  # a member's COMPUTING counts for this many node deadlines (it says it again when pinged)
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's figure for it
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
 RELAYED_KINDS = frozenset(
@@ -378,6 +379,10 @@ class Membership:
         self._uplinks: dict[int, int] = {}  # member -> the uplink it reported (PACE, VIEW_PROMISE)
         self._pace_asked = -1  # the view in which this rank last asked for a pace round
         self._pace_wanted: dict[int, int] = {}  # coordinator: member -> the uplink it asked a pace round for
+        # slow compute is not broken: a member still computing a step others wait on says so
+        self.submitted = -1  # the newest step this rank submitted (Busy events)
+        self._computing: dict[int, tuple[int, float]] = {}  # member -> (oldest step it has not submitted, when said)
+        self._computing_said = -1e9  # when this rank last said COMPUTING
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -409,6 +414,7 @@ class Membership:
         match event:
             case Busy(since=since, step=step):
                 self.busy_since = since
+                self.submitted = max(self.submitted, step)
                 if since is not None and not self._check_armed:
                     self._arm_check(now, out)
                 finished = {p for p, last in self.done.items() if step > last and p in self.view and p != self.rank}
@@ -601,7 +607,27 @@ class Membership:
 
     def _ping(self, peer: int, now: float, out: list[MemberAction]) -> None:
         self._pinged[peer] = now
-        out.append(Send(dst=peer, msg=Detection(kind=Kind.PING, src=self.rank, epoch=self.view.epoch)))
+        out.append(Send(dst=peer, msg=Detection(kind=Kind.PING, src=self.rank, epoch=self.view.epoch,
+                                                step=self.submitted)))
+
+    def computing(self, now: float) -> dict[int, int]:
+        """Members that said lately that they are alive and have not submitted a step yet ->
+        the oldest such step. A step waiting on one of them is slow, not broken: its deadlines
+        are put off (protocol.TreeMachine._extended), up to Config.submit_wait_s."""
+        fresh = now - COMPUTING_FRESH * self.node_deadline_s
+        return {peer: step for peer, (step, said) in self._computing.items() if said >= fresh and peer in self.view}
+
+    def _pinged_by(self, msg: Detection, now: float, out: list[MemberAction]) -> None:
+        """Answer a ping. A pinger waits on step `msg.step`; if this rank has not submitted it,
+        its caller is still computing: it tells every member (they cannot all ping it), at
+        most every half node deadline."""
+        out.append(Send(dst=msg.src, msg=Detection(kind=Kind.PONG, src=self.rank, epoch=self.view.epoch)))
+        if self.submitted >= msg.step or now - self._computing_said < self.node_deadline_s / 2 \
+                or self.state is not MemberState.ACTIVE or self.rank not in self.view:
+            return
+        self._computing_said = now
+        self._to_all(Detection(kind=Kind.COMPUTING, src=self.rank, epoch=self.view.epoch, step=self.submitted + 1),
+                     out)
 
     def _suspect(self, peer: int, why: str, now: float, out: list[MemberAction]) -> None:
         if peer in self._suspects:
@@ -1034,6 +1060,7 @@ class Membership:
         self._installed_at = now
         self._leaving &= set(view.members)
         self._gone = {r: why for r, why in self._gone.items() if r in view}
+        self._computing = {r: said for r, said in self._computing.items() if r in view and r not in joined}
         self._unheard = set(joined)
         for kind in (TimerKind.MEMBER_ROUND, TimerKind.MEMBER_STALL):
             out.append(CancelTimer(key=TimerKey(kind, -1, 0)))
@@ -1157,7 +1184,9 @@ class Membership:
         """Failure detection: pings and what members report of each other."""
         match msg.kind:
             case Kind.PING:
-                out.append(Send(dst=msg.src, msg=Detection(kind=Kind.PONG, src=self.rank, epoch=self.view.epoch)))
+                self._pinged_by(msg, now, out)
+            case Kind.COMPUTING if msg.src in self.view:
+                self._computing[msg.src] = (msg.step, now)
             case Kind.PONG:
                 self._pong(msg.src, now)  # `heard` counted it as life
             case Kind.SUSPECT if msg.epoch == self.view.epoch and msg.target in self.view:

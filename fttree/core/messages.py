@@ -25,12 +25,13 @@ import numpy as np
 from ..errors import FrameError
 
 MAGIC = b"FT"
-VERSION = 9  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
+VERSION = 10  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
 #               5: a control and a bulk connection per peer, link progress queries, DONE; 6: the authenticated
 #               handshake (net/handshake.py); 7: the join handshake's addresses in a field of their own; 8: a JOIN's
 #               query and a JOIN_REPLY's answer in fields of their own (was one `code`); 9: a view's
 #               measured uplinks (`uplinks`) in the view change's frames and JOIN_REPLY;
-#               META_CLOSE and the late ranks of a sum or result (`late`)
+#               META_CLOSE and the late ranks of a sum or result (`late`); 10: COMPUTING, a
+#               PING's `step`
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -122,6 +123,9 @@ class Kind(IntEnum):
     # `size` zeros of `dtype` (not counted: you are late), and pass it on to your children
     # whose sums have not come
     META_CLOSE = 38
+    # slow compute is not broken (membership.py): an answer to a PING for `step` from a rank
+    # whose caller has not submitted `step` yet, to every member: I am alive and still computing
+    COMPUTING = 39
 
 
 DATA_KINDS = frozenset({Kind.DATA_REDUCE, Kind.DATA_REDUCE_REQUEST, Kind.DATA_BCAST, Kind.CATCHUP})
@@ -131,9 +135,9 @@ TREE_OP_KINDS = frozenset({Kind.DATA_REDUCE, Kind.META_REDUCE_SENT, Kind.META_RE
                             Kind.META_BCAST_RECEIVED, Kind.META_BCAST_SENT, Kind.PROBE, Kind.PROBE_ACK,
                             Kind.META_BCAST_REQUEST, Kind.META_STALLED, Kind.META_CLOSE})
 #: the membership's kinds (Detection, Agreement, Join but JOIN_REPLY, Notice): frames of no step
-VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.VIEW_PREPARE, Kind.VIEW_PROMISE,
-                        Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK, Kind.MINORITY,
-                        Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
+VIEW_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.COMPUTING, Kind.VIEW_PREPARE,
+                        Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT, Kind.VIEW_NACK,
+                        Kind.MINORITY, Kind.JOIN, Kind.JOIN_ASK, Kind.LEAVE, Kind.DONE, Kind.DONE_ACK, Kind.PACE})
 #: the kinds a backup node sends to ask whether a frame is getting through: the node hands the
 #: machine what its transport knows of the link to the message's `target` with them
 LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST})
@@ -240,15 +244,16 @@ class Message(Frame):
 
 @dataclass(slots=True, kw_only=True)
 class Detection(Frame):
-    """Failure detection (membership.py): a ping and its answer, and what a member reports of
-    another (`target`)."""
+    """Failure detection (membership.py): a ping and its answer, what a member reports of
+    another (`target`), and a member that is alive but has not submitted a step yet."""
 
     RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
-        (Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE), Sender.MEMBER)
-    WIRE = (("t", "target", "target", _INT), ("gn", "gone", "gone", _BOOL))
+        (Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.COMPUTING), Sender.MEMBER)
+    WIRE = (("t", "target", "target", _INT), ("gn", "gone", "gone", _BOOL), ("s", "step", "step", _INT))
 
     target: int = -1  # SUSPECT, ALIVE: the rank reported
     gone: bool = False  # SUSPECT: silent or gone to the sender (False: heard again)
+    step: int = -1  # PING: the newest step the sender waits on; COMPUTING: the oldest one not submitted here
 
 
 @dataclass(slots=True, kw_only=True)

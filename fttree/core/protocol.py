@@ -53,6 +53,7 @@ observer never hears "sent" for data that is not yet on the wire.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
 from typing import Any, NamedTuple
@@ -130,6 +131,7 @@ class NoteKind(Enum):
     LINK = "link"  # a primary link was marked failed, or put back into use
     NONFINITE = "nonfinite"  # a contribution held NaN or Inf and was left out of its step
     LATE = "late"  # a step closed without a straggler's contribution (stragglers.py)
+    WAIT = "wait"  # a step waits past its deadline on a live member still computing it
 
 
 class Cause(Enum):
@@ -150,6 +152,7 @@ class Cause(Enum):
     NONFINITE_SKIPPED = "nonfinite_skipped"  # this rank's contribution held NaN or Inf: left out
     STEP_CLOSED = "step_closed"  # (root) closed an op without the late rank(s) of child `peer`'s subtree
     LATE_DROPPED = "late_dropped"  # this rank's contribution came `seconds` after its step closed: not added
+    STILL_COMPUTING = "still_computing"  # a deadline was put off: member `peer` is alive and has not submitted yet
 
     @property
     def kind(self) -> NoteKind:
@@ -167,6 +170,7 @@ _KIND_OF = {
     Cause.PROTOCOL_VIOLATION: NoteKind.PROTOCOL,
     Cause.NONFINITE_SKIPPED: NoteKind.NONFINITE,
     Cause.STEP_CLOSED: NoteKind.LATE, Cause.LATE_DROPPED: NoteKind.LATE,
+    Cause.STILL_COMPUTING: NoteKind.WAIT,
 }
 
 
@@ -214,6 +218,9 @@ class TimerFired:
     key: TimerKey
     alive: frozenset[int] | None = None  # DEADLINE, ROOT_DEADLINE: peers whose bytes arrived lately
     uplink: float = 0.0  # DEADLINE, ROOT_DEADLINE: this rank's measured uplink, bytes per second (0.0: unknown)
+    # DEADLINE, ROOT_DEADLINE: members that said lately they are alive and have not submitted
+    # a step -> the oldest such step (Membership.computing)
+    computing: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -453,6 +460,7 @@ class _Op:
     late: set[int] = field(default_factory=set)  # late ranks whose zeros are in `acc`
     result_late: tuple[int, ...] = ()  # ... and in the result
     closed_at: float = -1.0  # when this rank's own contribution was closed out (it took part with zeros)
+    computing: tuple[int, ...] = ()  # members whose caller had not submitted the op when a deadline was put off
     taken: bool = False  # ... and its caller's contribution came after all (not added)
     arrivals: list[float] = field(default_factory=list)  # (root) when each input came: own, then children's
     close_armed: bool = False  # (root) its STRAGGLER timer is set
@@ -1514,7 +1522,10 @@ class TreeMachine:
                 self._bcast_watch_fired(op, key.peer, now, out)
             case TimerKind.DEADLINE:
                 if not op.done and not self._extended(op, event, self.cfg.step_timeout_s, now, out):
-                    self._deadline(op, now, out)
+                    if self._t(op).me.parent is None and not op.reduce_sent:
+                        self._root_gives_up(op, now, out)  # its reason names the missing ranks
+                    else:
+                        self._deadline(op, now, out)
             case TimerKind.STRAGGLER:
                 self._close(op, now, out)
             case TimerKind.ROOT_DEADLINE:
@@ -1528,7 +1539,7 @@ class TreeMachine:
         missing = tuple(sorted(set(self.view.members) - op.contributors
                                - {r for m in op.held.values() for r in m.contributors}))
         waiting = sorted(set(self._t(op).me.children) - op.got_children)
-        reason = (f"no contribution from ranks {list(missing)} within {self.cfg.root_give_up_s:g} s "
+        reason = (f"no contribution from ranks {list(missing)} within {self._waited(op, now)} "
                   f"(root still waiting for the subtree sums of children {waiting})")
         self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
 
@@ -1562,6 +1573,18 @@ class TreeMachine:
         if now < end:
             out.append(SetTimer(key=key, at=end))
             return True
+        said = event.computing or {}
+        computing = tuple(sorted(r for r, step in said.items() if step <= op.step and r != self.rank))
+        last = op.started + base_s + self.cfg.submit_wait_s
+        if computing and now < last:
+            if not op.computing and op.chunk == 0:  # one note a step
+                out.append(Note(step=op.step, cause=Cause.STILL_COMPUTING, peer=computing[0],
+                                seconds=now - op.started,
+                                text=f"step {op.step}: ranks {list(computing)} have not submitted it yet and say they "
+                                     f"are computing; waiting for them (at most {self.cfg.submit_wait_s:g} s more)"))
+            op.computing = computing
+            out.append(SetTimer(key=key, at=min(now + min(base_s, self.cfg.node_deadline_s), last)))
+            return True
         if key.kind is TimerKind.DEADLINE:
             return False
         waiting = [c for c in self._t(op).me.children if c not in op.got_children]
@@ -1570,6 +1593,14 @@ class TreeMachine:
             return False
         out.append(SetTimer(key=key, at=now + min(base_s, self.cfg.node_deadline_s)))
         return True
+
+    def _waited(self, op: _Op, now: float) -> str:
+        """How long a step was waited for, for an abort's reason: with the members it waited on
+        as still computing, if it did."""
+        if not op.computing:
+            return f"{now - op.started:.3g} s"
+        return (f"{now - op.started:.3g} s, the last {self.cfg.submit_wait_s:g} s (submit_wait_s) because ranks "
+                f"{list(op.computing)} said they were still computing it")
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
         """No confirmation that `origin`'s sum reached its parent in time. First a check: ask the
@@ -1642,13 +1673,12 @@ class TreeMachine:
         me = t.me
         if not op.reduce_sent:
             waiting = tuple(sorted(set(me.children) - op.got_children))
-            reason = (f"rank {self.rank} got no subtree sum from children {list(waiting)} "
-                      f"within {self.cfg.step_timeout_s:g} s")
+            reason = f"rank {self.rank} got no subtree sum from children {list(waiting)} within {self._waited(op, now)}"
             peers = waiting
         else:
             relays = [r for r in (me.brother, me.uncle) if r is not None]
             reason = (f"rank {self.rank} got no result from parent {me.parent} or backups {relays} "
-                      f"within {self.cfg.step_timeout_s:g} s")
+                      f"within {self._waited(op, now)}")
             peers = tuple(r for r in (me.parent, *relays) if r is not None)
         self._emit_failure(op, Fail(step=op.step, chunk=op.chunk, code=AbortCode.TIMEOUT,
                                     reason=reason, peers=peers), now, out)

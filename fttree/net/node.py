@@ -360,10 +360,11 @@ class Node:
             if key.kind is TimerKind.MEMBER_CHECK:
                 self._report_uplink()
             self._member(MemberTimer(key=key))
-        elif key.kind in _STEP_DEADLINES:  # put off while the peers it waits for send bytes
+        elif key.kind in _STEP_DEADLINES:  # put off while the peers it waits for send bytes or compute
             membership = self.replica.membership
-            alive = self.replica.alive(self.scheduler.now())
-            self._handle(TimerFired(key=key, alive=alive, uplink=self.senses.uplink(membership)))
+            now = self.scheduler.now()
+            self._handle(TimerFired(key=key, alive=self.replica.alive(now), uplink=self.senses.uplink(membership),
+                                    computing=membership.computing(now)))
         else:
             self._handle(TimerFired(key=key))
 

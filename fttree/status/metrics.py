@@ -154,6 +154,9 @@ def render(snap: Snapshot) -> str:
     w.family("fttree_late_steps_in_a_row", "gauge",
              "Steps in a row, up to the newest, that closed without this member (0 once it contributes).",
              [({"rank": r}, n) for r, n in sorted(snap.late_streak.items())])
+    w.family("fttree_steps_waited_on_computing_total", "counter",
+             "Steps whose deadline was put off because a member said it was still computing them.",
+             [({}, snap.computing_waits)])
     w.family("fttree_refused_connections_total", "counter",
              "Connections refused at the handshake: another job, no proof of the job's key, a wrong rank.",
              [({}, snap.refusals)])

@@ -177,6 +177,7 @@ class Snapshot:
     foreign_frames: int  # frames dropped because their sender may not send them
     late_streak: dict[int, int]  # member -> steps in a row it was late in (straggler_policy="deadline")
     late_total: dict[int, int]  # member -> steps it was late in
+    computing_waits: int  # steps whose deadline was put off for a member still computing (submit_wait_s)
     faults: str
     links: tuple[LinkView, ...]
     observed: tuple[LinkView, ...]
@@ -215,7 +216,8 @@ class Snapshot:
                        "frame_errors": self.frame_errors, "refusals": self.refusals,
                        "foreign_frames": self.foreign_frames},
             "stragglers": {"late_in_a_row": {str(r): n for r, n in sorted(self.late_streak.items())},
-                           "late_total": {str(r): n for r, n in sorted(self.late_total.items())}},
+                           "late_total": {str(r): n for r, n in sorted(self.late_total.items())},
+                           "waited_past_deadline": self.computing_waits},
             "links": [link(v) for v in self.links],
             "observed_links": [link(v) for v in self.observed],
             "recent_events": [asdict(e) for e in self.events],
@@ -485,6 +487,7 @@ class Monitor:
             protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
             refusals=status.transport.refusals, foreign_frames=status.foreign_frames,
             late_streak=status.late_streak, late_total=status.late_total,
+            computing_waits=counts.get(NoteKind.WAIT, 0),
             faults=status.transport.faults,
             links=tuple(self._view(lk, current, status) for lk in self._links.values()),
             observed=tuple(self._view(lk, current, status) for _, lk in sorted(self._observed.items())),
