@@ -183,7 +183,8 @@ def train(args: argparse.Namespace) -> int:
         rank, world = ar.rank, ar.world
         assert ar.node is not None
         ar.node.note_listeners.append(lambda note: recoveries.append(note)
-                                      if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK) else None)
+                                      if note.kind in (NoteKind.RECOVERY, NoteKind.DETOUR, NoteKind.LINK, NoteKind.WAIT)
+                                      else None)
         model = thesis_mlp(seed=args.seed, hidden=args.hidden)  # one seed: the start compares a digest and copies
         # nothing (a model built otherwise would be copied from rank 0)
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)

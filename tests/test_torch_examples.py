@@ -82,6 +82,18 @@ def test_train_mlp_leaves_a_straggler_out_and_deals_its_samples_again_exactly_on
     assert all(a["departed"] == [] and a["answered"] == [0, 1, 2, 3] for a in audits), audits  # nobody evicted
 
 
+def test_train_mlp_waits_for_a_rank_computing_for_longer_than_the_step_deadline() -> None:
+    """Slow is not broken, over TCP: with the wait policy rank 2 computes 4 s a step while the
+    others give up on a step after 3 s (their root after 1.5 s). It says it is still computing
+    when pinged, the others wait for it, and every step holds every rank's gradients."""
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "2", "--compute-s", "0.2",
+                       "--slow", "2:20", "--step-timeout", "3", "--synthetic", "600", "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["fewest_contributors"] == 3, summary
+    assert summary["notes"].get("still_computing", 0) >= 2, summary  # rank 0 waited past its deadline
+
+
 def test_train_mlp_names_a_bad_straggler_setting() -> None:
     for extra, says in ((["--slow", "9"], "not a rank of 4 workers"), (["--slow", "x"], "--slow 'x'"),
                         (["--slow", "1:0.5"], "factor >= 1"),
