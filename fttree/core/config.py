@@ -71,8 +71,8 @@ class Config:
     # -- deadlines: nothing waits forever
     step_timeout_s: float = 30.0  # a rank gives up on a step this long after submitting it
     root_timeout_s: float | None = None  # the root gives up on contributions (default: step_timeout_s / 2)
-    # both are put off, by at most this long, while a member that has not submitted the step yet
-    # says it is alive and computing (a slow device is not a failure)
+    # the step and root deadlines are put off, by at most this long, while a member that has not
+    # submitted the step yet says it is alive and computing (a slow device is not a failure)
     submit_wait_s: float = 300.0
 
     # -- link memory
