@@ -117,6 +117,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.slow_rank, args.slow_factor = parse_slow(p, args.slow)
     if args.straggler_policy is not None and args.comm != "fttree":
         p.error("--straggler-policy is fttree's (gloo waits for every rank)")
+    if "FTTREE_RANK" in os.environ or "RANK" in os.environ:
+        return args  # a worker: the group's size is the launcher's, checked there
+    n = args.workers
+    if args.slow_rank is not None and not 0 <= args.slow_rank < n:
+        p.error(f"--slow {args.slow}: not a rank of {n} workers")
+    if args.restart is not None and not 0 <= args.restart < n:
+        p.error(f"--restart {args.restart}: not a rank of {n} workers")
+    if args.restart is not None and args.comm != "fttree":
+        p.error("--restart needs --comm fttree: a gloo group cannot take a worker back")
+    if args.restart is not None and args.overlap:
+        p.error("--restart with --overlap: this example commits an overlapped round a round late and cannot tell "
+                "a restarted process when an epoch ends; use one or the other")
     return args
 
 
@@ -154,15 +166,6 @@ def launch(args: argparse.Namespace) -> int:
         port = str(free_port())
         envs = {r: {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port} for r in range(n)}
-    if args.slow_rank is not None and not 0 <= args.slow_rank < n:
-        raise SystemExit(f"--slow {args.slow}: not a rank of {n} workers")
-    if args.restart is not None and not 0 <= args.restart < n:
-        raise SystemExit(f"--restart {args.restart}: not a rank of {n} workers")
-    if args.restart is not None and args.comm != "fttree":
-        raise SystemExit("--restart needs --comm fttree: a gloo group cannot take a worker back")
-    if args.restart is not None and args.overlap:
-        raise SystemExit("--restart with --overlap: this example commits an overlapped round a round late and "
-                         "cannot tell a restarted process when an epoch ends; use one or the other")
     return launch_local(__file__, n, sys.argv[1:], envs, args.deadline, restart=args.restart)
 
 

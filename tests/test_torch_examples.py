@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -49,13 +53,38 @@ def test_train_mlp_with_diloco_survives_a_crash_and_a_restart_and_uses_every_sam
     assert summary["test_accuracy"] > 0.6
 
 
-def test_train_mlp_refuses_a_restart_it_cannot_carry_out() -> None:
+def train_mlp_module() -> Any:
+    """examples/train_mlp.py as a module, to check its command line without starting a process
+    (each would import torch again: seconds on a loaded machine)."""
+    spec = importlib.util.spec_from_file_location("train_mlp_example", EXAMPLES / "train_mlp.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What train_mlp.py says on stderr when it refuses `argv` (it must exit non-zero)."""
+    module = train_mlp_module()
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("FTTREE_RANK", "RANK"):  # as the launching command, not a worker
+            env.delenv(name, raising=False)
+        with pytest.raises(SystemExit) as exited:
+            module.parse_args(list(argv))
+    assert exited.value.code != 0
+    return capsys.readouterr().err
+
+
+def test_train_mlp_refuses_a_restart_it_cannot_carry_out(capsys: pytest.CaptureFixture[str]) -> None:
     for extra, says in ((["--restart", "7"], "not a rank of 4 workers"),
                         (["--restart", "1", "--diloco", "4", "--overlap"], "--restart with --overlap"),
                         (["--restart", "1", "--comm", "gloo"], "--restart needs --comm fttree")):
-        proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", *extra)
-        assert proc.returncode != 0
-        assert says in proc.stderr, proc.stderr
+        err = refused(capsys, "-n", "4", *extra)
+        assert says in err, err
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--restart", "7")  # and as a command
+    assert proc.returncode != 0
+    assert "not a rank of 4 workers" in proc.stderr, proc.stderr
 
 
 def test_examples_have_help() -> None:
@@ -94,10 +123,9 @@ def test_train_mlp_waits_for_a_rank_computing_for_longer_than_the_step_deadline(
     assert summary["notes"].get("still_computing", 0) >= 2, summary  # rank 0 waited past its deadline
 
 
-def test_train_mlp_names_a_bad_straggler_setting() -> None:
+def test_train_mlp_names_a_bad_straggler_setting(capsys: pytest.CaptureFixture[str]) -> None:
     for extra, says in ((["--slow", "9"], "not a rank of 4 workers"), (["--slow", "x"], "--slow 'x'"),
                         (["--slow", "1:0.5"], "factor >= 1"),
                         (["--straggler-policy", "deadline", "--comm", "gloo"], "fttree's")):
-        proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", *extra)
-        assert proc.returncode != 0
-        assert says in proc.stderr, proc.stderr
+        err = refused(capsys, "-n", "4", *extra)
+        assert says in err, err
