@@ -1565,7 +1565,9 @@ class TreeMachine:
         group's pace, the slowest declared uplink, this rank's measured uplink and the slowest one
         members reported (`uplink`, from the driver). The root's, which waits for its children's
         uplinks, is also put off while a child it waits for sends tensor data (a silent child is
-        evicted by the membership), up to MAX_DEADLINE_EXTENSIONS times its length."""
+        evicted by the membership), up to MAX_DEADLINE_EXTENSIONS times its length. Either is
+        put off while a member says it has not submitted the step and is computing it (a slow
+        device), by at most submit_wait_s."""
         key = event.key
         pace = min(self.view.pace or self.cfg.uplink_bytes_per_s, self.cfg.slowest_declared)
         rate = min(pace, event.uplink) if event.uplink > 0 else pace
@@ -1599,8 +1601,8 @@ class TreeMachine:
         as still computing, if it did."""
         if not op.computing:
             return f"{now - op.started:.3g} s"
-        return (f"{now - op.started:.3g} s, the last {self.cfg.submit_wait_s:g} s (submit_wait_s) because ranks "
-                f"{list(op.computing)} said they were still computing it")
+        return (f"{now - op.started:.3g} s, put off while ranks {list(op.computing)} said they were still "
+                f"computing it (by at most submit_wait_s = {self.cfg.submit_wait_s:g} s)")
 
     def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
         """No confirmation that `origin`'s sum reached its parent in time. First a check: ask the
