@@ -110,6 +110,26 @@ def test_at_defaults_a_rank_computing_for_longer_than_every_deadline_is_waited_f
     assert {r for r, _ in waits} == set(range(7)) - {late_rank}  # each deadline found it computing
 
 
+def test_a_rank_computing_between_pipelined_steps_is_waited_for() -> None:
+    """Gradient buckets are steps submitted while the previous ones are in flight. Every rank
+    submits steps 0 and 1 at once but rank 5, whose step 1 comes a minute later: the pings and
+    the answers must speak of the newest step submitted, not of the first of the run."""
+    net = SimNetwork(7)
+    data = {(r, s): np.full(1000, float(10 * r + s + 1), np.float32) for r in range(7) for s in (0, 1)}
+    for r in range(7):
+        net.submit(r, 0, data[(r, 0)])
+        if r == 5:
+            net.at(60.0, lambda: net.submit(5, 1, data[(5, 1)]))
+        else:
+            net.submit(r, 1, data[(r, 1)])
+    net.run_until_finished(1, limit_s=90)
+    for step in (0, 1):
+        for out in outcomes(net, step):
+            np.testing.assert_array_equal(out.data, sum(data[(r, step)] for r in range(7)))
+            assert out.contributors == tuple(range(7))
+    assert net.finished_at[(0, 1)] == pytest.approx(60.0, abs=1.0)
+
+
 def test_a_live_rank_that_never_submits_fails_the_step_after_submit_wait_s_naming_it() -> None:
     """A caller that never comes (a user's loop that skipped a step) is bounded: submit_wait_s
     after the step began, every rank's step fails, naming the rank and why it was waited for."""

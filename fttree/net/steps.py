@@ -133,10 +133,9 @@ class StepBook:
                        started=self.scheduler.monotonic(), began=self.scheduler.now())
         self.running[req.step] = run
         self.last_submitted = max(self.last_submitted, req.step)
-        if idle:
-            self._member(Busy(since=run.began, step=req.step))
-        elif replica.membership.done:
-            self._member(Busy(since=replica.membership.busy_since, step=req.step))
+        # the membership learns every submitted step: members done before it leave the view, and
+        # a rank pinged for a step it has submitted must not say it is still computing it
+        self._member(Busy(since=run.began if idle else replica.membership.busy_since, step=req.step))
         self._run(run)
 
     def _run(self, run: _Running) -> None:
