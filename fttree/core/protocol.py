@@ -1575,6 +1575,7 @@ class TreeMachine:
         if now < end:
             out.append(SetTimer(key=key, at=end))
             return True
+        again = min(base_s, self.cfg.node_deadline_s)  # how soon an extended deadline looks again
         said = event.computing or {}
         computing = tuple(sorted(r for r, step in said.items() if step <= op.step and r != self.rank))
         last = op.started + base_s + self.cfg.submit_wait_s
@@ -1585,7 +1586,7 @@ class TreeMachine:
                                 text=f"step {op.step}: ranks {list(computing)} have not submitted it yet and say they "
                                      f"are computing; waiting for them (at most {self.cfg.submit_wait_s:g} s more)"))
             op.computing = computing
-            out.append(SetTimer(key=key, at=min(now + min(base_s, self.cfg.node_deadline_s), last)))
+            out.append(SetTimer(key=key, at=min(now + again, last)))
             return True
         if key.kind is TimerKind.DEADLINE:
             return False
@@ -1593,7 +1594,7 @@ class TreeMachine:
         if not event.alive or now - op.started >= base_s * MAX_DEADLINE_EXTENSIONS \
                 or not any(c in event.alive for c in waiting):
             return False
-        out.append(SetTimer(key=key, at=now + min(base_s, self.cfg.node_deadline_s)))
+        out.append(SetTimer(key=key, at=now + again))
         return True
 
     def _waited(self, op: _Op, now: float) -> str:
