@@ -3,10 +3,10 @@
     python tests/attacker.py --targets 127.0.0.1:P,127.0.0.2:P,... --job JOBID [--source ADDR] [--rounds N]
 
 It tries, round after round, what an attacker would: garbage, protocol frames with no
-handshake (a JOIN, a view commit, a suspicion, a LEAVE, a state request, data and an abort,
-claiming members' ranks and an unknown one), a HELLO of no job, a HELLO with the job's id
-(which travels in clear) followed by a made-up proof and forged frames, a flood of connections
-announcing gigabyte payloads, and connections that never speak. It prints one JSON line: what
+handshake (a JOIN, a view commit, a suspicion, a "still computing", a LEAVE, a state request,
+data and an abort, claiming members' ranks and an unknown one), a HELLO of no job, a HELLO with
+the job's id (which travels in clear) followed by a made-up proof and forged frames, a flood of
+connections announcing gigabyte payloads, and connections that never speak. It prints one JSON line: what
 it tried, and every connection the workers left open when they should have closed it
 (`not_closed`), and whether any of them ever answered a frame past the handshake.
 """
@@ -34,6 +34,7 @@ FORGED = [
     Join(kind=Kind.JOIN, src=1000, query=Query.ADMIT_ME, incarnation=1, addresses=((1000, "127.0.0.100:1"),)),
     Agreement(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
     Detection(kind=Kind.SUSPECT, src=0, target=2, gone=True),
+    Detection(kind=Kind.COMPUTING, src=2, step=0),  # would put off every step deadline for submit_wait_s
     Agreement(kind=Kind.MINORITY, src=1000, promised=(1000,), view_size=3),
     Notice(kind=Kind.LEAVE, src=2),
     State(kind=Kind.STATE_REQUEST, src=1, user_step=0),

@@ -123,8 +123,8 @@ def test_no_credential_off_loopback_refuses_to_start_naming_the_options(tmp_path
 
 def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None:
     """Without a key (loopback) a process can complete the handshake as a rank the job does not
-    have. Its commit, minority, suspicion, leave and passed-on join are dropped by the sender rules before they
-    change anything (before: one such frame evicted a healthy rank or stopped every rank)."""
+    have. Its commit, minority, suspicion, "still computing", leave and passed-on join are dropped by the
+    sender rules before they change anything (before: one such frame evicted a healthy rank or stopped every rank)."""
     from fttree.core.messages import Agreement, Detection, Join, Kind, Notice, State
 
     from .rawpeer import message_frame
@@ -134,6 +134,7 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
         forged = [Agreement(kind=Kind.VIEW_COMMIT, src=1000, epoch=0, proposed=1, members=(0, 1), ballot=1 << 30),
                   Agreement(kind=Kind.MINORITY, src=1000, promised=(1000,), view_size=3),
                   Detection(kind=Kind.SUSPECT, src=1000, target=2, gone=True),
+                  Detection(kind=Kind.COMPUTING, src=1000, step=0),  # would put off step deadlines
                   Notice(kind=Kind.LEAVE, src=1000),
                   State(kind=Kind.STATE_REQUEST, src=1000, user_step=0),
                   # passed on "for" rank 2 with a new process: taken, it would evict rank 2 as restarted
