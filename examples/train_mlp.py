@@ -117,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.slow_rank, args.slow_factor = parse_slow(p, args.slow)
     if args.straggler_policy is not None and args.comm != "fttree":
         p.error("--straggler-policy is fttree's (gloo waits for every rank)")
-    if "FTTREE_RANK" in os.environ or "RANK" in os.environ:
-        return args  # a worker: the group's size is the launcher's, checked there
+    if is_worker():
+        return args  # the group's size is the launcher's, checked there
     n = args.workers
     if args.slow_rank is not None and not 0 <= args.slow_rank < n:
         p.error(f"--slow {args.slow}: not a rank of {n} workers")
@@ -478,9 +478,15 @@ def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n
     return info
 
 
+def is_worker() -> bool:
+    """Started as one worker of a group (by this script's launcher, fttree launch or torchrun),
+    not as the command that launches them."""
+    return "FTTREE_RANK" in os.environ or "RANK" in os.environ
+
+
 def main() -> int:
     args = parse_args()
-    if "FTTREE_RANK" in os.environ or "RANK" in os.environ:
+    if is_worker():
         return train(args)
     return launch(args)
 
