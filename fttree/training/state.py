@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,25 +204,147 @@ def _pack(obj: Any) -> bytes:
     return bytes(msgpack.packb(obj, use_bin_type=True, strict_types=True))
 
 
-def _decoder(table: Sequence[Sequence[Any]], payload: memoryview) -> Callable[[int, bytes], Any]:
-    def tensor_at(i: int) -> Any:
-        dtype, shape, offset, nbytes = table[i]
-        raw = payload[offset:offset + nbytes]
-        if dtype.startswith("np:"):
-            return np.frombuffer(raw, dtype=np.dtype(dtype[3:])).reshape(shape).copy()
-        tdtype = getattr(torch, dtype)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=tdtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(tdtype).reshape(shape)
+@dataclass
+class _Ref:
+    """A tensor or array in the body, before its bytes are read: the table entry it names and
+    where in the state it sits (for messages)."""
+
+    code: int
+    index: int
+    name: str = ""
+
+
+_MAX_DIMS = 64
+_MAX_NUMEL = 1 << 62
+# the dtypes a table entry may name, by the name encode writes (str(dtype) without "torch.")
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _refs(body: bytes) -> Any:
+    """The body with tensors and arrays as _Refs (nothing allocated for them yet) and tuples as
+    tuples. Each table entry may be named once: encode writes one per value, and a forged body
+    naming a large one many times would make decode allocate it as often."""
+    seen: set[int] = set()
 
     def hook(code: int, data: bytes) -> Any:
         if code in (_EXT_TENSOR, _EXT_NDARRAY):
-            return tensor_at(struct.unpack("<I", data)[0])
+            if len(data) != 4:
+                raise StateError(f"a tensor reference of {len(data)} bytes in the state header (4 expected)")
+            index = struct.unpack("<I", data)[0]
+            if index in seen:
+                raise StateError(f"table entry {index} is referenced twice in the state header")
+            seen.add(index)
+            return _Ref(code, index)
         if code == _EXT_TUPLE:
             return tuple(_unpack(data, hook))
         raise StateError(f"unknown value type {code} in the state header")
 
-    return hook
+    return _unpack(body, hook)
+
+
+def _walk(value: Any, name: str, fn: Callable[[_Ref, str], Any]) -> Any:
+    """`value` with each _Ref replaced by fn(ref, its place in the state)."""
+    if isinstance(value, _Ref):
+        return fn(value, name)
+    if isinstance(value, dict):
+        return {k: _walk(v, f"{name}.{k}", fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_walk(v, f"{name}[{i}]", fn) for i, v in enumerate(value))
+    return value
+
+
+def _walk_body(body: dict[str, Any], fn: Callable[[_Ref, str], Any]) -> dict[str, Any]:
+    out = {key: _walk(body[key], key, fn) for key in ("optimizer", "scheduler", "extra")}
+    model = body["model"]
+    if not isinstance(model, list) or not all(isinstance(e, list) and len(e) == 2 for e in model):
+        raise StateError("the state's model is not a list of [name, tensor] pairs")
+    out["model"] = [[name, _walk(t, f"model {name}", fn)] for name, t in model]
+    return out
+
+
+def _entry(entry: Any, name: str, offset: int, payload: int) -> tuple[str, Any, list[int], int]:
+    """Check one table entry against the bytes after the header, allocating nothing: its dtype
+    is one this format writes, its shape a list of sizes whose product times the dtype's item
+    size is its byte count, and its bytes the next ones and present. Returns (dtype, the torch
+    or numpy dtype, shape, byte count); StateError naming it otherwise."""
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise StateError(f"{name}: a table entry of {entry!r:.80}, not [dtype, shape, offset, bytes]")
+    dtype, shape, at, nbytes = entry
+    kind: Any = None
+    if isinstance(dtype, str) and dtype.startswith("np:"):
+        try:
+            kind = np.dtype(dtype[3:])
+        except (TypeError, ValueError):
+            kind = None
+        if kind is not None and (kind.hasobject or kind.itemsize == 0):
+            kind = None  # objects cannot come from bytes; items of no bytes would let any shape fit
+    elif isinstance(dtype, str):
+        kind = _TORCH_DTYPES.get(dtype)
+    if kind is None:
+        raise StateError(f"{name}: unknown dtype {dtype!r:.40}")
+    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise StateError(f"{name}: shape {shape!r:.80} is not a list of at most {_MAX_DIMS} sizes >= 0")
+    numel, bound = 1, 1
+    for d in shape:
+        numel *= d
+        bound *= max(d, 1)
+    if bound > _MAX_NUMEL:
+        raise StateError(f"{name}: shape {shape} is too large")
+    itemsize = kind.itemsize
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes != numel * itemsize:
+        raise StateError(f"{name}: shape {shape} of {dtype} is {numel} elements, {numel * itemsize} bytes; its "
+                         f"table entry says {nbytes!r:.20} bytes")
+    if at != offset:
+        raise StateError(f"{name}: its bytes are said to start at {at!r:.20}, the previous tensor's end at {offset}")
+    if offset + nbytes > payload:
+        raise StateError(f"{name}: {nbytes} bytes at {offset} declared, the state holds {payload - offset} "
+                         f"bytes from there")
+    return dtype, kind, shape, nbytes
+
+
+def _tensors(outer: dict[str, Any], body: dict[str, Any], payload: memoryview) -> dict[str, Any]:
+    """The body with its tensors and arrays read from `payload`, once every table entry has
+    been checked against the bytes present (so a forged size fails before anything is made)."""
+    table = outer["table"]
+    if not isinstance(table, list):
+        raise StateError("the state's tensor table is not a list")
+    names: dict[int, str] = {}
+
+    def name(ref: _Ref, where: str) -> _Ref:
+        names[ref.index] = where
+        ref.name = where
+        return ref
+
+    body = _walk_body(body, name)
+    unknown = sorted(i for i in names if i >= len(table))
+    if unknown:
+        raise StateError(f"{names[unknown[0]]}: table entry {unknown[0]} of {len(table)}")
+    entries, offset = [], 0
+    for i, entry in enumerate(table):
+        checked = _entry(entry, names.get(i, f"table entry {i} (named nowhere in the state)"), offset, len(payload))
+        entries.append(checked)
+        offset += checked[3]
+    if offset != len(payload):
+        raise StateError(f"the table accounts for {offset} bytes of tensors, the state holds {len(payload)}")
+
+    def read(ref: _Ref, where: str) -> Any:
+        dtype, kind, shape, nbytes = entries[ref.index]
+        if (ref.code == _EXT_NDARRAY) != dtype.startswith("np:"):
+            raise StateError(f"{where}: a {'numpy array' if ref.code == _EXT_NDARRAY else 'tensor'} whose table "
+                             f"entry is of dtype {dtype}")
+        at = table[ref.index][2]
+        raw = payload[at:at + nbytes]
+        try:
+            if isinstance(kind, np.dtype):
+                return np.frombuffer(raw, dtype=kind).reshape(shape).copy()
+            if nbytes == 0:
+                return torch.empty(shape, dtype=kind)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kind).reshape(shape)
+        except (RuntimeError, ValueError, TypeError) as exc:  # a dtype encode never writes (quantized, ...)
+            raise StateError(f"{where}: {dtype}{shape} cannot be read: {exc}") from exc
+
+    return _walk_body(body, read)
 
 
 def _unpack(data: bytes | memoryview, hook: Callable[[int, bytes], Any] | None = None) -> Any:
@@ -230,8 +352,8 @@ def _unpack(data: bytes | memoryview, hook: Callable[[int, bytes], Any] | None =
                            ext_hook=hook or (lambda code, d: msgpack.ExtType(code, d)))
 
 
-def _read(data: bytes) -> tuple[dict[str, Any], Callable[[int, bytes], Any]]:
-    """The outer header (with values still as ext references) and a hook that resolves them."""
+def _read(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """The outer header (its body still packed) and the tensors' bytes after it."""
     if len(data) < _HEAD.size:
         raise StateError(f"state of {len(data)} bytes is shorter than its header")
     magic, version, hlen = _HEAD.unpack_from(data)
@@ -239,11 +361,15 @@ def _read(data: bytes) -> tuple[dict[str, Any], Callable[[int, bytes], Any]]:
         raise StateError(f"not an fttree state (starts with {bytes(magic)!r})")
     if version != VERSION:
         raise StateError(f"state format version {version}, this fttree reads version {VERSION}")
+    if hlen > len(data) - _HEAD.size:
+        raise StateError(f"the state's header is said to be {hlen} bytes, {len(data) - _HEAD.size} follow")
     view = memoryview(data)
     outer = _unpack(view[_HEAD.size:_HEAD.size + hlen])
+    if not isinstance(outer, dict):
+        raise StateError(f"the state's header is a {type(outer).__name__}, not a map")
     if outer.get("byteorder") != sys.byteorder:
         raise StateError(f"state written on a {outer.get('byteorder')}-endian machine, this one is {sys.byteorder}")
-    return outer, _decoder(outer["table"], view[_HEAD.size + hlen:])
+    return outer, view[_HEAD.size + hlen:]
 
 
 # ---- the state as values ---------------------------------------------------------------
@@ -326,12 +452,14 @@ def encode(state: TrainingState) -> StateSnapshot:
 
 def decode(data: bytes) -> TrainingState:
     """The state `encode` wrote (its digest is the caller's to check); StateError on bytes
-    that are not one."""
+    that are not one. Every tensor's declared dtype, shape and size is checked against the bytes
+    present before any is made, so a forged state costs no more memory than its own bytes."""
     try:
-        outer, hook = _read(data)
-        body = _unpack(outer["body"], hook)
+        outer, payload = _read(data)
+        body = _refs(outer["body"])
         if not isinstance(body, dict) or not isinstance(body["extra"], dict):
             raise TypeError(f"the state's body is a {type(body).__name__} without the training state's fields")
+        body = _tensors(outer, body, payload)
         return TrainingState(model={str(name): t for name, t in body["model"]}, optimizer=body["optimizer"],
                              scheduler=body["scheduler"], extra=body["extra"], step_count=int(outer["step_count"]))
     except StateError:
