@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -13,9 +14,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from fttree import FTTreeAllreduce
 from fttree.status.control import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 from .conftest import cluster
+from .rawpeer import connect, handshake
 
 SLOW = Path(__file__).resolve().parent / "slow_http.py"
 
@@ -57,25 +62,43 @@ def back_to(baseline: int) -> None:
     assert open_fds() <= baseline + 2, (baseline, open_fds())
 
 
+def data_port_answers(h: FTTreeAllreduce) -> bool:
+    """A new connection to the worker's data port gets its handshake answered (as a rank the job
+    does not have, which the sender rules then ignore)."""
+    me = h.peers[h.rank]
+    with connect(me.host, me.port, timeout_s=5) as sock:
+        return handshake(sock, 1000, dst=h.rank, world=2000)
+
+
 def test_a_slowloris_on_the_status_port_is_capped_and_timed_out() -> None:
     """400 connections that send part of a request's headers and then a line every half second,
-    held for 10 s by another process. Before: the worker accepted and kept every one (400 more
-    descriptors, none closed; 2,000 of them exhaust a worker at 1,024 open files and its data
-    port with it). Now the status port holds at most MAX_CONNECTIONS, each slow one is closed
-    IDLE_TIMEOUT_S after it connected, and a GET /status made during the attack answers."""
-    with cluster(1, http_port=0) as hs:
+    held for 10 s by another process, while this process (two workers) may open only 200 files
+    more than it has. Before: the worker accepted and kept every one, ran out of descriptors,
+    and neither its status port nor its data port could take a connection (at the usual 1,024
+    open files, 2,000 of them do the same). Now the status port holds at most MAX_CONNECTIONS,
+    each slow one is closed IDLE_TIMEOUT_S after it connected, and during the attack a GET
+    /status answers, a new connection to the data port is answered and steps run."""
+    with cluster(2, http_port=0) as hs:
         address = hs[0].http_address
         assert address is not None
         assert status_code(address) == 200
         baseline = open_fds()
-        attacker = attack(address, "--count", "400", "--hold", "10")
-        peak, answered = baseline, 0
-        while attacker.poll() is None:
-            peak = max(peak, open_fds())
-            assert status_code(address) == 200  # a legitimate reader gets in while the attack holds
-            answered += 1
-            time.sleep(0.25)
-        report = report_of(attacker)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (baseline + 200, hard))
+        try:
+            attacker = attack(address, "--count", "400", "--hold", "10")
+            peak, answered, step = baseline, 0, 0
+            while attacker.poll() is None:
+                peak = max(peak, open_fds())
+                assert status_code(address) == 200  # a legitimate reader gets in while the attack holds
+                assert data_port_answers(hs[0])
+                futures = [h.allreduce_async(np.full(4, float(h.rank + step))) for h in hs]
+                assert all(np.array_equal(f.result(timeout=10), np.full(4, 1.0 + 2 * step)) for f in futures)
+                answered, step = answered + 1, step + 1
+                time.sleep(0.25)
+            report = report_of(attacker)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         print("slowloris:", report, "readers answered", answered, "fds", baseline, "->", peak)
         assert report["connected"] >= 300, report  # the attack did reach the port
         assert answered >= 5
