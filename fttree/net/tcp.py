@@ -34,7 +34,7 @@ from . import handshake as hs
 from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from .uplink import POLL_MIN_S, UplinkMeter, retransmit_timeout_s, tcp_counters, unacked_bytes
+from .uplink import POLL_MIN_S, UplinkMeter, queue_formed, retransmit_timeout_s, tcp_counters, unacked_bytes
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -189,7 +189,7 @@ class _Channel:
     # ---- sending -------------------------------------------------------------------------------
 
     def push(self, msg: Frame) -> None:
-        if self.idle.is_set() and not self.bulk and self._write_now(msg):
+        if self.idle.is_set() and (not self.bulk or self._fits(msg)) and self._write_now(msg):
             return
         self.queue.append(msg)
         if msg.payload is not None:
@@ -197,6 +197,13 @@ class _Channel:
         self.idle.clear()
         self.wake.set()
         self.t.busy()
+
+    def _fits(self, msg: Frame) -> bool:
+        """A bulk frame may go out whole at once: the rank's in-flight budget has room for all of
+        it. On a fast link (a budget of many megabytes) every frame does, and waking the writer
+        task to write it in slices cost more than the send; on a slow one the writer slices it."""
+        size = PREFIX.size + (0 if msg.payload is None else len(msg.payload))
+        return self.writer is not None and self.t.channel_budget - self.outstanding() >= size
 
     def _write_now(self, msg: Frame) -> bool:
         """Write a frame at once when the link is idle: connected, nothing queued, the socket
@@ -422,7 +429,12 @@ class _Channel:
             if room <= 0:
                 if self.t.clock() - self.progress_at > self.t.stall_timeout_s:
                     raise TimeoutError(f"rank {self.peer} acknowledged nothing for {self.t.stall_timeout_s:g} s")
+                acked = self.acked
                 await asyncio.sleep(self.t.poll_s())
+                self.outstanding()  # brings `acked` up to date
+                if self.acked > acked:
+                    # the peer took bytes meanwhile: the budget, not a dead link, held these back
+                    self.t.budget_held(self)
                 continue
             bufs: list[bytes | memoryview] = []
             while self.slices and room > 0:
@@ -572,6 +584,7 @@ class TcpTransport:
         self.pool = BufferPool(keep=RECEIVE_BUFFERS, keep_bytes=receive_pool_bytes)
         self.meter = UplinkMeter()
         self.channel_budget = self.meter.budget()  # in-flight bytes each busy bulk channel may have
+        self._busy_bulk = 1  # bulk channels with bytes to send or in flight, at the last sample
         self._sampler: asyncio.Task[None] | None = None
         self._work = asyncio.Event()  # set while anything is queued or unacknowledged
 
@@ -586,6 +599,18 @@ class TcpTransport:
         self._work.set()
         if self._sampler is None and not self.closed:
             self._sampler = asyncio.get_running_loop().create_task(self._sample(), name=f"fttree-uplink-{self.rank}")
+
+    def budget_held(self, ch: _Channel) -> None:
+        """`ch` waited for room in the budget: it grows unless the round trip shows a queue on
+        the path (then the link is the limit, and the budget follows its rate)."""
+        counters = None if ch.sock is None else tcp_counters(ch.sock)
+        if counters is None:
+            return
+        if queue_formed(counters):
+            self.meter.saw_queue()
+        else:
+            self.meter.grow(self.clock(), counters.rtt_s)
+        self.channel_budget = max(self.meter.budget() // max(1, self._busy_bulk), MIN_CHANNEL_BUDGET)
 
     def poll_s(self) -> float:
         """How long a bulk channel waits for room in its budget before it looks again."""
@@ -615,20 +640,26 @@ class TcpTransport:
             pending = [ch.outstanding() for ch in channels]  # updates each channel's acked
             total = sum(ch.acked for ch in channels)
             waiting = [ch for ch in channels if ch.bulk and (ch.slices or ch.queue)]
-            if backlogged and waiting and total > acked and not any(ch.stalled for ch in channels):
-                self.meter.add(now - last, total - acked, now)  # (a stalled link says nothing of the uplink)
-            last, acked, backlogged = now, total, bool(waiting)
+            queued = False
             for ch, out in zip(channels, pending, strict=True):
                 if out and ch.sock is not None:
                     counters = tcp_counters(ch.sock)
                     if counters is not None and counters.min_rtt_s:
                         self.meter.saw_rtt(counters.min_rtt_s)
+                        queued = queued or (ch.bulk and queue_formed(counters))
+            if queued:  # whether bytes wait for the budget or not: it is too large for the link
+                self.meter.saw_queue()
+            if backlogged and waiting and total > acked and not any(ch.stalled for ch in channels):
+                # (a stalled link says nothing of the uplink)
+                self.meter.add(now - last, total - acked, now, queued=queued)
+            last, acked, backlogged = now, total, bool(waiting)
+            for ch in channels:
                 if ch.check_stall(now):
                     self.events.on_link_down(ch.peer, f"nothing acknowledged for {now - ch.progress_at:.1f} s "
                                                       "while the kernel retransmits")
-            busy_bulk = sum(1 for ch, out in zip(channels, pending, strict=True)
-                            if ch.bulk and (out or ch.slices or ch.queue))
-            self.channel_budget = max(self.meter.budget() // max(1, busy_bulk), MIN_CHANNEL_BUDGET)
+            self._busy_bulk = sum(1 for ch, out in zip(channels, pending, strict=True)
+                                  if ch.bulk and (out or ch.slices or ch.queue))
+            self.channel_budget = max(self.meter.budget() // max(1, self._busy_bulk), MIN_CHANNEL_BUDGET)
             if not any(pending) and not any(ch.queue or ch.slices for ch in channels):
                 self._work.clear()
 

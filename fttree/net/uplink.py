@@ -8,13 +8,18 @@ and a slow link looks like a broken one. fttree therefore keeps every rank's una
 bytes near `rate x (min_rtt + QUEUE_TARGET_S)`: the link stays busy (a bandwidth-delay product
 plus a little) while a frame sent now waits about QUEUE_TARGET_S, whatever the rate.
 
-The rate is measured, never configured: bytes acknowledged per second over the intervals in
-which the rank had more to send than it was allowed to (so the figure is the link's, not the
-application's), the best slice of the last half minute of such busy time. While the budget is
-what holds the rank back, the measured rate is the budget over the round trip, and the next
-budget is larger by (min_rtt + target) / min_rtt: it grows until the link, not the budget,
-limits the rate. Pure arithmetic here; the TCP transport feeds it what the kernel reports
-(`unacked_bytes`, `tcp_counters`).
+The budget starts small (a slow link must not fill its queue on the first step) and grows as
+TCP's window does in slow start: it doubles once a round trip while the rank has more to send
+than it lets out and no queue forms on the path. A queue is seen as a round trip
+QUEUE_SEEN_S above the least one: bytes wait in some buffer, so the link, not the budget,
+limits the rate. From then on the budget follows the measured rate, `rate x (min_rtt +
+QUEUE_TARGET_S)`. The rate is measured, never configured: bytes acknowledged per second over
+the intervals in which the rank had more to send than it was allowed to, the best slice of the
+last half minute of such busy time. Only slices in which a queue formed say what the link
+carries (`link_rate`, what the group may pace itself by): on loopback or a LAN the sender's
+CPU, the receiver's or the budget is what limits a slice, no queue forms, and the group runs
+unpaced. Pure arithmetic here; the TCP transport feeds it what the kernel reports
+(`unacked_bytes`, `tcp_counters`), the shaped simulator what its queues hold.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ from collections import deque
 from dataclasses import dataclass
 
 QUEUE_TARGET_S = 0.05  # how long a frame may wait behind bulk data this rank sent before it
+QUEUE_SEEN_S = QUEUE_TARGET_S / 2  # a round trip this far above the least one: a queue formed on the path
 INITIAL_BUDGET_BYTES = 32 * 1024  # before any measurement: 0.26 s at 1 Mbit/s, nothing on a LAN
 MIN_BUDGET_BYTES = 16 * 1024  # 0.13 s behind 1 Mbit/s
 MAX_BUDGET_BYTES = 64 * 1024 * 1024
 POLL_MIN_S = 0.002  # a bulk channel waiting for room looks again this often, at the most
-LIMITED_CYCLES = 4  # a budget that took this many round trips (or polls) to drain was queued by the link
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
-RAMP_SLICE_S = 0.05  # ... or this much, while the budget is the limit (one sample of the transport's)
+RAMP_SLICE_S = 0.05  # ... or this much for the first figure of a link that queues (one sample of the transport's)
 WINDOW_S = 30.0  # ... and is the best slice of this long ago or since
 MAX_SLICES = 256
 
@@ -51,33 +56,50 @@ class UplinkMeter:
     min_rtt_s: float | None = None  # the least round trip seen on any link (None: unknown)
 
     def __post_init__(self) -> None:
-        self._slices: deque[tuple[float, float]] = deque()  # (when, rate) of the newest whole slices
+        self._slices: deque[tuple[float, float, bool]] = deque()  # (when, rate, a queue formed) of whole slices
         self._busy_s = 0.0  # of the slice being filled
         self._bytes = 0
-        self.link_limited = False  # the newest slice's rate was the link's, not the budget's
+        self._queued = False  # a queue formed during the slice being filled
+        self._budget = INITIAL_BUDGET_BYTES
+        self._grown_at = -float("inf")
 
-    def add(self, seconds: float, acked_bytes: int, now: float) -> None:
+    def add(self, seconds: float, acked_bytes: int, now: float, *, queued: bool = False) -> None:
         """`acked_bytes` were acknowledged over `seconds` (ending `now`) during which this rank
-        had more to send."""
+        had more to send; `queued`: the round trip showed a queue on the path meanwhile."""
         if seconds <= 0:
             return
         self._busy_s += seconds
         self._bytes += acked_bytes
-        rate = self._bytes / self._busy_s
-        # A budget acknowledged within a few round trips (or polls) was what held the rank back
-        # (on loopback 32 KB every 2 ms read as 16 MB/s): the figure is a lower bound, and the
-        # budget grows from it at once, without waiting for a whole slice (on loopback a
-        # 1.63 MB step is busy for milliseconds: waiting for 0.2 s of it kept the budget small
-        # for dozens of steps). Bytes the link held for longer queued: the link limited the rate.
-        cycle = max(self.min_rtt_s or 0.0, POLL_MIN_S)
-        budget_limited = (self._busy_s >= RAMP_SLICE_S and rate > 0
-                          and self.budget() / rate < LIMITED_CYCLES * cycle)
-        if self._busy_s >= SLICE_S or budget_limited:
-            self.link_limited = not budget_limited
-            self._slices.append((now, rate))
-            self._busy_s, self._bytes = 0.0, 0
-            while self._slices[0][0] < now - WINDOW_S or len(self._slices) > MAX_SLICES:
-                self._slices.popleft()
+        self._queued = self._queued or queued
+        # the first figure of a link that queues comes after RAMP_SLICE_S, to bring the budget
+        # down soon; later ones over whole slices (a lossy link's acknowledgements come in bursts
+        # after each hole, and a short slice's maximum overstates the link)
+        first = self._queued and not self.link_rate
+        if self._busy_s < (RAMP_SLICE_S if first else SLICE_S):
+            return
+        self._slices.append((now, self._bytes / self._busy_s, self._queued))
+        self._busy_s, self._bytes, self._queued = 0.0, 0, False
+        while self._slices[0][0] < now - WINDOW_S or len(self._slices) > MAX_SLICES:
+            self._slices.popleft()
+        if self.link_rate:
+            self._budget = self._rate_budget(self.link_rate)
+
+    def grow(self, now: float, rtt_s: float) -> None:
+        """The budget held the rank back (it had more to send) and no queue formed on the path:
+        doubled, at most once a round trip `rtt_s` (or poll), as TCP's window in slow start, so
+        that the round trip can show a queue before the budget outgrows the link."""
+        if now - self._grown_at < max(rtt_s, POLL_MIN_S):
+            return
+        self._grown_at = now
+        self._budget = min(2 * self._budget, MAX_BUDGET_BYTES)
+
+    def saw_queue(self) -> None:
+        """A queue formed on the path (the round trip rose QUEUE_SEEN_S above the least one): the
+        link limits the rate, and the budget comes down to what keeps the queue near
+        QUEUE_TARGET_S."""
+        self._queued = True
+        rate = self.link_rate or self.rate
+        self._budget = min(self._budget, self._rate_budget(rate) if rate else max(self._budget // 2, MIN_BUDGET_BYTES))
 
     def saw_rtt(self, rtt_s: float) -> None:
         if rtt_s > 0 and (self.min_rtt_s is None or rtt_s < self.min_rtt_s):
@@ -86,22 +108,29 @@ class UplinkMeter:
     @property
     def rate(self) -> float:
         """Bytes per second, or 0.0 before a whole slice was measured."""
-        return max((rate for _at, rate in self._slices), default=0.0)
+        return max((rate for _at, rate, _queued in self._slices), default=0.0)
 
     @property
     def link_rate(self) -> float:
-        """The rate once the link, not the in-flight budget, limited it (0.0 before): what the
-        group may pace itself by. A figure the budget held down would start a pace round for a
-        link many times faster."""
-        return self.rate if self.link_limited else 0.0
+        """The best rate of the slices in which a queue formed, so the link limited them (0.0
+        while none did): what the group may pace itself by. A figure the budget or a CPU held
+        down would start a pace round for a link many times faster (on loopback it held a
+        7-worker job to 23.5 MB/s)."""
+        return max((rate for _at, rate, queued in self._slices if queued), default=0.0)
+
+    def _rate_budget(self, rate: float) -> int:
+        wanted = rate * ((self.min_rtt_s or 0.0) + QUEUE_TARGET_S)
+        return int(min(max(wanted, MIN_BUDGET_BYTES), MAX_BUDGET_BYTES))
 
     def budget(self) -> int:
         """Bytes this rank may have sent and not yet acknowledged, over all its bulk links."""
-        rate = self.rate
-        if not rate:
-            return INITIAL_BUDGET_BYTES
-        wanted = rate * ((self.min_rtt_s or 0.0) + QUEUE_TARGET_S)
-        return int(min(max(wanted, MIN_BUDGET_BYTES), MAX_BUDGET_BYTES))
+        return self._budget
+
+
+def queue_formed(counters: TcpCounters) -> bool:
+    """The connection's round trip says bytes wait in a queue on the path (a bottleneck's
+    buffer), not merely on the wire: QUEUE_SEEN_S above its least round trip."""
+    return bool(counters.min_rtt_s) and counters.rtt_s - counters.min_rtt_s > QUEUE_SEEN_S
 
 
 # ---- what the kernel says about one TCP socket (Linux; elsewhere the fields are None) ---------

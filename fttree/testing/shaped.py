@@ -30,7 +30,7 @@ from ..core.messages import Frame, decode, encode
 from ..net.address import Address
 from ..net.tcp import CONTROL_MAX_PAYLOAD, MIN_CHANNEL_BUDGET, STALL_MIN_S, STALL_RETRANSMITS
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from ..net.uplink import UplinkMeter
+from ..net.uplink import QUEUE_SEEN_S, UplinkMeter
 from .clock import SimClock
 from .memory import Pair, WireStats, pair
 
@@ -474,9 +474,17 @@ class ShapedNetwork:
             return
         now = self.clock.now()
         up = self.uplinks[s.src]
+        # a queue formed when what waits in the uplink's queue takes QUEUE_SEEN_S to go out (the
+        # TCP transport reads the same from the round trip's rise)
+        queue_s = sum(seg.size for seg in up.queue) / up.rate
+        queued = queue_s > QUEUE_SEEN_S
+        if queued:
+            up.meter.saw_queue()
         if up.backlogged:  # the rank had more to send: the acknowledgements measure its uplink
-            up.meter.add(now - up.sampled_at, offset - s.acked, now)
+            up.meter.add(now - up.sampled_at, offset - s.acked, now, queued=queued)
             up.sampled_at = now
+            if not queued and s.bulk and s.unsent:  # the budget held this stream's bytes back, and no queue formed
+                up.meter.grow(now, 2 * (self.latency_s + self._delay.get(pair(s.src, s.dst), 0.0)) + queue_s)
         s.acked = offset
         s.progress_at = now
         s.head_tries = 0
