@@ -373,6 +373,7 @@ _PLUGIN_COMMANDS = {
     "analyze": "fttree.tools.bench_cli",
     "status": "fttree.status.cli",
     "netem": "fttree.tools.realfaults",
+    "yardstick": "fttree.tools.yardstick",
 }
 
 
