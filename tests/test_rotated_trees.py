@@ -320,3 +320,31 @@ def test_a_failed_uplink_of_tree_k_shows_on_status_metrics_and_the_status_comman
     lines = [click.unstyle(line) for line in render_status(docs)]
     via = " and ".join(map(str, relays))
     assert f"tree {t}: link {a}->{b} failed; its chunks go through rank {via}" in lines
+
+
+def test_a_failed_uplink_of_tree_2_or_higher_is_probed_back_into_use() -> None:
+    """The probe timer names its tree in `chunk`; it once acted only for trees 0 and 1 (a
+    leftover of the double tree), so with the rotated trees a healed uplink of tree 2 or
+    higher stayed routed around until the next view change."""
+    from fttree.core.protocol import Cause
+
+    world, size = 7, 7 * CHUNK // 8  # 7 chunks: one on every tree
+    view = View.initial(world)
+    lower = {frozenset((r, p)) for t in (0, 1) for r in range(world)
+             for p in [view.tree(t, ROTATED).neighbours(r).parent] if p is not None}
+    a, b = next((r, p) for r in range(world) for p in [view.tree(2, ROTATED).neighbours(r).parent]
+                if p is not None and frozenset((r, p)) not in lower)
+    net = SimNetwork(world, timeout_policy="static", step_timeout_s=10.0, chunk_bytes=CHUNK, trees=ROTATED)
+    net.cut(a, b)
+    data = data_for(world, size)
+    net.submit_all(0, data)
+    net.run_until_finished(0)
+    check_exact(net, world, data)
+    machine = net.nodes[a].machine
+    assert machine.trees[2].up.failed
+    net.heal(a, b)  # tree 2's probes of the uplink are answered again: back in use after the hold
+    net.run(until=net.now + 3.0)
+    assert not machine.trees[2].up.failed
+    back = [(r, n.link, n.text) for r, n in net.notes if n.cause is Cause.LINK_BACK_IN_USE]
+    assert {frozenset(link) for _r, link, _text in back if link is not None} == {frozenset((a, b))}  # that link only
+    assert any(r == a and link == (a, b) and "(tree 2)" in text for r, link, text in back), back

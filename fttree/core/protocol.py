@@ -1503,8 +1503,8 @@ class TreeMachine:
 
     def _on_timer(self, event: TimerFired, now: float, out: list[Action]) -> None:
         key = event.key
-        if key.kind is TimerKind.PROBE:
-            if key.chunk in (0, 1):
+        if key.kind is TimerKind.PROBE:  # `chunk` holds the tree (_probe_key)
+            if 0 <= key.chunk < len(self.trees):
                 self._probe(self.trees[key.chunk], now, out)
             return
         op = self._ops.get((key.step, key.chunk))
