@@ -11,7 +11,12 @@ from fttree.net.uplink import (
     POLL_MIN_S,
     QUEUE_TARGET_S,
     SLICE_S,
+    TcpCounters,
     UplinkMeter,
+    ahead_s,
+    lost_nothing,
+    stall_wait_s,
+    stalled,
 )
 
 
@@ -100,3 +105,47 @@ def test_a_socket_closed_under_us_has_no_counters_and_raises_nothing() -> None:
     sock = socket.socket()
     sock.close()
     assert tcp_counters(sock) is None
+
+
+# ---- when a silent connection is stalled (uplink.stalled) ---------------------------------------
+
+
+def counters(*, rtt_s: float = 50e-6, retransmits: int = 0, last_ack_s: float = 0.0, unacked: int = 8,
+             total_retrans: int = 0, segs_out: int = 1000) -> TcpCounters:
+    return TcpCounters(rtt_s=rtt_s, rttvar_s=rtt_s / 2, min_rtt_s=rtt_s, retransmits=retransmits,
+                       last_ack_s=last_ack_s, total_retrans=total_retrans, unacked_packets=unacked,
+                       segs_out=segs_out)
+
+
+def test_a_cut_lan_link_is_stalled_after_tens_of_milliseconds() -> None:
+    """A LAN link that lost nothing: a silence of 60 ms with segments in flight and one
+    retransmission timeout in vain is a cut. TCP's own evidence, three timeouts in a row, took
+    1.5 s (a 7-worker loopback cut cost 1.6 s a step against 0.1 s before)."""
+    c = counters(retransmits=1, last_ack_s=0.06, total_retrans=2)
+    assert lost_nothing(counters(total_retrans=1, retransmits=0))  # one lost segment in a life is no lossy link
+    assert stalled(c, silent_s=0.06, clean=True)
+    assert not stalled(c, silent_s=0.03, clean=True)  # not yet
+    assert not stalled(counters(retransmits=0, last_ack_s=0.06), silent_s=0.06, clean=True)  # no timeout yet
+    assert not stalled(counters(retransmits=1, last_ack_s=0.01), silent_s=0.06, clean=True)  # duplicates come
+    assert not stalled(counters(retransmits=1, last_ack_s=0.06, unacked=0), silent_s=0.06, clean=True)  # a closed window
+
+
+def test_a_lossy_link_takes_the_careful_rule() -> None:
+    """A link that has lost packets (2% loss: its holes hold the acknowledgements for a
+    retransmission timeout or two) is stalled only after STALL_MIN_S and three timeouts in a
+    row, as before: a false detour there doubles a slow link's traffic."""
+    lossy = counters(total_retrans=40, segs_out=2000)
+    assert not lost_nothing(lossy)
+    assert not stalled(counters(retransmits=2, last_ack_s=0.9), silent_s=0.9, clean=False)
+    assert not stalled(counters(retransmits=3, last_ack_s=0.9), silent_s=0.9, clean=False)
+    assert stalled(counters(retransmits=3, last_ack_s=1.0), silent_s=1.0, clean=False)
+
+
+def test_the_quiet_wait_scales_with_the_link_and_what_is_queued_ahead() -> None:
+    """Evidence follows the link: four round trips of a far link, and twice the time the rank's
+    uplink needs for its other connections' bytes ahead of this one's."""
+    far = counters(rtt_s=0.1, retransmits=1)
+    assert stall_wait_s(far, clean=True) == pytest.approx(0.4)
+    assert stall_wait_s(counters(), clean=True, queued_ahead_s=ahead_s(250_000, 1.25e6)) == pytest.approx(0.05 + 0.4)
+    assert ahead_s(125_000, 0.0) == pytest.approx(1.0)  # an unmeasured uplink is taken as 1 Mbit/s
+    assert stall_wait_s(counters(unacked=1), clean=True) > 0.2  # one segment: its acknowledgement may be delayed

@@ -34,7 +34,18 @@ from . import handshake as hs
 from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from .uplink import POLL_MIN_S, UplinkMeter, queue_formed, retransmit_timeout_s, tcp_counters, unacked_bytes
+from .uplink import (
+    POLL_MIN_S,
+    RTO_MIN_S,
+    UplinkMeter,
+    ahead_s,
+    lost_nothing,
+    queue_formed,
+    retransmit_timeout_s,
+    stalled,
+    tcp_counters,
+    unacked_bytes,
+)
 
 log = logging.getLogger("fttree.net.tcp")
 
@@ -42,16 +53,23 @@ STREAM_LIMIT = 16 * 1024 * 1024
 DRAIN_ABOVE_BYTES = 256 * 1024  # wait for the socket only when this much is buffered
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 TCP_RTO_MAX_MS = 44  # Linux 6.15+: cap on the retransmission backoff
+TCP_RTO_MIN_US = 45  # Linux 6.16+: this connection's least retransmission timeout (RTO_MIN_S: Linux's 0.2 s
+# is ten LAN steps; a slow link's round trip sets its own timeout above it)
 
 
 def _bound_retransmissions(sock: socket.socket, stall_timeout_s: float) -> None:
     """After a silent cut heals, TCP may wait out a backed-off retransmission timer (up to
     minutes) before the link carries data again. Drop connections whose data stays
-    unacknowledged for stall_timeout_s, and cap the backoff at 1 s where the kernel allows."""
+    unacknowledged for stall_timeout_s, and cap the backoff at 1 s where the kernel allows.
+    The least retransmission timeout is RTO_MIN_S where the kernel allows: a lost segment on
+    a LAN is sent again after tens of milliseconds, and a cut shows as a retransmission timeout
+    in vain as soon (uplink.stalled)."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(stall_timeout_s * 1000))
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, 1000)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US, int(RTO_MIN_S * 1e6))
 
 
 def tcp_rtt_s(writer: Any) -> float | None:
@@ -74,17 +92,6 @@ CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 
 SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
 MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
 SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
-# A connection is stalled (a cut, not a slow or lossy link) when bytes are outstanding, no
-# acknowledgement of any kind came for STALL_MIN_S and STALL_RTTS round trips, and the kernel's
-# retransmission timer expired STALL_RETRANSMITS times in a row (0.2 + 0.4 + 0.8 s on a cut). A
-# lossy link's holes keep the cumulative acknowledgement still for a while too, but the packets
-# behind them are acknowledged (duplicates, SACKs), and a lost retransmission is rare: at 2% loss
-# on every rank (4% a direction) two in a row marked healthy links failed in real runs, three
-# in a row are 25 times rarer.
-STALL_MIN_S = 1.0
-STALL_RTTS = 4
-STALL_RETRANSMITS = 3
-
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
 HELLO_TIMEOUT_S = 10.0  # a connection must finish the handshake this soon (Config.handshake_timeout_s)
@@ -142,6 +149,8 @@ class _Channel:
         self.acked = 0  # of those, acknowledged by the peer
         self.progress_at = 0.0  # when `acked` last grew, or bytes went out with none outstanding
         self.stalled = False  # outstanding bytes, and no acknowledgement for the stall time
+        self.clean = False  # the connection had lost (almost) nothing when bytes were last acknowledged
+        self.clean_at = -float("inf")  # when `clean` was last brought up to date
         self.lost_at = -float("inf")  # when frames were last lost with a broken connection
         name = f"fttree-link-{self.peer}" + ("-bulk" if bulk else "")
         self.task = asyncio.get_running_loop().create_task(self._run(), name=name)
@@ -449,18 +458,20 @@ class _Channel:
                 self.slice_bytes -= taken
             self._hand_over(bufs)
 
-    def check_stall(self, now: float) -> bool:
-        """True when this channel has just been found stalled: bytes outstanding, no
-        acknowledgement for the stall time, and the kernel retransmitting in vain (a cut, not
-        a slow or lossy link: those acknowledge something every round trip or two)."""
+    def check_stall(self, now: float, others_bytes: int) -> bool:
+        """True when this channel has just been found stalled: bytes outstanding and no
+        acknowledgement for as long as the link's history and the `others_bytes` the rank's
+        other connections have outstanding make conclusive (uplink.stalled)."""
         if self.stalled or self.writer is None or self.written == self.acked or self.sock is None:
             return False
         counters = tcp_counters(self.sock)
-        rtt = 0.0 if counters is None else counters.rtt_s
-        wait = max(STALL_MIN_S, STALL_RTTS * rtt)
-        if now - self.progress_at < wait:
-            return False
-        if counters is not None and (counters.retransmits < STALL_RETRANSMITS or counters.last_ack_s < wait):
+        if counters is not None and self.progress_at > self.clean_at:
+            # bytes were acknowledged since the last look: what the link lost so far was lost
+            # before any silence that follows
+            self.clean_at = self.progress_at
+            self.clean = lost_nothing(counters)
+        queued_ahead = ahead_s(others_bytes, self.t.meter.rate)
+        if not stalled(counters, now - self.progress_at, self.clean, queued_ahead):
             return False
         self.stalled = True
         return True
@@ -503,8 +514,10 @@ class _OutLink:
     def state(self) -> LinkState:
         pending = self.backlog_bytes()  # brings each channel's acknowledgements up to date
         now = self.t.clock()
+        everyone = sum(ch.outstanding() for ch in self.t._channels() if not ch.stalled)
         # stalled: acknowledging nothing, or unable to connect at all with frames waiting
-        stalled = [ch.check_stall(now) or ch.stalled or (ch.unreachable and bool(ch.queue)) for ch in self.channels]
+        stalled = [ch.check_stall(now, everyone - (0 if ch.stalled else ch.outstanding())) or ch.stalled
+                   or (ch.unreachable and bool(ch.queue)) for ch in self.channels]
         return LinkState(pending_bytes=pending, stalled=any(stalled), lost_at=max(ch.lost_at for ch in self.channels))
 
     @property
@@ -653,8 +666,9 @@ class TcpTransport:
                 # (a stalled link says nothing of the uplink)
                 self.meter.add(now - last, total - acked, now, queued=queued)
             last, acked, backlogged = now, total, bool(waiting)
-            for ch in channels:
-                if ch.check_stall(now):
+            everyone = sum(out for ch, out in zip(channels, pending, strict=True) if not ch.stalled)
+            for ch, out in zip(channels, pending, strict=True):
+                if ch.check_stall(now, everyone - (0 if ch.stalled else out)):
                     self.events.on_link_down(ch.peer, f"nothing acknowledged for {now - ch.progress_at:.1f} s "
                                                       "while the kernel retransmits")
             self._busy_bulk = sum(1 for ch, out in zip(channels, pending, strict=True)

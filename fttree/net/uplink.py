@@ -157,15 +157,79 @@ class TcpCounters:
     retransmits: int  # retransmission timeouts in a row without an acknowledgement
     last_ack_s: float  # since the last acknowledgement of any kind arrived (a lossy link's duplicates count)
     total_retrans: int = 0  # segments sent again over the connection's life: the link has lost packets
+    unacked_packets: int = 0  # segments sent and not yet acknowledged (in flight)
+    segs_out: int = 0  # segments sent over the connection's life
 
 
-RTO_MIN_S = 0.2  # Linux's least retransmission timeout
+RTO_MIN_S = 0.02  # the least retransmission timeout the TCP transport sets (Linux's own is 0.2 s)
 
 
 def retransmit_timeout_s(counters: TcpCounters) -> float:
     """TCP's retransmission timeout from its round-trip figures (RFC 6298, Linux's 200 ms
     floor on the variation term), without the backoff of a link that is failing."""
     return counters.rtt_s + max(4 * counters.rttvar_s, RTO_MIN_S)
+
+
+# ---- when a connection is stalled (a cut), not slow or lossy --------------------------------------
+
+STALL_MIN_S = 1.0  # the careful rule: no acknowledgement for this long and STALL_RTTS round trips ...
+STALL_RTTS = 4
+STALL_RETRANSMITS = 3  # ... while the retransmission timer expired this often in a row
+QUIET_STALL_MIN_S = 0.05  # the quick rule, on a link that loses nothing: no acknowledgement for this long ...
+DELAYED_ACK_S = 0.2  # ... and this longer with one segment in flight (Linux may delay its acknowledgement)
+CLEAN_LOSS = 1 / 256  # a link that resent at most this share of its segments before the silence loses nothing
+
+
+def lost_nothing(counters: TcpCounters) -> bool:
+    """Had the connection lost (almost) nothing? Read when bytes were last acknowledged, so what
+    a silence after that costs (a tail-loss probe, the retransmission timeouts) is not held
+    against the link, nor one lost segment in its life."""
+    return counters.total_retrans - counters.retransmits - 1 <= CLEAN_LOSS * counters.segs_out
+
+
+ASSUMED_RATE = 125_000.0  # bytes/s an unmeasured uplink is taken to carry (1 Mbit/s): a wait it sets errs long
+
+
+def ahead_s(others_bytes: int, rate: float) -> float:
+    """How long the rank's uplink takes for the bytes of its other connections that are not
+    acknowledged yet: they may sit ahead of this connection's in the uplink's queue."""
+    return others_bytes / (rate or ASSUMED_RATE)
+
+
+def stall_wait_s(counters: TcpCounters | None, clean: bool, queued_ahead_s: float = 0.0) -> float:
+    """How long a connection with bytes in flight may go without any acknowledgement before it
+    is stalled.
+
+    What the silence proves depends on the link. On a link that lost nothing before (`clean`)
+    a live receiver's kernel acknowledges every round trip, whatever its process is doing, so
+    a silence of a few round trips (at least QUIET_STALL_MIN_S), plus twice the time of what
+    the rank's other connections have queued ahead in its uplink (`queued_ahead_s`), with one
+    retransmission timeout gone in vain (a lost tail, its probe and the timeout's segment: a
+    lossy link that had not shown its losses yet loses three in a row), is a cut:
+    on a LAN tens of milliseconds, where TCP's own evidence (three retransmission timeouts, 0.2 + 0.4 + 0.8 s)
+    took 1.5 s, and a wrong call costs a detour of a few milliseconds. A lossy link's holes keep
+    the acknowledgements still for a retransmission timeout or two, and a wrong call there
+    doubles a slow link's traffic: it takes the careful rule (`stalled`)."""
+    rtt = 0.0 if counters is None else counters.rtt_s
+    if not clean or counters is None:
+        return max(STALL_MIN_S, STALL_RTTS * rtt)
+    wait = max(QUIET_STALL_MIN_S, STALL_RTTS * rtt) + 2 * queued_ahead_s
+    return wait + DELAYED_ACK_S if counters.unacked_packets <= 1 else wait
+
+
+def stalled(counters: TcpCounters | None, silent_s: float, clean: bool, queued_ahead_s: float = 0.0) -> bool:
+    """Is a connection whose oldest outstanding byte has waited `silent_s` for an
+    acknowledgement stalled? Without counters (no TCP_INFO) only the careful wait counts."""
+    wait = stall_wait_s(counters, clean, queued_ahead_s)
+    if silent_s < wait:
+        return False
+    if counters is None:
+        return True
+    if counters.last_ack_s < wait:
+        return False  # acknowledgements of some kind still come (a lossy link's duplicates)
+    if clean:  # segments in flight (not a receiver's closed window), sent again once in vain
+        return counters.unacked_packets > 0 and counters.retransmits >= 1
+    return counters.retransmits >= STALL_RETRANSMITS
 
 
 def tcp_counters(sock: socket.socket) -> TcpCounters | None:
@@ -182,6 +246,9 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
             min_rtt = struct.unpack_from("<I", info, 148)[0] / 1e6 if len(info) >= 152 else 0.0
             last_ack = struct.unpack_from("<I", info, 56)[0] / 1e3  # tcpi_last_ack_recv, ms
             total_retrans = struct.unpack_from("<I", info, 100)[0] if len(info) >= 104 else 0
+            unacked = struct.unpack_from("<I", info, 24)[0]
+            segs_out = struct.unpack_from("<I", info, 136)[0] if len(info) >= 140 else 0
             return TcpCounters(rtt_s=rtt, rttvar_s=rttvar, min_rtt_s=min_rtt, retransmits=info[2],
-                               last_ack_s=last_ack, total_retrans=total_retrans)
+                               last_ack_s=last_ack, total_retrans=total_retrans, unacked_packets=unacked,
+                               segs_out=segs_out)
     return None

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 
 from ..core.messages import Frame, decode, encode
 from ..net.address import Address
-from ..net.tcp import CONTROL_MAX_PAYLOAD, MIN_CHANNEL_BUDGET, STALL_MIN_S, STALL_RETRANSMITS
+from ..net.tcp import CONTROL_MAX_PAYLOAD, MIN_CHANNEL_BUDGET
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from ..net.uplink import QUEUE_SEEN_S, UplinkMeter
+from ..net.uplink import QUEUE_SEEN_S, RTO_MIN_S, TcpCounters, UplinkMeter, ahead_s, lost_nothing, stalled
 from .clock import SimClock
 from .memory import Pair, WireStats, pair
 
 HEADER_BYTES = 64  # a frame's prefix and header, as far as the uplink's time goes
-RTO_MIN_S = 0.2  # Linux's least retransmission timeout
 RTO_MAX_S = 1.0  # net/tcp.py caps the backoff at 1 s where the kernel allows
 RECEIVE_BUFFER_BYTES = 4 << 20  # what a hung rank's kernel still takes before its window closes
 PROGRESS_EVERY_S = 0.05  # as net/tcp.py reports bytes of a payload still arriving
@@ -73,6 +72,8 @@ class _Stream:
     head_tries: int = 0  # retransmission timeouts of the oldest unacknowledged segment in a row
     last_ack_at: float = 0.0  # when any acknowledgement (a duplicate too) last came back
     stalled: bool = False
+    clean: bool = False  # it had lost (almost) nothing when bytes were last acknowledged
+    clean_at: float = -1.0  # when `clean` was last brought up to date
     reported_at: float = -1.0  # when the receiver last heard of a payload in progress
     frames_sent: int = 0
     bytes_sent: int = 0
@@ -407,12 +408,25 @@ class ShapedNetwork:
             self._send_next(s.src, up)
 
     def check_stall(self, s: _Stream, *, report: bool = False) -> None:
-        """As net/tcp.py decides it: bytes outstanding, nothing acknowledged for STALL_MIN_S,
-        and the head segment sent again in vain STALL_RETRANSMITS times. Reported once (as the
-        transport's sampler does) when found by a retransmission."""
+        """As net/tcp.py decides it (uplink.stalled, fed the figures the kernel would report):
+        bytes outstanding and no acknowledgement for as long as the link's history makes
+        conclusive. Reported once (as the transport's sampler does) when found by a
+        retransmission."""
         now = self.clock.now()
-        if (not s.stalled and s.outstanding and s.head_tries >= STALL_RETRANSMITS and now - s.progress_at >= STALL_MIN_S
-                and now - s.last_ack_at >= STALL_MIN_S):
+        if s.stalled or not s.outstanding:
+            return
+        up = self.uplinks[s.src]
+        segs_out = max(1, s.bytes_sent // up.segment)
+        in_flight = s.outstanding - sum(e - b for b, e in s.unsent)
+        queue_s = sum(seg.size for seg in up.queue) / up.rate
+        others = sum(o.outstanding for o in self.streams_of(s.src) if o is not s and not o.stalled)
+        counters = TcpCounters(rtt_s=2 * (self.latency_s + self._delay.get(pair(s.src, s.dst), 0.0)) + queue_s,
+                               rttvar_s=0.0,
+                               min_rtt_s=2 * self.latency_s, retransmits=s.head_tries, last_ack_s=now - s.last_ack_at,
+                               total_retrans=s.lost, unacked_packets=-(-in_flight // up.segment), segs_out=segs_out)
+        if s.progress_at > s.clean_at:  # what the link lost so far was lost before this silence
+            s.clean_at, s.clean = s.progress_at, lost_nothing(counters)
+        if stalled(counters, now - s.progress_at, s.clean, ahead_s(others, up.meter.rate)):
             s.stalled = True
             t = self.transports.get(s.src)
             if report and t is not None and t.events is not None and s.src not in self._hung:
