@@ -95,8 +95,16 @@ SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledge
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
 HELLO_TIMEOUT_S = 10.0  # a connection must finish the handshake this soon (Config.handshake_timeout_s)
-LISTEN_BACKLOG = 128  # connections the kernel holds for a TLS listener that is at its handshake cap
+LISTEN_BACKLOG = 1024  # connections the kernel holds until the listener accepts them (it accepts all at once)
+ACCEPT_BATCH = 256  # connections a TLS listener accepts in one turn of the event loop
+ACCEPT_RETRY_S = 0.1  # a TLS listener out of descriptors tries accepting again after this long
+FIRST_BYTE_S = 1.0  # an outsider's TLS connection that sends no byte of its ClientHello this soon is closed
+PER_HOST_HANDSHAKES = 4  # TLS connections in their handshake at once from one address no rank listens on
+MEMBER_HOST_HANDSHAKES = 8  # ... from an address a rank listens on (a rank opens up to 4 at once), beside the others
 MAX_PENDING_HANDSHAKES = 64  # connections not proven yet, at most (Config.max_pending_handshakes)
+MAX_RANK = 65535  # the largest rank a HELLO may claim
+MAX_UNKNOWN_RANKS = 4  # ranks not in the address table (joiners) with proven connections at once, at most
+IDLE_UNKNOWN_S = 60.0  # such a rank's proven connection that carries no byte this long is closed
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
 # Receive buffers the pool tracks: a 100 MB step in 4 MiB chunks holds one per chunk until its
@@ -582,9 +590,15 @@ class TcpTransport:
         self.handshake_timeout_s = handshake_timeout_s
         self.max_pending_handshakes = max_pending_handshakes
         self._pending: set[_Inbound] = set()  # accepted connections that have not proven the key yet
+        self._pending_hosts: dict[str, int] = {}  # of those, how many from each source address
+        self._pending_outsiders = 0  # of those, from addresses no rank listens on
+        self._members: tuple[int, frozenset[str]] = (-1, frozenset())
         # (rank, channel, the rank it dialled) -> its newest proven connection (a joiner's contact
         # is dialled apart from the rank that listens there)
         self._proven: dict[tuple[int, int, int], _Inbound] = {}
+        self._hello_learned: set[int] = set()  # ranks whose address only their own HELLO gave (joiners)
+        self.addresses_changed = 0  # counts changes of `addresses` (the TLS listener's list of members)
+        self.idle_unknown_s = IDLE_UNKNOWN_S
         self.frame_errors = 0
         self.last_frame_error = ""
         self.refusals = 0  # connections refused at the handshake (another job, no key, a wrong rank)
@@ -709,7 +723,7 @@ class TcpTransport:
             tls = self.credentials.tls
             if tls is None:
                 self._server = await loop.create_server(lambda: _Inbound(self), self.me.host, self.me.port,
-                                                        reuse_address=True)
+                                                        reuse_address=True, backlog=LISTEN_BACKLOG)
             else:
                 self._tls_listener = _TlsListener(self, tls.server)
             _LIVE.add(self)
@@ -733,9 +747,11 @@ class TcpTransport:
 
     def add_peer(self, rank: int, address: Address) -> None:
         """A rank that joined after the start: reachable from now on at `address`."""
+        self._hello_learned.discard(rank)  # the group told us of it: a rank of the job from now on
         if rank == self.rank or self.addresses.get(rank) == address:
             return
         self.addresses[rank] = address
+        self.addresses_changed += 1
         self.stats.setdefault(rank, _LinkStats())
         link = self._out.get(rank)
         if link is not None:  # frames may wait for this address: dial now
@@ -863,16 +879,89 @@ class TcpTransport:
         if hello.channel not in (CONTROL, BULK):
             raise FrameError(f"HELLO names connection kind {hello.channel}, expected {CONTROL} (control) or "
                              f"{BULK} (bulk)")
-        # a grown group's joiner knows more ranks than the first start did: it says so in `world`
-        limit = max(self.world, hello.world)
-        if not 0 <= hello.src < limit or hello.src == self.rank:
-            raise FrameError(f"peer claims rank {hello.src}, which is not another rank of 0..{limit - 1}")
+        if not 0 <= hello.src <= MAX_RANK or hello.src == self.rank:
+            raise FrameError(f"peer claims rank {hello.src}, which is not another rank of 0..{MAX_RANK}")
+        self.check_unknown(hello.src)
         if self.credentials.secured or hello.src not in self.addresses:
             return  # proven by the key (or a joiner: its address arrives with it)
         expected = self.addresses[hello.src].host
         if is_ip(expected) and is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
             raise FrameError(f"connection from {peer_host} claims rank {hello.src}, whose address is {expected} "
                              f"(two workers with the same rank, or a wrong --rank?)")
+
+    def member_hosts(self) -> frozenset[str]:
+        """The addresses the job's other ranks listen on (IP addresses as listed; a rank listed
+        by host name is not recognised by its source address and counts as an outsider)."""
+        if self._members[0] != self.addresses_changed:
+            self._members = (self.addresses_changed, frozenset(
+                _host_key(a.host) for r, a in self.addresses.items() if r != self.rank and r >= 0))
+        return self._members[1]
+
+    def _admit_pending(self, inbound: _Inbound) -> str:
+        """Take an accepted connection into its handshake: '' or why it is refused. From an
+        address a rank listens on, MEMBER_HOST_HANDSHAKES at once, beside the others; from any
+        other, PER_HOST_HANDSHAKES at once from one address and max_pending_handshakes in all."""
+        host, member = inbound.host, inbound.member
+        cap = MEMBER_HOST_HANDSHAKES if member else PER_HOST_HANDSHAKES
+        if self._pending_hosts.get(host, 0) >= cap:
+            return f"{cap} connections from {host} are in their handshake already (at most {cap})"
+        if not member and self._pending_outsiders >= self.max_pending_handshakes:
+            return (f"{self.max_pending_handshakes} connections are in their handshake already "
+                    f"(at most {self.max_pending_handshakes})")
+        self._pending.add(inbound)
+        self._pending_hosts[host] = self._pending_hosts.get(host, 0) + 1
+        self._pending_outsiders += not member
+        return ""
+
+    def _pending_done(self, inbound: _Inbound) -> None:
+        if inbound not in self._pending:
+            return
+        self._pending.discard(inbound)
+        left = self._pending_hosts.get(inbound.host, 1) - 1
+        if left > 0:
+            self._pending_hosts[inbound.host] = left
+        else:
+            self._pending_hosts.pop(inbound.host, None)
+        self._pending_outsiders -= not inbound.member
+
+    def knows(self, rank: int) -> bool:
+        """A rank of the job: in the address table from the start, or told of by the group (not
+        only by its own HELLO)."""
+        return rank in self.addresses and rank not in self._hello_learned
+
+    def unknown_ranks(self) -> set[int]:
+        """Ranks this transport does not know that hold proven connections (joiners, or a key
+        holder's inventions)."""
+        return {slot[0] for slot in self._proven if not self.knows(slot[0])}
+
+    def check_unknown(self, rank: int) -> None:
+        """FrameError if `rank` is not known and MAX_UNKNOWN_RANKS others are not either: a
+        key holder cannot make a worker keep connections for any number of ranks. (Each rank
+        has at most one proven connection per channel and dialled rank: 4.)"""
+        if self.knows(rank):
+            return
+        others = self.unknown_ranks() - {rank}
+        if len(others) >= MAX_UNKNOWN_RANKS:
+            raise FrameError(f"rank {rank} is not a rank of this job yet, and {MAX_UNKNOWN_RANKS} other such "
+                             f"ranks are connected already (at most {MAX_UNKNOWN_RANKS})")
+
+    def learn_from_hello(self, rank: int, address: Address) -> None:
+        """A proven rank not in the address table named where it listens (a joiner): kept
+        while it has a proven connection, or for good once the group tells of it (add_peer)."""
+        if rank in self.addresses:
+            return
+        self.add_peer(rank, address)
+        self._hello_learned.add(rank)
+
+    def inbound_gone(self, rank: int) -> None:
+        """A proven connection of `rank` closed: an address only its HELLO gave is forgotten
+        with its last one, unless frames were sent to it meanwhile."""
+        if rank not in self._hello_learned or any(slot[0] == rank for slot in self._proven) or rank in self._out:
+            return
+        self._hello_learned.discard(rank)
+        self.addresses.pop(rank, None)
+        self.stats.pop(rank, None)
+        self.addresses_changed += 1
 
     def refused(self, who: str, why: str) -> None:
         """A connection refused at the handshake: counted, and logged once per peer and reason
@@ -889,12 +978,46 @@ class TcpTransport:
         log.error("rank %d: %s; closing that connection", self.rank, self.last_frame_error)
 
 
+@dataclass(eq=False)
+class _TlsPending:
+    """An accepted TLS connection before its TLS handshake has ended."""
+
+    conn: socket.socket
+    who: str  # "host:port", for refusals
+    host: str  # the source address, as _host_key gives it
+    member: bool  # from an address a rank of the job listens on
+    timer: asyncio.TimerHandle | None = None
+    reading: bool = False  # waiting for its first bytes
+    started: bool = False  # in its TLS handshake
+
+
+def _host_key(host: str) -> str:
+    """A source or listed address in one spelling (an IPv4-mapped IPv6 address as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
 class _TlsListener:
     """Accepts connections for TLS. The TLS handshake runs before a protocol hears of its
-    connection, and each costs buffers, so the cap on connections in their handshake sits
-    here, at accept: beyond it, a flood waits in the kernel's backlog and costs this process
-    nothing. A failed TLS handshake is a refusal, counted and
-    logged once per peer and reason like any other."""
+    connection, and each costs buffers, so the caps on connections in their handshake sit here.
+    Every connection is accepted at once (the kernel's backlog never fills, so a member's
+    connection is never left waiting behind a flood there) and then kept or closed:
+
+    - from an address a rank of the job listens on (`TcpTransport.addresses`): up to
+      MEMBER_HOST_HANDSHAKES at once from each such address, each in its TLS handshake at once,
+      beside and never behind the outsiders';
+    - from any other address: up to PER_HOST_HANDSHAKES at once from one address and
+      max_pending_handshakes from all; each must send its first bytes within FIRST_BYTE_S, and
+      a quarter of max_pending_handshakes are in their TLS handshake at once (the rest wait
+      their turn, within the handshake deadline).
+
+    A connection beyond a cap is closed at once. A failed or closed TLS handshake is a
+    refusal, counted and logged once per peer and reason like any other."""
 
     def __init__(self, owner: TcpTransport, context: ssl.SSLContext) -> None:
         self.t, self.context = owner, context
@@ -904,59 +1027,153 @@ class _TlsListener:
         self.sock = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
         self.sock.setblocking(False)
         self.loop = asyncio.get_running_loop()
-        self.handshaking = 0
+        self.pending: set[_TlsPending] = set()
+        self.per_host: dict[str, int] = {}  # pending connections from each source address
+        self.outsiders = 0  # pending connections from addresses no rank listens on
+        self.handshaking = 0  # of those, in their TLS handshake
+        self.queue: deque[_TlsPending] = deque()  # outsiders that sent bytes, waiting for a handshake slot
         self.reading = False
+        self.retry: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._resume()
 
     def _resume(self) -> None:
+        self.retry = None
         if not self.reading and self.sock.fileno() >= 0:
             self.loop.add_reader(self.sock.fileno(), self._accept)
             self.reading = True
 
     @property
     def limit(self) -> int:
-        """TLS handshakes at once: a quarter of max_pending_handshakes, as each holds about
-        0.5 MB of TLS buffers until it ends (a plain handshake holds a 256 KB scratch buffer)."""
+        """Outsiders' TLS handshakes at once: a quarter of max_pending_handshakes, as each holds
+        about 0.5 MB of TLS buffers until it ends (a plain handshake holds a 256 KB scratch buffer)."""
         return max(1, self.t.max_pending_handshakes // 4)
 
     def _accept(self) -> None:
-        while self.handshaking < self.limit:
+        members = self.t.member_hosts()
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, peer = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of file descriptors, say: try again when a handshake ends
+            except OSError as exc:  # out of file descriptors, say: try again a little later
                 self.t.refused("a connection", f"accept failed: {exc.strerror or exc}")
-                break
+                self.loop.remove_reader(self.sock.fileno())
+                self.reading = False
+                self.retry = self.loop.call_later(ACCEPT_RETRY_S, self._resume)
+                return
+            host = _host_key(str(peer[0]))
+            who = f"{peer[0]}:{peer[1]}"
+            member = host in members
+            cap = MEMBER_HOST_HANDSHAKES if member else PER_HOST_HANDSHAKES
+            if self.per_host.get(host, 0) >= cap:
+                conn.close()
+                self.t.refused(who, f"{cap} TLS connections from {host} are in their handshake already "
+                                    f"(at most {cap})")
+                continue
+            if not member and self.outsiders >= self.t.max_pending_handshakes:
+                conn.close()
+                self.t.refused(who, f"{self.t.max_pending_handshakes} TLS connections are in their handshake "
+                                    f"already (at most {self.t.max_pending_handshakes})")
+                continue
             conn.setblocking(False)
-            self.handshaking += 1
-            task = self.loop.create_task(self._handshake(conn, f"{peer[0]}:{peer[1]}"))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        self.loop.remove_reader(self.sock.fileno())
-        self.reading = False
+            entry = _TlsPending(conn, who, host, member)
+            self.pending.add(entry)
+            self.per_host[host] = self.per_host.get(host, 0) + 1
+            if member:  # a rank's reconnection: its handshake starts at once
+                self._start(entry)
+                continue
+            self.outsiders += 1
+            entry.reading = True
+            self.loop.add_reader(conn.fileno(), self._first_bytes, entry)
+            first_s = min(FIRST_BYTE_S, self.t.handshake_timeout_s)
+            entry.timer = self.loop.call_later(first_s, self._drop, entry, f"sent nothing within {first_s:g} s")
+        # more are waiting: let the loop run the rest, then accept them on its next turn
 
-    async def _handshake(self, conn: socket.socket, who: str) -> None:
+    def _first_bytes(self, entry: _TlsPending) -> None:
+        """An outsider's first bytes arrived: its TLS handshake starts when a slot is free."""
+        self._stop_reading(entry)
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if self.handshaking < self.limit:
+            self._start(entry)
+            return
+        self.queue.append(entry)
+        entry.timer = self.loop.call_later(self.t.handshake_timeout_s, self._drop, entry,
+                                           f"no TLS handshake slot within {self.t.handshake_timeout_s:g} s")
+
+    def _stop_reading(self, entry: _TlsPending) -> None:
+        if entry.reading:
+            entry.reading = False
+            with contextlib.suppress(OSError, ValueError):
+                self.loop.remove_reader(entry.conn.fileno())
+
+    def _drop(self, entry: _TlsPending, why: str) -> None:
+        if entry not in self.pending or entry.started:
+            return
+        self._stop_reading(entry)
+        entry.conn.close()
+        self._release(entry)
+        if not self.t.closed:
+            self.t.refused(entry.who, why)
+
+    def _release(self, entry: _TlsPending) -> None:
+        if entry not in self.pending:
+            return
+        self.pending.discard(entry)
+        if entry.timer is not None:
+            entry.timer.cancel()
+        left = self.per_host.get(entry.host, 1) - 1
+        if left > 0:
+            self.per_host[entry.host] = left
+        else:
+            self.per_host.pop(entry.host, None)
+        if not entry.member:
+            self.outsiders -= 1
+            if entry.started:
+                self.handshaking -= 1
+        while self.queue and self.handshaking < self.limit and not self.t.closed:
+            waiting = self.queue.popleft()
+            if waiting in self.pending and not waiting.started:
+                if waiting.timer is not None:
+                    waiting.timer.cancel()
+                self._start(waiting)
+
+    def _start(self, entry: _TlsPending) -> None:
+        entry.started = True
+        if not entry.member:
+            self.handshaking += 1
+        task = self.loop.create_task(self._handshake(entry))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _handshake(self, entry: _TlsPending) -> None:
         try:
-            await self.loop.connect_accepted_socket(lambda: _Inbound(self.t), conn, ssl=self.context,
+            await self.loop.connect_accepted_socket(lambda: _Inbound(self.t), entry.conn, ssl=self.context,
                                                     ssl_handshake_timeout=self.t.handshake_timeout_s)
         except (OSError, TimeoutError, ConnectionError) as exc:  # ssl.SSLError is an OSError
-            conn.close()
+            entry.conn.close()
             if not self.t.closed:
-                self.t.refused(who, f"TLS handshake failed: {_tls_reason(exc)} (no certificate of the job's CA, "
-                                    f"or not TLS)")
+                self.t.refused(entry.who, f"TLS handshake failed: {_tls_reason(exc)} (no certificate of the job's "
+                                          f"CA, or not TLS)")
         finally:
-            self.handshaking -= 1
-            self._resume()
+            self._release(entry)
 
     def close(self) -> None:
         if self.reading:
             self.loop.remove_reader(self.sock.fileno())
             self.reading = False
+        if self.retry is not None:
+            self.retry.cancel()
         self.sock.close()
         for task in self.tasks:
             task.cancel()
+        for entry in list(self.pending):
+            if not entry.started:
+                self._stop_reading(entry)
+                entry.conn.close()
+                self._release(entry)
+        self.queue.clear()
 
 
 def _tls_reason(exc: BaseException) -> str:
@@ -978,7 +1195,7 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def __init__(self, owner: TcpTransport) -> None:
         self.t = owner
-        self.scratch = bytearray(self.SCRATCH_BYTES)
+        self.scratch = bytearray()  # SCRATCH_BYTES once the connection is let into its handshake
         self.start = self.end = 0  # unread bytes are scratch[start:end]
         self.payload: bytearray | memoryview | None = None  # the payload being read, if any
         self.payload_got = 0
@@ -989,7 +1206,12 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
+        self.host = ""  # the source address (_host_key)
+        self.member = False  # an address a rank of the job listens on
+        self.accepted_at = 0.0
         self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
+        self.heard_at = 0.0  # when bytes last arrived (an unknown rank's connection is closed when idle)
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -997,28 +1219,65 @@ class _Inbound(asyncio.BufferedProtocol):
         self.peer = (str(peername[0]), int(peername[1])) if peername else ("?", 0)
         t = self.t
         t._inbound.add(self.transport)
-        if len(t._pending) >= t.max_pending_handshakes:  # a flood of connections: each costs buffers
-            t.refused(f"{self.peer[0]}:{self.peer[1]}", f"{len(t._pending)} connections are still in their "
-                                                        f"handshake (at most {t.max_pending_handshakes})")
+        self.host = _host_key(self.peer[0])
+        self.member = self.host in t.member_hosts()
+        why = t._admit_pending(self)  # a flood of connections: each costs buffers
+        if why:
+            t.refused(f"{self.peer[0]}:{self.peer[1]}", why)
             self.transport.abort()
             return
-        t._pending.add(self)
-        self.hello_timer = asyncio.get_running_loop().call_later(t.handshake_timeout_s, self._no_hello)
+        self.accepted_at = time.monotonic()
+        self.scratch = bytearray(self.SCRATCH_BYTES)  # (not for a refused one: a flood refused costs no memset)
+        # an outsider's first bytes are due soon (a member's come with its connection); the whole
+        # handshake within handshake_timeout_s
+        first_s = t.handshake_timeout_s if self.member else min(FIRST_BYTE_S, t.handshake_timeout_s)
+        self.hello_timer = asyncio.get_running_loop().call_later(first_s, self._no_hello)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
             self.t._inbound.discard(self.transport)
-        self.t._pending.discard(self)
+        self.t._pending_done(self)
         if self.hello is not None and self.t._proven.get(self._slot()) is self:
             del self.t._proven[self._slot()]
+        if self.src >= 0:
+            self.t.inbound_gone(self.src)
         self.transport = None
         if self.hello_timer is not None:
             self.hello_timer.cancel()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+
+    def _check_idle(self) -> None:
+        """A rank the transport does not know: closed once it sends nothing for idle_unknown_s
+        (its slot among MAX_UNKNOWN_RANKS goes to another joiner). A rank of the job never is:
+        its peer would take the close for a broken link (_Channel._watch_eof)."""
+        self.idle_timer = None
+        t = self.t
+        if self.transport is None or t.closed or t.knows(self.src):
+            return
+        idle = time.monotonic() - self.heard_at
+        if idle < t.idle_unknown_s:
+            self.idle_timer = asyncio.get_running_loop().call_later(t.idle_unknown_s - idle, self._check_idle)
+            return
+        t.refused(f"rank {self.src} at {self.peer[0]}", f"a rank not in this job's address table, silent for "
+                                                        f"{t.idle_unknown_s:g} s")
+        self.transport.abort()
 
     def _no_hello(self) -> None:
-        if self.src < 0 and self.transport is not None:
-            self.t.refused(f"{self.peer[0]}:{self.peer[1]}", f"no handshake within {self.t.handshake_timeout_s:g} s")
-            self.transport.abort()
+        self.hello_timer = None
+        if self.src >= 0 or self.transport is None:
+            return
+        t = self.t
+        if not self.heard_at:
+            why = f"sent nothing within {time.monotonic() - self.accepted_at:.0f} s"
+        else:
+            left = t.handshake_timeout_s - (time.monotonic() - self.accepted_at)
+            if left > 0:  # it began in time: the rest of the handshake deadline
+                self.hello_timer = asyncio.get_running_loop().call_later(left, self._no_hello)
+                return
+            why = f"no handshake within {t.handshake_timeout_s:g} s"
+        t.refused(f"{self.peer[0]}:{self.peer[1]}", why)
+        self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.payload is not None:
@@ -1030,6 +1289,7 @@ class _Inbound(asyncio.BufferedProtocol):
         return memoryview(self.scratch)[self.end:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard_at = time.monotonic()
         try:
             if self.payload is not None:
                 self.payload_got += nbytes
@@ -1110,10 +1370,11 @@ class _Inbound(asyncio.BufferedProtocol):
             raise FrameError("the second frame is not the HELLO's PROOF")
         if not hs.verify(hs.dial_mac(t.credentials.key, self.hello, self.nonce), frame.mac):
             raise FrameError(f"a peer claiming rank {frame.src} did not prove the job's key")
+        t.check_unknown(frame.src)  # again: others may have proved meanwhile
         self.src = frame.src
         if self.hello_timer is not None:
             self.hello_timer.cancel()
-        t._pending.discard(self)
+        t._pending_done(self)
         # one connection a rank and channel: a newer one (a restart, a reconnect) replaces the old
         older = t._proven.get(self._slot())
         t._proven[self._slot()] = self
@@ -1121,7 +1382,9 @@ class _Inbound(asyncio.BufferedProtocol):
             older.transport.abort()
         if self.src not in t.addresses and self.hello.address:  # a rank that joined with us: where it listens
             with contextlib.suppress(ValueError, ConfigError):
-                t.add_peer(self.src, parse_address(self.hello.address))
+                t.learn_from_hello(self.src, parse_address(self.hello.address))
+        if not t.knows(self.src):
+            self.idle_timer = asyncio.get_running_loop().call_later(t.idle_unknown_s, self._check_idle)
         link = t._out.get(self.src)
         if link is not None:
             link.peer_is_up()

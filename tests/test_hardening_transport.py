@@ -1,0 +1,251 @@
+"""What an outsider's TLS handshake flood and a key holder's flood of proven connections can
+take from a worker (docs/security.md): each attacker is a process of its own, the job runs in
+this one, and every step of the job stays exact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fttree import FTTreeAllreduce
+from fttree.net import certs
+from fttree.net import handshake as hs
+from fttree.net.credentials import write_key
+from fttree.net.tcp import TcpTransport
+
+from .conftest import cluster
+from .rawpeer import read_frame_head
+
+HERE = Path(__file__).resolve().parent
+FLOODER = HERE / "tls_flooder.py"
+HOLDER = HERE / "proven_holder.py"
+
+
+def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 1000) -> None:
+    for step in range(steps):
+        data = [np.full(size, float(step + r), np.float32) for r in range(len(handles))]
+        futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
+        for h, fut in zip(handles, futures, strict=True):
+            assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
+
+
+def tcp(handle: FTTreeAllreduce) -> TcpTransport:
+    """The handle's TcpTransport (under the fault layer)."""
+    transport = getattr(handle.transport, "inner", handle.transport)
+    assert isinstance(transport, TcpTransport)
+    return transport
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
+def member_hello_s(target: str, tls_dir: Path | None, rank: int, job: str, limit_s: float = 15.0) -> float:
+    """How long rank `rank`'s new connection to `target` takes to be answered: TCP connect
+    from the rank's own address, the TLS handshake with its certificate (if `tls_dir`), its
+    HELLO and the worker's CHALLENGE. `limit_s` (or more) if it is not answered that soon."""
+    host, port = target.rsplit(":", 1)
+    ctx = None
+    if tls_dir is not None:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(tls_dir / "ca.pem"))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(str(tls_dir / f"rank-{rank}.pem"), str(tls_dir / f"rank-{rank}.key"))
+    start = time.monotonic()
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=limit_s, source_address=(f"127.0.0.{rank + 1}", 0))
+    except OSError:
+        return max(limit_s, time.monotonic() - start)
+    try:
+        raw.settimeout(max(0.1, limit_s - (time.monotonic() - start)))
+        sock = raw if ctx is None else ctx.wrap_socket(raw, server_hostname="fttree")
+        sock.sendall(hs.encode(hs.Hello(src=rank, dst=0, world=3, channel=hs.CONTROL, address="", job=job,
+                                        nonce=hs.new_nonce())))
+        head = read_frame_head(sock)
+        if head is None or not isinstance(hs.decode(head), hs.Challenge):
+            return max(limit_s, time.monotonic() - start)
+        return time.monotonic() - start
+    except (OSError, ssl.SSLError):
+        return max(limit_s, time.monotonic() - start)
+    finally:
+        raw.close()
+
+
+def redial_s(handle: FTTreeAllreduce, peer: int, limit_s: float = 15.0) -> float:
+    """Cut `handle`'s control connection to `peer` and time its own redial (TCP, TLS and the
+    fttree handshake) until the new connection is up."""
+    loop = handle._loop
+    assert loop is not None
+    transport = tcp(handle)
+
+    async def cut_and_wait() -> float:
+        channel = transport._out[peer].control
+        old = channel.writer
+        assert old is not None
+        start = time.monotonic()
+        old.transport.abort()
+        while channel.writer is None or channel.writer is old:
+            if time.monotonic() - start > limit_s:
+                return limit_s
+            await asyncio.sleep(0.01)
+        return time.monotonic() - start
+
+    return asyncio.run_coroutine_threadsafe(cut_and_wait(), loop).result(limit_s + 5)
+
+
+def test_a_member_reconnects_within_2_s_during_a_tls_handshake_flood(tmp_path: Path) -> None:
+    """1,000 stalled TLS handshakes (a partial ClientHello each, from 16 outsider addresses,
+    opened again as the worker closes them) while the job runs: a member's new connection is
+    answered, and rank 1's own redial is up, within 2 s; the worker's open files and memory
+    stay bounded, and every step is exact."""
+    certs.make(tmp_path / "tls", range(3))
+    with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 5)
+        target = str(handles[0].peers[0])
+        fds_before, rss_before = open_fds(), rss_mb()
+        flooder = subprocess.Popen([sys.executable, str(FLOODER), "--target", target, "--count", "1000",
+                                    "--mode", "partial", "--hold", "12"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            assert flooder.stdout is not None
+            assert json.loads(flooder.stdout.readline()) == {"ready": True}
+            time.sleep(2.0)  # the flood fills whatever it can fill
+            fds_peak, rss_peak = open_fds(), rss_mb()
+            redial = redial_s(handles[1], peer=0)
+            exact_steps(handles, 2)
+            hello_s = [member_hello_s(target, tmp_path / "tls", 2, handles[0].credentials.job) for _ in range(3)]
+            exact_steps(handles, 2)
+            fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
+            print(f"member HELLO answered in {[round(s, 3) for s in hello_s]} s, rank 1 redialled in "
+                  f"{redial:.3f} s; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+            out, err = flooder.communicate(timeout=60)
+        finally:
+            if flooder.poll() is None:
+                flooder.kill()
+                flooder.wait()
+        assert flooder.returncode == 0, err
+        print(out.strip())
+        assert max(hello_s) < 2.0, hello_s
+        assert redial < 2.0, redial
+        assert fds_peak - fds_before < 200, (fds_before, fds_peak)
+        assert rss_peak - rss_before < 50, (rss_before, rss_peak)
+        exact_steps(handles, 3)
+
+
+def test_a_key_holder_cannot_open_unbounded_proven_connections(tmp_path: Path) -> None:
+    """A key holder opens 400 proven connections as ranks 100 to 499 (each naming an address)
+    against a running 3-worker job: rank 0 keeps at most a few of them (unknown ranks are
+    capped), its open files grow by fewer than 40 and its memory by under 50 MB, every step
+    is exact, and its open files and address table are back to where they were once the
+    attacker is gone."""
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 5)
+        transport = tcp(handles[0])
+        target = str(handles[0].peers[0])
+        known = sorted(transport.addresses)
+        fds_before, rss_before = open_fds(), rss_mb()
+        holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", target, "--key-file", str(key),
+                                   "--first", "100", "--count", "400", "--hold", "4"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        fds_peak, rss_peak = fds_before, rss_before
+        try:
+            while holder.poll() is None:
+                exact_steps(handles, 1)
+                fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
+                time.sleep(0.05)
+            out, err = holder.communicate(timeout=60)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+        assert holder.returncode == 0, err
+        report = json.loads(out)
+        print(f"{report}; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+        assert report["proven"] + report["refused"] == 400, report
+        assert report["kept"] <= 8, report  # 4 unknown ranks at once, on one channel each
+        assert fds_peak - fds_before < 40, (fds_before, fds_peak)
+        assert rss_peak - rss_before < 50, (rss_before, rss_peak)
+        exact_steps(handles, 3)
+        deadline = time.monotonic() + 10
+        while open_fds() > fds_before and time.monotonic() < deadline:
+            exact_steps(handles, 1)
+            time.sleep(0.1)
+        assert open_fds() <= fds_before, (fds_before, open_fds())
+        assert sorted(transport.addresses) == known
+
+
+def test_an_unknown_rank_that_stays_silent_is_let_go(tmp_path: Path) -> None:
+    """Proven connections of ranks the worker does not know are closed after `idle_unknown_s`
+    without a frame, so 4 silent ones cannot keep a joiner out for good: afterwards another
+    unknown rank is let in."""
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 2)
+        transport = tcp(handles[0])
+        transport.idle_unknown_s = 1.5
+        holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", str(handles[0].peers[0]), "--key-file",
+                                   str(key), "--first", "200", "--count", "6", "--hold", "4", "--then", "300"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while holder.poll() is None:
+            exact_steps(handles, 1)
+            time.sleep(0.05)
+        out, err = holder.communicate(timeout=60)
+        assert holder.returncode == 0, err
+        report = json.loads(out)
+        assert report["proven"] == 4, report
+        assert report["refused"] == 2, report
+        assert report["closed_while_held"] == 4, report  # idle: let go
+        assert report["then"] == "answered", report  # room again for a rank not known yet
+        exact_steps(handles, 2)
+
+
+def test_a_member_reconnects_within_2_s_during_a_flood_of_silent_connections(tmp_path: Path) -> None:
+    """The same with a job key and no TLS: 1,000 connections from 16 outsider addresses that
+    send nothing (opened again as the worker closes them) fill no member's place: a member's
+    HELLO is answered, and rank 1's redial is up, within 2 s, and every step is exact."""
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 5)
+        target = str(handles[0].peers[0])
+        fds_before, rss_before = open_fds(), rss_mb()
+        flooder = subprocess.Popen([sys.executable, str(FLOODER), "--target", target, "--count", "1000",
+                                    "--mode", "silent", "--hold", "10"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            assert flooder.stdout is not None
+            assert json.loads(flooder.stdout.readline()) == {"ready": True}
+            time.sleep(2.0)
+            fds_peak, rss_peak = open_fds(), rss_mb()
+            redial = redial_s(handles[1], peer=0)
+            exact_steps(handles, 2)
+            hello_s = [member_hello_s(target, None, 2, handles[0].credentials.job) for _ in range(3)]
+            exact_steps(handles, 2)
+            fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
+            print(f"member HELLO answered in {[round(s, 3) for s in hello_s]} s, rank 1 redialled in "
+                  f"{redial:.3f} s; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+            out, err = flooder.communicate(timeout=60)
+        finally:
+            if flooder.poll() is None:
+                flooder.kill()
+                flooder.wait()
+        assert flooder.returncode == 0, err
+        print(out.strip())
+        assert max(hello_s) < 2.0, hello_s
+        assert redial < 2.0, redial
+        assert fds_peak - fds_before < 200, (fds_before, fds_peak)
+        assert rss_peak - rss_before < 50, (rss_before, rss_peak)
+        exact_steps(handles, 3)
