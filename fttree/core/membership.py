@@ -88,6 +88,7 @@ MAX_WAITING_JOINS = 64  # new ranks a coordinator keeps waiting for admission; m
 MAX_STALLS = 3  # a view change stalled this many times (3 node deadlines each) stops this rank
 JOIN_PASS_ON_S = 1.0  # a member passes one joiner's request on to the coordinator at most this often
 COMPUTING_FRESH = 3.0  # a member's COMPUTING counts for this many node deadlines (it says it again when pinged)
+CLOCK_SLACK_S = 1e-6  # a wait computed as a difference of sums of timer steps may round a hair below its length
 PACE_FACTOR = 2.0  # a member asks for a pace round when its uplink is this far from the view's figure for it
 #: the agreement's messages: each goes directly and through a relay (Membership._send)
 RELAYED_KINDS = frozenset(
@@ -369,7 +370,7 @@ class Membership:
         self._stalls = 0  # stall deadlines passed in this view change
         self._passed_on: dict[int, float] = {}  # joiner -> when its request was last passed to the coordinator
         self._leaving: set[int] = set()  # ranks that said they leave: evicted without waiting
-        self._unheard: set[int] = set()  # ranks that joined in this view and have not spoken yet
+        self._unheard: set[int] = set()  # ranks that joined in this view, until their join takes effect here
         self._gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
         self._ping_since: dict[int, float] = {}  # silent neighbour -> when the first unanswered ping went
         self._ping_rtt: tuple[float, float] | None = None  # (SRTT, RTTVAR) of answered pings
@@ -432,6 +433,7 @@ class Membership:
                 self.user_step = max(self.user_step, user_step)
                 if self.user_step >= self._activating_at:
                     self._admitting.clear()
+                    self._watch_joined(now)
                 self._maybe_admit(now, out)
                 self._maybe_pace_round(now, out)
             case Uplink(rate=rate, retransmit_s=retransmit_s):
@@ -596,7 +598,9 @@ class Membership:
             if asked is not None and asked < self.busy_since:  # a ping of an earlier step's silence
                 del self._ping_since[peer]
                 asked = None
-            if asked is not None and now - asked >= deadline:
+            # (the checks come every quarter deadline: the fourth after the ping may compute to a
+            # hair under it, which put the suspicion off by a whole quarter)
+            if asked is not None and now - asked >= deadline - CLOCK_SLACK_S:
                 self._suspect(peer, f"silent for {silent:.2f} s with a step in flight, and a ping unanswered for "
                                     f"{now - asked:.2f} s (node deadline {deadline:.2f} s)", now, out)
             elif now - self._pinged.get(peer, -1e9) >= deadline / 4:
@@ -708,6 +712,15 @@ class Membership:
         """May a join or pace change be agreed now (nothing else agreed or waiting to take effect)?"""
         return (self.state is MemberState.ACTIVE and not self.holding and self._round is None
                 and self.user_step >= self._activating_at)
+
+    def _watch_joined(self, now: float) -> None:
+        """A decided join took effect here (this rank began its training step): the joiners
+        take part from this step on, so from now they are watched as any member, their silence
+        counted from here. Before, a joiner stayed exempt until its first frame: one that went
+        silent right after its admission was never suspected, and every step waited for it."""
+        for peer in self._unheard:
+            self._last_heard[peer] = max(self._last_heard.get(peer, now), now)
+        self._unheard.clear()
 
     def _maybe_admit(self, now: float, out: list[MemberAction]) -> None:
         """As coordinator, admit the new ranks that wait, in one round, once a change may be agreed."""
