@@ -222,7 +222,15 @@ class Suspected:
     reason: str
 
 
-MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold | Suspected
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotCoordinator:
+    """A VIEW_COMMIT of this view from a member that is not the coordinator its ballot names:
+    dropped, changing nothing (for the driver to count with the other foreign frames)."""
+
+    msg: Agreement
+
+
+MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold | Suspected | NotCoordinator
 
 
 # ---- the value agreed on -----------------------------------------------------------------------
@@ -384,6 +392,7 @@ class Membership:
         self.submitted = -1  # the newest step this rank submitted (Busy events)
         self._computing: dict[int, tuple[int, float]] = {}  # member -> (oldest step it has not submitted, when said)
         self._computing_said = -1e9  # when this rank last said COMPUTING
+        self.foreign_commits = 0  # VIEW_COMMITs dropped: not from their ballot's coordinator
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -1163,6 +1172,12 @@ class Membership:
                 if msg.epoch == self.view.epoch:
                     self._on_accepted(msg, now, out)
             case Kind.VIEW_COMMIT:
+                if msg.epoch == self.view.epoch and msg.src != self._coordinator_of(msg.ballot):
+                    # only the coordinator of the ballot commits (before: any member's commit was
+                    # installed, so one member could evict others or seat ranks nobody agreed on)
+                    self.foreign_commits += 1
+                    out.append(NotCoordinator(msg=msg))
+                    return
                 self._install(msg, now, out)
             case Kind.VIEW_NACK:
                 self._on_nack(msg, now, out)
@@ -1171,6 +1186,13 @@ class Membership:
                 # this side and finds it has no majority: either way nothing here can form a view
                 if msg.epoch == self.view.epoch and self.rank in msg.promised and msg.ballot in (0, self._promised):
                     self._stop(MemberState.MINORITY, self._minority_reason(len(msg.promised), msg.view_size), out)
+
+    def _coordinator_of(self, ballot: int) -> int | None:
+        """The member of this view whose ballots `ballot` is of (its slot is in the ballot)."""
+        if ballot <= 0:
+            return None
+        slot = SLOTS - 1 - ballot % SLOTS
+        return self.view.members[slot] if slot < self.view.size else None
 
     def _on_join_request(self, msg: Join, now: float, out: list[MemberAction]) -> None:
         """A process asks to be admitted, or a member passes such a request on."""

@@ -150,6 +150,8 @@ class Sender(Enum):
     frame changes any state; a frame from anyone else is dropped, counted and logged once)."""
 
     MEMBER = "a member of the receiver's view, of a view it has decided to take, or a rank it is admitting"
+    # a MEMBER (the replica's gate), and then the one its ballot names (membership.py checks it)
+    COORDINATOR = "the coordinator of the ballot it commits, a member of the receiver's view"
     PROVEN = "any rank that proved the job's key: a process asking to join, or answering one"
     HANDSHAKE = "the other end of a connection, during its handshake (never a Frame)"
 
@@ -263,9 +265,10 @@ class Agreement(Frame):
     `pace`); MINORITY when it finds no majority. Relayed copies name their first sender in
     `origin` and their addressee in `target`."""
 
-    RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
-        (Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_COMMIT,
-         Kind.VIEW_NACK, Kind.MINORITY), Sender.MEMBER)
+    RULES: ClassVar[Mapping[Kind, Sender]] = {
+        **dict.fromkeys((Kind.VIEW_PREPARE, Kind.VIEW_PROMISE, Kind.VIEW_ACCEPT, Kind.VIEW_ACCEPTED, Kind.VIEW_NACK,
+                         Kind.MINORITY), Sender.MEMBER),
+        Kind.VIEW_COMMIT: Sender.COORDINATOR}
     WIRE = (("t", "target", "target", _INT), ("o", "origin", "origin", _INT), ("bl", "ballot", "ballot", _INT),
             ("ac", "accepted", "accepted ballot", _INT), ("pp", "proposed", "proposed epoch", _INT),
             ("mb", "members", "members", _INTS), ("cm", "committed", "committed", _INTS),

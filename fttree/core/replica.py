@@ -50,6 +50,7 @@ from .membership import (
     MemberEvent,
     MemberFrame,
     Membership,
+    NotCoordinator,
     PeerDown,
     Stopped,
 )
@@ -59,6 +60,8 @@ from .view import View
 
 #: a step's frames about links or committed results: never stale (Replica.is_stale)
 _NEVER_STALE = frozenset({Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED})
+#: sender rules whose frames a member sends (a coordinator's commit: the membership checks the ballot)
+_MEMBER_RULES = frozenset({Sender.MEMBER, Sender.COORDINATOR})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,9 +227,9 @@ class Replica:
             return
         running = self.life.phase is not Phase.STOPPED
         stale = msg.epoch < self.membership.view.epoch and running  # its sender may not know it was left out
-        if rule is not Sender.MEMBER or not self.may_send(msg.src):
+        if rule not in _MEMBER_RULES or not self.may_send(msg.src):
             out.append(Foreign(msg=msg, rule=rule))
-            if stale and rule is Sender.MEMBER:
+            if stale and rule in _MEMBER_RULES:
                 self._carry(self.membership.stale_sender(msg), now, out)
             return
         if self.keep_early(msg):
@@ -282,6 +285,8 @@ class Replica:
                 case Stopped():  # left out or a minority: the tree produces no more results
                     self.machine.fence()
                     out.append(action)
+                case NotCoordinator(msg=msg):  # counted as any frame its sender may not send
+                    out.append(Foreign(msg=msg, rule=Sender.COORDINATOR))
                 case _:
                     out.append(action)
 
