@@ -494,6 +494,7 @@ class TreeMachine:
         self._same_trees: set[int] = set()  # earlier epochs of these very members (pace changes): their ops go on
         self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
         self.scratch = BufferPool(keep=SCRATCH_BUFFERS)  # compression's working arrays
+        self.empty_sums = 0  # subtree sums that named no contributor: taken as the child's arrival, none of it added
 
     # ---- public ------------------------------------------------------------------------
 
@@ -929,6 +930,13 @@ class TreeMachine:
     def _add(self, op: _Op, msg: Message) -> None:
         assert op.acc is not None
         assert msg.payload is not None
+        if not msg.contributors:
+            # A subtree sum of no rank (a joiner taking part without contributing, a late leaf):
+            # its label says it holds nothing, so nothing of it is added, whatever its bytes
+            # (before: they were summed into a result that named only the others).
+            op.late.update(msg.late)
+            self.empty_sums += 1
+            return
         if msg.dtype == "<f2" and op.dtype == "<f4":  # fp16 on the wire: numpy widens while it adds
             incoming = np.frombuffer(msg.payload, dtype=np.float16)
         elif msg.dtype != op.dtype:  # decoded into a working array, let go of once added
@@ -1137,7 +1145,8 @@ class TreeMachine:
                             text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
             return
         contributors = set(msg.contributors)
-        # (empty is allowed: a joiner still receiving its state takes part without contributing)
+        # (empty is allowed: a joiner still receiving its state takes part without contributing;
+        # such a sum counts as the child's arrival, and _add adds none of its bytes)
         if not contributors <= t.subtrees[origin] or contributors & op.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
