@@ -55,11 +55,20 @@ from .membership import (
     Stopped,
 )
 from .messages import SENDER_RULES, Frame, Join, Kind, Message, Notice, Sender, State
-from .protocol import Action, Event, LinkDown, LinkState, Received, Send, Submit, TimerFired, TreeMachine
+from .protocol import Action, Cause, Event, LinkDown, LinkState, Note, Received, Send, Submit, TimerFired, TreeMachine
 from .view import View
 
 #: a step's frames about links or committed results: never stale (Replica.is_stale)
 _NEVER_STALE = frozenset({Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_STALLED})
+# Data that comes for steps this rank has not submitted yet (its children are ahead of it) is held
+# until the step runs. Its bytes are bounded: the larger of EARLY_BYTES_FLOOR and EARLY_FACTOR
+# times what this rank submitted over its last EARLY_WINDOW_STEPS steps (a training step's
+# gradient buckets are many steps, all of which the children may send before this rank reaches
+# them). A frame beyond it is dropped, counted and logged once; the step it was for gets that
+# data back the way a lost frame comes (the backups relay it) or ends by its deadline.
+EARLY_BYTES_FLOOR = 64 << 20
+EARLY_WINDOW_STEPS = 64
+EARLY_FACTOR = 4
 #: sender rules whose frames a member sends (a coordinator's commit: the membership checks the ballot)
 _MEMBER_RULES = frozenset({Sender.MEMBER, Sender.COORDINATOR})
 
@@ -170,8 +179,17 @@ class Replica:
         self.pending: deque[Installed] = deque()
         self.completed: deque[int] = deque(maxlen=256)  # steps with a whole result here, newest last
         self.early: list[Frame] = []  # frames from members before this process takes part
+        self._early_kept = 0  # their payload bytes (at most EARLY_BYTES_FLOOR)
         self.farewell = Farewell()  # DONE and DONE_ACK bookkeeping (farewell.py)
         self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
+        # data frames for steps not submitted here yet (EARLY_BYTES_FLOOR): step -> bytes handed on
+        self.newest_submitted = -1
+        self._early_steps: dict[int, int] = {}
+        self.early_bytes = 0  # subtree sums' bytes handed to the tree for steps not submitted yet
+        self._recent: deque[list[int]] = deque()  # [step, bytes submitted] of the last EARLY_WINDOW_STEPS steps
+        self._recent_bytes = 0
+        self.early_dropped = 0  # data frames dropped for want of room (counted; the first is noted)
+        self.early_dropped_bytes = 0
 
     @property
     def view(self) -> View:
@@ -184,10 +202,13 @@ class Replica:
         self.machine.start_at(first_step)
         self.membership = Membership(self.rank, view, self.cfg)
         self.membership.user_step = user_step - 1
+        self.newest_submitted = max(self.newest_submitted, first_step - 1)
 
     def step(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
         kind = type(event)
         if kind in _TREE_EVENTS:  # hundreds a step: straight to the tree
+            if kind is Submit:
+                self._submitted(event)  # type: ignore[arg-type]
             return self.machine.handle(event, now)  # type: ignore[arg-type, return-value]
         out: list[ReplicaAction] = []
         if kind is Arrived:  # one per frame
@@ -248,6 +269,8 @@ class Replica:
             return
         if stale:
             self._carry(self.membership.stale_sender(msg), now, out)
+        if msg.kind is Kind.DATA_REDUCE and msg.step > self.newest_submitted and not self._room_early(msg, out):
+            return
         out.extend(self.machine.handle(Received(msg=msg, link=link), now))
 
     def _view_frame(self, msg: MemberFrame, running: bool, now: float, out: list[ReplicaAction]) -> None:
@@ -319,6 +342,50 @@ class Replica:
                 out.extend(self.machine.expect(self.pending[0].view, now))
         self._member(Boundary(user_step=event.user_step), now, out)
 
+    # ---- data that comes early: bounded in bytes -------------------------------------------------
+
+    def early_limit(self) -> int:
+        """The bytes this rank holds at most for steps it has not submitted (EARLY_BYTES_FLOOR)."""
+        return max(EARLY_BYTES_FLOOR, EARLY_FACTOR * self._recent_bytes)
+
+    def _submitted(self, ev: Submit) -> None:
+        """A chunk of ours started: the sizes seen, and the early data of its step is the op's now."""
+        recent = self._recent
+        if recent and recent[-1][0] == ev.step:
+            recent[-1][1] += ev.data.nbytes
+        else:
+            recent.append([ev.step, ev.data.nbytes])
+            if len(recent) > EARLY_WINDOW_STEPS:
+                self._recent_bytes -= recent.popleft()[1]
+        self._recent_bytes += ev.data.nbytes
+        if ev.step > self.newest_submitted:
+            self.newest_submitted = ev.step
+            if self._early_steps:
+                for step in [s for s in self._early_steps if s <= ev.step]:
+                    self.early_bytes -= self._early_steps.pop(step)
+
+    def _room_early(self, msg: Message, out: list[ReplicaAction]) -> bool:
+        """Is there room to hold `msg`, a subtree sum for a step not submitted here (the tree
+        holds it until the step runs)? If not, it is dropped and counted (the first one noted).
+        One for a step too far ahead is the tree's to drop (Config.max_ops_ahead)."""
+        size = len(memoryview(msg.payload).cast("B")) if msg.payload is not None else 0
+        step = msg.step
+        if step > self.newest_submitted + self.cfg.max_ops_ahead:
+            return True
+        if self.early_bytes + size <= self.early_limit():
+            self._early_steps[step] = self._early_steps.get(step, 0) + size
+            self.early_bytes += size
+            return True
+        self.early_dropped += 1
+        self.early_dropped_bytes += size
+        if self.early_dropped == 1:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
+                            text=f"dropped {msg.kind.name} of {size} bytes from rank {msg.src} for step {step}, "
+                                 f"which this rank has not submitted yet: it holds {self.early_bytes} bytes for "
+                                 f"such steps already (at most {self.early_limit()}); further ones are counted, "
+                                 "not logged"))
+        return False
+
     # ---- frames before taking part, and stale frames ---------------------------------------------
 
     def keep_early(self, msg: Frame) -> bool:
@@ -329,8 +396,11 @@ class Replica:
         would draw the view that leaves this rank out."""
         if not self.life.early:
             return False
-        if isinstance(msg, Message | State) and len(self.early) < self.cfg.max_ops_ahead:
+        size = 0 if msg.payload is None else len(memoryview(msg.payload).cast("B"))
+        if isinstance(msg, Message | State) and len(self.early) < self.cfg.max_ops_ahead \
+                and self._early_kept + size <= EARLY_BYTES_FLOOR:
             self.early.append(msg)
+            self._early_kept += size
         return True
 
     def connected(self) -> list[Frame]:
@@ -338,6 +408,7 @@ class Replica:
         frames that came early, for the driver to hand in again."""
         self.life.on(Life.CONNECTED)
         early, self.early = self.early, []
+        self._early_kept = 0
         return early
 
     def is_stale(self, msg: Frame) -> bool:

@@ -329,7 +329,7 @@ class Node:
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""
         return {**self.machine.footprint(), "steps": len(self.steps.running), **self.timers.footprint(),
-                "held_back": len(self.steps.held_back)}
+                "held_back": len(self.steps.held_back), "early_bytes": self.replica.early_bytes}
 
     # ---- transport events ------------------------------------------------------------------
 
