@@ -19,8 +19,9 @@ import numpy as np
 from fttree import FTTreeAllreduce
 from fttree.net import certs
 from fttree.net import handshake as hs
+from fttree.net.address import parse_address
 from fttree.net.credentials import write_key
-from fttree.net.tcp import TcpTransport
+from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
 
 from .conftest import cluster
 from .rawpeer import read_frame_head
@@ -249,3 +250,25 @@ def test_a_member_reconnects_within_2_s_during_a_flood_of_silent_connections(tmp
         assert fds_peak - fds_before < 200, (fds_before, fds_peak)
         assert rss_peak - rss_before < 50, (rss_before, rss_peak)
         exact_steps(handles, 3)
+
+
+def test_places_before_the_proof_follow_the_address_table() -> None:
+    """Members' addresses get MEMBER_HOST_HANDSHAKES places per rank listening there (eight
+    ranks on one machine all redial at once), any other address PER_HOST_HANDSHAKES; a rank
+    only its own HELLO named is no member until the group tells of it, nor known."""
+    peers = [parse_address(a) for a in ("127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002", "[::1]:7003")]
+    t = TcpTransport(0, peers)
+    assert t.handshake_cap("127.0.0.1") == 2 * MEMBER_HOST_HANDSHAKES
+    assert t.handshake_cap("::1") == MEMBER_HOST_HANDSHAKES
+    assert t.handshake_cap("127.0.0.9") == PER_HOST_HANDSHAKES
+    t.learn_from_hello(9, parse_address("127.0.0.9:7009"))
+    assert not t.knows(9)
+    assert t.handshake_cap("127.0.0.9") == MEMBER_HOST_HANDSHAKES  # where it listens, while it is connected
+    t.inbound_gone(9)
+    assert 9 not in t.addresses
+    assert t.handshake_cap("127.0.0.9") == PER_HOST_HANDSHAKES
+    t.learn_from_hello(9, parse_address("127.0.0.9:7009"))
+    t.add_peer(9, parse_address("127.0.0.9:7009"))  # the group's word: a rank of the job
+    assert t.knows(9)
+    t.inbound_gone(9)
+    assert 9 in t.addresses

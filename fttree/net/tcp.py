@@ -100,7 +100,8 @@ ACCEPT_BATCH = 256  # connections a TLS listener accepts in one turn of the even
 ACCEPT_RETRY_S = 0.1  # a TLS listener out of descriptors tries accepting again after this long
 FIRST_BYTE_S = 1.0  # an outsider's TLS connection that sends no byte of its ClientHello this soon is closed
 PER_HOST_HANDSHAKES = 4  # TLS connections in their handshake at once from one address no rank listens on
-MEMBER_HOST_HANDSHAKES = 8  # ... from an address a rank listens on (a rank opens up to 4 at once), beside the others
+MEMBER_HOST_HANDSHAKES = 8  # ... from an address ranks listen on, per rank there (a rank opens up to 4 at once),
+# beside the outsiders' places
 MAX_PENDING_HANDSHAKES = 64  # connections not proven yet, at most (Config.max_pending_handshakes)
 MAX_RANK = 65535  # the largest rank a HELLO may claim
 MAX_UNKNOWN_RANKS = 4  # ranks not in the address table (joiners) with proven connections at once, at most
@@ -592,7 +593,7 @@ class TcpTransport:
         self._pending: set[_Inbound] = set()  # accepted connections that have not proven the key yet
         self._pending_hosts: dict[str, int] = {}  # of those, how many from each source address
         self._pending_outsiders = 0  # of those, from addresses no rank listens on
-        self._members: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._members: tuple[int, dict[str, int]] = (-1, {})
         # (rank, channel, the rank it dialled) -> its newest proven connection (a joiner's contact
         # is dialled apart from the rank that listens there)
         self._proven: dict[tuple[int, int, int], _Inbound] = {}
@@ -889,20 +890,31 @@ class TcpTransport:
             raise FrameError(f"connection from {peer_host} claims rank {hello.src}, whose address is {expected} "
                              f"(two workers with the same rank, or a wrong --rank?)")
 
-    def member_hosts(self) -> frozenset[str]:
-        """The addresses the job's other ranks listen on (IP addresses as listed; a rank listed
-        by host name is not recognised by its source address and counts as an outsider)."""
+    def member_hosts(self) -> dict[str, int]:
+        """The addresses the job's other ranks listen on, each with how many ranks listen there
+        (IP addresses as listed; a rank listed by host name is not recognised by its source
+        address, and its connections count as an outsider's)."""
         if self._members[0] != self.addresses_changed:
-            self._members = (self.addresses_changed, frozenset(
-                _host_key(a.host) for r, a in self.addresses.items() if r != self.rank and r >= 0))
+            hosts: dict[str, int] = {}
+            for r, a in self.addresses.items():
+                if r != self.rank and r >= 0:
+                    hosts[_host_key(a.host)] = hosts.get(_host_key(a.host), 0) + 1
+            self._members = (self.addresses_changed, hosts)
         return self._members[1]
+
+    def handshake_cap(self, host: str) -> int:
+        """Connections in their handshake at once from `host`: MEMBER_HOST_HANDSHAKES for each
+        rank that listens there, else PER_HOST_HANDSHAKES."""
+        ranks = self.member_hosts().get(host, 0)
+        return MEMBER_HOST_HANDSHAKES * ranks if ranks else PER_HOST_HANDSHAKES
 
     def _admit_pending(self, inbound: _Inbound) -> str:
         """Take an accepted connection into its handshake: '' or why it is refused. From an
-        address a rank listens on, MEMBER_HOST_HANDSHAKES at once, beside the others; from any
-        other, PER_HOST_HANDSHAKES at once from one address and max_pending_handshakes in all."""
+        address ranks listen on, MEMBER_HOST_HANDSHAKES per rank there, beside the others; from any
+        other, PER_HOST_HANDSHAKES at once from one address and max_pending_handshakes in all
+        (handshake_cap)."""
         host, member = inbound.host, inbound.member
-        cap = MEMBER_HOST_HANDSHAKES if member else PER_HOST_HANDSHAKES
+        cap = self.handshake_cap(host)
         if self._pending_hosts.get(host, 0) >= cap:
             return f"{cap} connections from {host} are in their handshake already (at most {cap})"
         if not member and self._pending_outsiders >= self.max_pending_handshakes:
@@ -1008,8 +1020,8 @@ class _TlsListener:
     Every connection is accepted at once (the kernel's backlog never fills, so a member's
     connection is never left waiting behind a flood there) and then kept or closed:
 
-    - from an address a rank of the job listens on (`TcpTransport.addresses`): up to
-      MEMBER_HOST_HANDSHAKES at once from each such address, each in its TLS handshake at once,
+    - from an address ranks of the job listen on (`TcpTransport.addresses`): up to
+      MEMBER_HOST_HANDSHAKES for each rank there at once, each in its TLS handshake at once,
       beside and never behind the outsiders';
     - from any other address: up to PER_HOST_HANDSHAKES at once from one address and
       max_pending_handshakes from all; each must send its first bytes within FIRST_BYTE_S, and
@@ -1065,7 +1077,7 @@ class _TlsListener:
             host = _host_key(str(peer[0]))
             who = f"{peer[0]}:{peer[1]}"
             member = host in members
-            cap = MEMBER_HOST_HANDSHAKES if member else PER_HOST_HANDSHAKES
+            cap = self.t.handshake_cap(host)
             if self.per_host.get(host, 0) >= cap:
                 conn.close()
                 self.t.refused(who, f"{cap} TLS connections from {host} are in their handshake already "
