@@ -14,6 +14,7 @@ from fttree.net.uplink import (
     TcpCounters,
     UplinkMeter,
     ahead_s,
+    fast_rto_min,
     lost_nothing,
     stall_wait_s,
     stalled,
@@ -111,23 +112,26 @@ def test_a_socket_closed_under_us_has_no_counters_and_raises_nothing() -> None:
 
 
 def counters(*, rtt_s: float = 50e-6, retransmits: int = 0, last_ack_s: float = 0.0, unacked: int = 8,
-             total_retrans: int = 0, segs_out: int = 1000) -> TcpCounters:
+             total_retrans: int = 0, segs_out: int = 1000, delivery_rate: float = 1e9) -> TcpCounters:
     return TcpCounters(rtt_s=rtt_s, rttvar_s=rtt_s / 2, min_rtt_s=rtt_s, retransmits=retransmits,
                        last_ack_s=last_ack_s, total_retrans=total_retrans, unacked_packets=unacked,
-                       segs_out=segs_out)
+                       segs_out=segs_out, delivery_rate=delivery_rate, snd_mss=1448)
 
 
 def test_a_cut_lan_link_is_stalled_after_tens_of_milliseconds() -> None:
-    """A LAN link that lost nothing: a silence of 60 ms with segments in flight and one
+    """A LAN link that lost nothing: a silence of 60 ms with segments in flight and a
     retransmission timeout in vain is a cut. TCP's own evidence, three timeouts in a row, took
     1.5 s (a 7-worker loopback cut cost 1.6 s a step against 0.1 s before)."""
     c = counters(retransmits=1, last_ack_s=0.06, total_retrans=2)
-    assert lost_nothing(counters(total_retrans=1, retransmits=0))  # one lost segment in a life is no lossy link
+    assert lost_nothing(counters(total_retrans=3, retransmits=0))  # a few lost segments in a life: no lossy link
     assert stalled(c, silent_s=0.06, clean=True)
     assert not stalled(c, silent_s=0.03, clean=True)  # not yet
     assert not stalled(counters(retransmits=0, last_ack_s=0.06), silent_s=0.06, clean=True)  # no timeout yet
-    assert not stalled(counters(retransmits=1, last_ack_s=0.01), silent_s=0.06, clean=True)  # duplicates come
-    assert not stalled(counters(retransmits=1, last_ack_s=0.06, unacked=0), silent_s=0.06, clean=True)  # a closed window
+    assert not stalled(counters(retransmits=2, last_ack_s=0.01), silent_s=0.06, clean=True)  # duplicates come
+    closed_window = counters(retransmits=2, last_ack_s=0.06, unacked=0)
+    assert not stalled(closed_window, silent_s=0.06, clean=True)
+    # a connection that has delivered nothing measurable yet (its first bytes) takes the careful rule
+    assert not stalled(counters(retransmits=2, last_ack_s=0.06, delivery_rate=0.0), silent_s=0.06, clean=True)
 
 
 def test_a_lossy_link_takes_the_careful_rule() -> None:
@@ -145,7 +149,19 @@ def test_the_quiet_wait_scales_with_the_link_and_what_is_queued_ahead() -> None:
     """Evidence follows the link: four round trips of a far link, and twice the time the rank's
     uplink needs for its other connections' bytes ahead of this one's."""
     far = counters(rtt_s=0.1, retransmits=1)
-    assert stall_wait_s(far, clean=True) == pytest.approx(0.4)
-    assert stall_wait_s(counters(), clean=True, queued_ahead_s=ahead_s(250_000, 1.25e6)) == pytest.approx(0.05 + 0.4)
+    assert stall_wait_s(far, clean=True) == pytest.approx(0.4, rel=1e-3)
+    slow = counters(unacked=44, delivery_rate=1.25e6)  # 64 KB in flight at 10 Mbit/s: 51 ms of its own
+    assert stall_wait_s(slow, clean=True) == pytest.approx(0.05 + 2 * 44 * 1448 / 1.25e6)
+    behind = stall_wait_s(counters(), clean=True, queued_ahead_s=ahead_s(250_000, 1.25e6))
+    assert behind == pytest.approx(0.45, rel=1e-3)
     assert ahead_s(125_000, 0.0) == pytest.approx(1.0)  # an unmeasured uplink is taken as 1 Mbit/s
     assert stall_wait_s(counters(unacked=1), clean=True) > 0.2  # one segment: its acknowledgement may be delayed
+
+
+def test_only_a_connection_that_proved_fast_gets_the_short_retransmission_timeout() -> None:
+    """Behind a 10 Mbit/s uplink on loopback the handshake's round trip is microseconds: a
+    20 ms least timeout there sent queued 64 KB segments again and again."""
+    assert fast_rto_min(counters(rtt_s=50e-6, delivery_rate=3e9))  # loopback
+    assert not fast_rto_min(counters(rtt_s=50e-6, delivery_rate=0.0))  # nothing delivered yet
+    assert not fast_rto_min(counters(rtt_s=50e-6, delivery_rate=1.25e6))  # a shaped 10 Mbit/s uplink
+    assert not fast_rto_min(counters(rtt_s=0.02, delivery_rate=3e9))  # far

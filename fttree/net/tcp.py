@@ -35,10 +35,13 @@ from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import (
+    FAST_RTO_MIN_S,
     POLL_MIN_S,
     RTO_MIN_S,
+    TcpCounters,
     UplinkMeter,
     ahead_s,
+    fast_rto_min,
     lost_nothing,
     queue_formed,
     retransmit_timeout_s,
@@ -53,23 +56,18 @@ STREAM_LIMIT = 16 * 1024 * 1024
 DRAIN_ABOVE_BYTES = 256 * 1024  # wait for the socket only when this much is buffered
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 TCP_RTO_MAX_MS = 44  # Linux 6.15+: cap on the retransmission backoff
-TCP_RTO_MIN_US = 45  # Linux 6.16+: this connection's least retransmission timeout (RTO_MIN_S: Linux's 0.2 s
-# is ten LAN steps; a slow link's round trip sets its own timeout above it)
+TCP_RTO_MIN_US = 45  # Linux 6.16+: the connection's least retransmission timeout (uplink.fast_rto_min)
 
 
 def _bound_retransmissions(sock: socket.socket, stall_timeout_s: float) -> None:
     """After a silent cut heals, TCP may wait out a backed-off retransmission timer (up to
     minutes) before the link carries data again. Drop connections whose data stays
-    unacknowledged for stall_timeout_s, and cap the backoff at 1 s where the kernel allows.
-    The least retransmission timeout is RTO_MIN_S where the kernel allows: a lost segment on
-    a LAN is sent again after tens of milliseconds, and a cut shows as a retransmission timeout
-    in vain as soon (uplink.stalled)."""
+    unacknowledged for stall_timeout_s, and cap the backoff at 1 s where the kernel allows."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(stall_timeout_s * 1000))
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, 1000)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US, int(RTO_MIN_S * 1e6))
+
 
 
 def tcp_rtt_s(writer: Any) -> float | None:
@@ -160,6 +158,7 @@ class _Channel:
         self.stalled = False  # outstanding bytes, and no acknowledgement for the stall time
         self.clean = False  # the connection had lost (almost) nothing when bytes were last acknowledged
         self.clean_at = -float("inf")  # when `clean` was last brought up to date
+        self.fast_rto = False  # the connection's least retransmission timeout is FAST_RTO_MIN_S
         self.lost_at = -float("inf")  # when frames were last lost with a broken connection
         name = f"fttree-link-{self.peer}" + ("-bulk" if bulk else "")
         self.task = asyncio.get_running_loop().create_task(self._run(), name=name)
@@ -295,6 +294,9 @@ class _Channel:
         self.writer = writer
         self.unreachable = False
         self.written = self.acked = 0
+        self.clean, self.clean_at, self.fast_rto = False, -float("inf"), False  # a new connection's own history
+        if self.sock is not None:
+            self.follow_rtt(tcp_counters(self.sock))  # the handshake's round trip
         self.stalled = False
         self.ever_connected = True
         t.stats[self.peer].connects += 1
@@ -443,7 +445,13 @@ class _Channel:
                     self.slices.append(view)
                     self.slice_bytes += len(view)
                 continue
-            room = min(self.t.channel_budget - self.outstanding(), SLICE_BYTES)
+            if writer.transport.get_write_buffer_size() > DRAIN_ABOVE_BYTES:
+                # the socket is backed up (a fast link's large budget): wake when it takes more,
+                # not at the next poll
+                await asyncio.wait_for(writer.drain(), self.t.stall_timeout_s)
+                continue
+            # pieces of SLICE_BYTES on a slow link, of an eighth of the budget on a fast one
+            room = min(self.t.channel_budget - self.outstanding(), max(SLICE_BYTES, self.t.channel_budget // 8))
             if room <= 0:
                 if self.t.clock() - self.progress_at > self.t.stall_timeout_s:
                     raise TimeoutError(f"rank {self.peer} acknowledged nothing for {self.t.stall_timeout_s:g} s")
@@ -467,22 +475,42 @@ class _Channel:
                 self.slice_bytes -= taken
             self._hand_over(bufs)
 
+    def follow_rtt(self, counters: TcpCounters | None) -> None:
+        """The connection's least retransmission timeout follows its round trip (uplink.fast_rto_min)."""
+        fast = counters is not None and self.t.meter.unbottlenecked and fast_rto_min(counters)
+        if counters is None or self.sock is None or fast == self.fast_rto:
+            return
+        self.fast_rto = not self.fast_rto
+        with contextlib.suppress(OSError, ValueError):
+            self.sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US,
+                                 int((FAST_RTO_MIN_S if self.fast_rto else RTO_MIN_S) * 1e6))
+
     def check_stall(self, now: float, others_bytes: int) -> bool:
         """True when this channel has just been found stalled: bytes outstanding and no
         acknowledgement for as long as the link's history and the `others_bytes` the rank's
         other connections have outstanding make conclusive (uplink.stalled)."""
-        if self.stalled or self.writer is None or self.written == self.acked or self.sock is None:
+        if self.stalled or self.writer is None or self.sock is None:
+            return False
+        idle = self.written == self.acked
+        if idle and self.progress_at <= self.clean_at:
             return False
         counters = tcp_counters(self.sock)
+        self.follow_rtt(counters)
         if counters is not None and self.progress_at > self.clean_at:
-            # bytes were acknowledged since the last look: what the link lost so far was lost
-            # before any silence that follows
+            # bytes were acknowledged since the last look (the sampler looks every 50 ms while
+            # the rank sends): what the link lost so far was lost before any silence that follows
             self.clean_at = self.progress_at
             self.clean = lost_nothing(counters)
+        if idle:
+            return False
         queued_ahead = ahead_s(others_bytes, self.t.meter.rate)
-        if not stalled(counters, now - self.progress_at, self.clean, queued_ahead):
+        quick = self.clean and self.t.meter.unbottlenecked  # the quick rule needs a link that lost nothing ...
+        if not stalled(counters, now - self.progress_at, quick, queued_ahead):  # ... behind a fast uplink
             return False
         self.stalled = True
+        log.info("rank %d: %s link to rank %d stalled after %.3f s with nothing acknowledged (%s; %s)", self.t.rank,
+                 "bulk" if self.bulk else "control", self.peer, now - self.progress_at,
+                 "a fast link that lost nothing before" if quick else "the careful rule", counters)
         return True
 
 

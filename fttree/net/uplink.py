@@ -37,6 +37,7 @@ QUEUE_SEEN_S = QUEUE_TARGET_S / 2  # a round trip this far above the least one: 
 INITIAL_BUDGET_BYTES = 32 * 1024  # before any measurement: 0.26 s at 1 Mbit/s, nothing on a LAN
 MIN_BUDGET_BYTES = 16 * 1024  # 0.13 s behind 1 Mbit/s
 MAX_BUDGET_BYTES = 64 * 1024 * 1024
+FAST_BUDGET_BYTES = 1024 * 1024  # grown past this with no queue: a fast uplink (40 ms of 200 Mbit/s)
 POLL_MIN_S = 0.002  # a bulk channel waiting for room looks again this often, at the most
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
 RAMP_SLICE_S = 0.05  # ... or this much for the first figure of a link that queues (one sample of the transport's)
@@ -118,6 +119,15 @@ class UplinkMeter:
         7-worker job to 23.5 MB/s)."""
         return max((rate for _at, rate, queued in self._slices if queued), default=0.0)
 
+    @property
+    def unbottlenecked(self) -> bool:
+        """The budget grew past FAST_BUDGET_BYTES with no queue forming on the path: a LAN's or
+        loopback's uplink, where a silence of a few round trips is evidence (stalled) and a
+        short retransmission timeout safe (fast_rto_min). Behind a slow uplink a queue forms
+        long before (at 10 Mbit/s with 31 KB in flight), and the handshake's round trip said
+        nothing of it."""
+        return self._budget >= FAST_BUDGET_BYTES and not self.link_rate
+
     def _rate_budget(self, rate: float) -> int:
         wanted = rate * ((self.min_rtt_s or 0.0) + QUEUE_TARGET_S)
         return int(min(max(wanted, MIN_BUDGET_BYTES), MAX_BUDGET_BYTES))
@@ -159,9 +169,24 @@ class TcpCounters:
     total_retrans: int = 0  # segments sent again over the connection's life: the link has lost packets
     unacked_packets: int = 0  # segments sent and not yet acknowledged (in flight)
     segs_out: int = 0  # segments sent over the connection's life
+    delivery_rate: float = 0.0  # bytes per second the connection delivered lately (0.0: not measured)
+    snd_mss: int = 0  # bytes a segment carries
 
 
-RTO_MIN_S = 0.02  # the least retransmission timeout the TCP transport sets (Linux's own is 0.2 s)
+RTO_MIN_S = 0.2  # Linux's least retransmission timeout
+FAST_RTO_MIN_S = 0.02  # the least the TCP transport sets on a connection whose round trip shows no queue
+FAST_RTT_S = 0.002  # ... a round trip below this (a LAN, loopback) ...
+FAST_DELIVERY = 100e6  # ... while it delivers at least this many bytes per second (800 Mbit/s)
+
+
+def fast_rto_min(counters: TcpCounters) -> bool:
+    """May the connection's least retransmission timeout be FAST_RTO_MIN_S? While its round
+    trip is a LAN's: a lost segment is sent again after tens of milliseconds, and a cut shows
+    as a timeout in vain as soon (stalled). A round trip that grew (a queue, a slow or far
+    link) takes Linux's 0.2 s again, so a segment waiting in a queue is not sent twice. A
+    handshake's round trip says nothing of the link's rate (behind a 10 Mbit/s uplink on
+    loopback it is microseconds): the connection must have delivered fast too."""
+    return counters.rtt_s < FAST_RTT_S and counters.delivery_rate >= FAST_DELIVERY
 
 
 def retransmit_timeout_s(counters: TcpCounters) -> float:
@@ -176,15 +201,18 @@ STALL_MIN_S = 1.0  # the careful rule: no acknowledgement for this long and STAL
 STALL_RTTS = 4
 STALL_RETRANSMITS = 3  # ... while the retransmission timer expired this often in a row
 QUIET_STALL_MIN_S = 0.05  # the quick rule, on a link that loses nothing: no acknowledgement for this long ...
+QUIET_STALL_RETRANSMITS = 1  # ... and this many retransmission timeouts in a row
 DELAYED_ACK_S = 0.2  # ... and this longer with one segment in flight (Linux may delay its acknowledgement)
 CLEAN_LOSS = 1 / 256  # a link that resent at most this share of its segments before the silence loses nothing
+CLEAN_SLACK = 3  # ... and these few segments besides
 
 
 def lost_nothing(counters: TcpCounters) -> bool:
-    """Had the connection lost (almost) nothing? Read when bytes were last acknowledged, so what
-    a silence after that costs (a tail-loss probe, the retransmission timeouts) is not held
-    against the link, nor one lost segment in its life."""
-    return counters.total_retrans - counters.retransmits - 1 <= CLEAN_LOSS * counters.segs_out
+    """Had the connection lost (almost) nothing: at most CLEAN_LOSS of its segments, and a few
+    more? Read soon after bytes were last acknowledged; the few allow for what a silence that
+    began before the look already cost (a tail-loss probe and the segments a retransmission
+    timeout sends again, besides the timeouts' own, `retransmits`)."""
+    return counters.total_retrans - counters.retransmits - CLEAN_SLACK <= CLEAN_LOSS * counters.segs_out
 
 
 ASSUMED_RATE = 125_000.0  # bytes/s an unmeasured uplink is taken to carry (1 Mbit/s): a wait it sets errs long
@@ -202,18 +230,22 @@ def stall_wait_s(counters: TcpCounters | None, clean: bool, queued_ahead_s: floa
 
     What the silence proves depends on the link. On a link that lost nothing before (`clean`)
     a live receiver's kernel acknowledges every round trip, whatever its process is doing, so
-    a silence of a few round trips (at least QUIET_STALL_MIN_S), plus twice the time of what
-    the rank's other connections have queued ahead in its uplink (`queued_ahead_s`), with one
-    retransmission timeout gone in vain (a lost tail, its probe and the timeout's segment: a
-    lossy link that had not shown its losses yet loses three in a row), is a cut:
-    on a LAN tens of milliseconds, where TCP's own evidence (three retransmission timeouts, 0.2 + 0.4 + 0.8 s)
-    took 1.5 s, and a wrong call costs a detour of a few milliseconds. A lossy link's holes keep
-    the acknowledgements still for a retransmission timeout or two, and a wrong call there
-    doubles a slow link's traffic: it takes the careful rule (`stalled`)."""
+    a silence of a few round trips (at least QUIET_STALL_MIN_S), plus twice the time of the
+    bytes ahead (what the rank's other connections have queued in its uplink, `queued_ahead_s`,
+    and its own segments in flight at the rate it delivered lately), with a retransmission
+    timeout gone in vain (a lossy link that had not shown its losses yet must lose a tail and
+    its probe in a row), is a cut: on a LAN, where the transport sets the least timeout to
+    FAST_RTO_MIN_S, about 50 ms, where TCP's own evidence (three timeouts
+    in a row, 0.2 + 0.4 + 0.8 s) took 1.5 s; a wrong call there costs a detour of a few
+    milliseconds. A lossy link's holes keep the acknowledgements still for a timeout or two, and
+    a wrong call there doubles a slow link's traffic: it takes the careful rule, as does a
+    connection that has delivered nothing measurable yet."""
     rtt = 0.0 if counters is None else counters.rtt_s
-    if not clean or counters is None:
+    if not clean or counters is None or not counters.delivery_rate:
         return max(STALL_MIN_S, STALL_RTTS * rtt)
-    wait = max(QUIET_STALL_MIN_S, STALL_RTTS * rtt) + 2 * queued_ahead_s
+    # its own segments in flight take their time too, at the rate the connection delivered lately
+    own_s = counters.unacked_packets * counters.snd_mss / counters.delivery_rate
+    wait = max(QUIET_STALL_MIN_S, STALL_RTTS * rtt) + 2 * (queued_ahead_s + own_s)
     return wait + DELAYED_ACK_S if counters.unacked_packets <= 1 else wait
 
 
@@ -227,8 +259,8 @@ def stalled(counters: TcpCounters | None, silent_s: float, clean: bool, queued_a
         return True
     if counters.last_ack_s < wait:
         return False  # acknowledgements of some kind still come (a lossy link's duplicates)
-    if clean:  # segments in flight (not a receiver's closed window), sent again once in vain
-        return counters.unacked_packets > 0 and counters.retransmits >= 1
+    if clean and counters.delivery_rate:  # segments in flight (not a closed window), sent again in vain
+        return counters.unacked_packets > 0 and counters.retransmits >= QUIET_STALL_RETRANSMITS
     return counters.retransmits >= STALL_RETRANSMITS
 
 
@@ -239,7 +271,7 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
     if _TCP_INFO is None:
         return None
     with contextlib.suppress(OSError, ValueError):
-        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 152)
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 168)
         if len(info) >= 72:
             rtt = struct.unpack_from("<I", info, 68)[0] / 1e6
             rttvar = struct.unpack_from("<I", info, 72)[0] / 1e6
@@ -248,7 +280,9 @@ def tcp_counters(sock: socket.socket) -> TcpCounters | None:
             total_retrans = struct.unpack_from("<I", info, 100)[0] if len(info) >= 104 else 0
             unacked = struct.unpack_from("<I", info, 24)[0]
             segs_out = struct.unpack_from("<I", info, 136)[0] if len(info) >= 140 else 0
+            delivery = struct.unpack_from("<Q", info, 160)[0] if len(info) >= 168 else 0
             return TcpCounters(rtt_s=rtt, rttvar_s=rttvar, min_rtt_s=min_rtt, retransmits=info[2],
                                last_ack_s=last_ack, total_retrans=total_retrans, unacked_packets=unacked,
-                               segs_out=segs_out)
+                               segs_out=segs_out, delivery_rate=float(delivery),
+                               snd_mss=struct.unpack_from("<I", info, 16)[0])
     return None

@@ -423,10 +423,12 @@ class ShapedNetwork:
         counters = TcpCounters(rtt_s=2 * (self.latency_s + self._delay.get(pair(s.src, s.dst), 0.0)) + queue_s,
                                rttvar_s=0.0,
                                min_rtt_s=2 * self.latency_s, retransmits=s.head_tries, last_ack_s=now - s.last_ack_at,
-                               total_retrans=s.lost, unacked_packets=-(-in_flight // up.segment), segs_out=segs_out)
+                               total_retrans=s.lost, unacked_packets=-(-in_flight // up.segment), segs_out=segs_out,
+                               delivery_rate=up.meter.rate or up.rate, snd_mss=up.segment)
         if s.progress_at > s.clean_at:  # what the link lost so far was lost before this silence
             s.clean_at, s.clean = s.progress_at, lost_nothing(counters)
-        if stalled(counters, now - s.progress_at, s.clean, ahead_s(others, up.meter.rate)):
+        quick = s.clean and up.meter.unbottlenecked  # as the TCP transport decides it
+        if stalled(counters, now - s.progress_at, quick, ahead_s(others, up.meter.rate)):
             s.stalled = True
             t = self.transports.get(s.src)
             if report and t is not None and t.events is not None and s.src not in self._hung:
