@@ -155,8 +155,9 @@ class Config:
     # rank-N.key for this worker's rank N (ca.key need not be there)
     tls_dir: str | os.PathLike[str] | None = None
     handshake_timeout_s: float = 10.0  # a connection proves the key this soon, or is closed
-    # connections not proven yet, at most (a flood is refused beyond; with TLS a quarter of it are
-    # in their TLS handshake at once, and more wait in the kernel's backlog)
+    # outsiders' connections not proven yet, at most (from addresses no rank listens on, 4 from
+    # one; a flood is refused beyond, and members' addresses have places of their own; with TLS
+    # a quarter of it are in their TLS handshake at once)
     max_pending_handshakes: int = 64
 
     # -- transport
