@@ -53,7 +53,8 @@ def _raw(header: dict[str, object], payload_len: int = 0) -> bytes:
     # a peer of a job of another size: its world may be a grown group's, but the address is wrong
     (lambda: _hello(1, 9), "claims rank 1, whose address is 127.0.0.2"),
     (lambda: _hello(-1, 3), "claims rank -1"),
-    (lambda: _hello(7, 3), "claims rank 7"),
+    # a rank beyond any job's (a joiner's rank above the group's world is fine: it may be one)
+    (lambda: _hello(70_000, 3), "claims rank 70000"),
     (lambda: _hello(1, 3), "claims rank 1, whose address is 127.0.0.2"),  # sent from 127.0.0.100
 ])
 def test_garbage_on_the_wire_is_named_and_the_node_keeps_serving(make, needle: str) -> None:  # type: ignore[no-untyped-def]
