@@ -1,0 +1,48 @@
+"""fttree yardstick (tools/yardstick.py): what it reads from a launch, and the ratios it prints.
+Running two commits' launches takes minutes; these check its arithmetic and its refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fttree.tools.yardstick import parse_launch, ratio_line
+
+SITE = Path(__file__).resolve().parent.parent / "fttree" / "tools" / "yardstick_site"
+
+
+def test_the_closing_line_of_a_launch_gives_steps_workers_and_median() -> None:
+    out = "step   9  50.1 ms  exact 7/7\n60 steps done on all 7 workers; median 51.7 ms, max 306.2 ms; all exact: yes\n"
+    assert parse_launch(out) == (60, 7, 51.7)
+
+
+def test_a_launch_without_its_closing_line_is_named() -> None:
+    with pytest.raises(ValueError, match="no closing"):
+        parse_launch("Error: --real-faults needs the 'iptables' command\n")
+
+
+def test_the_ratio_is_the_median_of_the_pairs_ratios() -> None:
+    line = ratio_line("median step (ms)", [51.9, 51.0, 51.5, 57.9], [46.8, 50.2, 48.0, 44.2])
+    assert "ratio median 1.09" in line
+    assert "pairs 1.11, 1.02, 1.07, 1.31" in line
+
+
+def test_each_worker_counts_its_cpu_from_its_first_submit_to_its_last(tmp_path: Path) -> None:
+    """The sitecustomize both commits' workers load: it wraps FTTreeAllreduce.submit_array
+    when fttree.api is imported and writes 'seconds calls-1' at exit."""
+    fake = tmp_path / "fake"
+    (fake / "fttree").mkdir(parents=True)
+    (fake / "fttree" / "__init__.py").write_text("")
+    (fake / "fttree" / "api.py").write_text(
+        "class FTTreeAllreduce:\n    def submit_array(self, n):\n        return sum(range(n))\n")
+    script = "from fttree.api import FTTreeAllreduce as A\na = A()\nfor _ in range(5): a.submit_array(200000)\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(SITE), str(fake))), FTTREE_YARDSTICK_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60, cwd=tmp_path)
+    (written,) = tmp_path.glob("cpu-*")
+    seconds, calls = written.read_text().split()
+    assert int(calls) == 4  # the steps between the first submit and the last
+    assert float(seconds) > 0
