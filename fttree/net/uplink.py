@@ -37,7 +37,6 @@ QUEUE_SEEN_S = QUEUE_TARGET_S / 2  # a round trip this far above the least one: 
 INITIAL_BUDGET_BYTES = 32 * 1024  # before any measurement: 0.26 s at 1 Mbit/s, nothing on a LAN
 MIN_BUDGET_BYTES = 16 * 1024  # 0.13 s behind 1 Mbit/s
 MAX_BUDGET_BYTES = 64 * 1024 * 1024
-FAST_BUDGET_BYTES = 1024 * 1024  # grown past this with no queue: a fast uplink (40 ms of 200 Mbit/s)
 POLL_MIN_S = 0.002  # a bulk channel waiting for room looks again this often, at the most
 SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
 RAMP_SLICE_S = 0.05  # ... or this much for the first figure of a link that queues (one sample of the transport's)
@@ -121,12 +120,12 @@ class UplinkMeter:
 
     @property
     def unbottlenecked(self) -> bool:
-        """The budget grew past FAST_BUDGET_BYTES with no queue forming on the path: a LAN's or
-        loopback's uplink, where a silence of a few round trips is evidence (stalled) and a
-        short retransmission timeout safe (fast_rto_min). Behind a slow uplink a queue forms
-        long before (at 10 Mbit/s with 31 KB in flight), and the handshake's round trip said
-        nothing of it."""
-        return self._budget >= FAST_BUDGET_BYTES and not self.link_rate
+        """The budget grew with no queue forming on the path: a LAN's or loopback's uplink, where
+        a silence of a few round trips is evidence (stalled) and a short retransmission timeout
+        safe (fast_rto_min). Behind a slow uplink a queue forms at the first budget already
+        (at 10 Mbit/s 32 KB wait 26 ms), and the handshake's round trip said nothing of it. A
+        job of small steps grows its budget only as far as its frames need."""
+        return self._budget > INITIAL_BUDGET_BYTES and not self.link_rate
 
     def _rate_budget(self, rate: float) -> int:
         wanted = rate * ((self.min_rtt_s or 0.0) + QUEUE_TARGET_S)
