@@ -32,6 +32,7 @@ def test_a_joiner_process_silent_after_its_admission_is_evicted_and_steps_go_on(
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             durations: dict[int, float] = {}
+            deadline = 0.0  # the largest node deadline any member held: it adapts to the machine's load
             joined_at: int | None = None
             after = 0
             step, end = 0, time.monotonic() + 120
@@ -47,6 +48,7 @@ def test_a_joiner_process_silent_after_its_admission_is_evicted_and_steps_go_on(
                     assert np.array_equal(out, want), f"rank {h.rank} step {step}: not the sum of its contributors"
                     assert 3 not in h.last.contributors
                 durations[step] = time.monotonic() - began
+                deadline = max([deadline] + [h.node.membership.node_deadline_s for h in handles if h.node is not None])
                 time.sleep(0.01)  # a step of compute: the joiner's process starts meanwhile
                 if joined_at is None and any(h.node is not None and h.node.membership.status().evicted_total
                                              for h in handles):
@@ -61,11 +63,13 @@ def test_a_joiner_process_silent_after_its_admission_is_evicted_and_steps_go_on(
                 assert eviction.rank == 3
                 assert "suspected by" in eviction.reason
             assert joiner.poll() is None  # stopped, not dead: its connections stayed open
-            deadline = handles[0].node.membership.node_deadline_s  # type: ignore[union-attr]
             slowest = max(durations.values())
             print(f"silent joiner: slowest step {slowest:.3f} s (node deadline {deadline:.2f} s), "
                   f"evicted after {eviction.detected_after_s:.3f} s of suspicion")
-            assert slowest < 2 * deadline + 0.5, durations
+            # Suspicion needs a silence past the deadline and then a ping unanswered for another, then
+            # a ballot: the step the joiner stalled ends in about twice the slowest member's deadline,
+            # never at the 20 s step timeout.
+            assert slowest < 2 * deadline + 1.0, (deadline, durations)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(joiner.pid, signal.SIGCONT)
