@@ -21,7 +21,7 @@ from fttree.net import certs
 from fttree.net import handshake as hs
 from fttree.net.address import parse_address
 from fttree.net.credentials import write_key
-from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
+from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, UNKNOWN_UNFINISHED_BYTES, TcpTransport
 
 from .conftest import cluster
 from .rawpeer import read_frame_head
@@ -272,3 +272,44 @@ def test_places_before_the_proof_follow_the_address_table() -> None:
     assert t.knows(9)
     t.inbound_gone(9)
     assert 9 in t.addresses
+
+
+def test_a_key_holder_cannot_make_a_worker_hold_unfinished_payloads_of_invented_ranks(tmp_path: Path) -> None:
+    """A key holder proves 4 ranks the job does not have (1000-1003) and starts a 40 MiB frame
+    on each, sending 30 MiB of it and never the rest: the worker keeps at most
+    UNKNOWN_UNFINISHED_BYTES of such frames (one here), refuses the others by name, and its
+    memory grows by less than 100 MB; every step stays exact, and the bytes are released
+    when the attacker goes."""
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 3)
+        transport = tcp(handles[0])
+        refusals_before, rss_before = transport.refusals, rss_mb()
+        holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", str(handles[0].peers[0]), "--key-file",
+                                   str(key), "--first", "1000", "--count", "4", "--hold", "2", "--payload-mib", "30",
+                                   "--announce-mib", "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rss_peak, held_peak = rss_before, 0
+        try:
+            while holder.poll() is None:
+                exact_steps(handles, 1)
+                rss_peak, held_peak = max(rss_peak, rss_mb()), max(held_peak, transport.unknown_unfinished)
+                time.sleep(0.05)
+            out, err = holder.communicate(timeout=60)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+        assert holder.returncode == 0, err
+        report = json.loads(out)
+        print(f"{report}; unfinished bytes held at most {held_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+        assert report["proven"] == 4, report
+        assert report["sent_mib_kept"] <= UNKNOWN_UNFINISHED_BYTES >> 20, report
+        assert held_peak <= UNKNOWN_UNFINISHED_BYTES
+        assert transport.refusals - refusals_before >= 3  # 40 + 40 MiB would pass the 64 MiB bound
+        assert "unfinished payloads" in transport.last_frame_error
+        assert rss_peak - rss_before < 100, (rss_before, rss_peak)
+        exact_steps(handles, 2)
+        deadline = time.monotonic() + 10
+        while transport.unknown_unfinished and time.monotonic() < deadline:
+            exact_steps(handles, 1)
+        assert transport.unknown_unfinished == 0
