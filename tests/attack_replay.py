@@ -9,8 +9,10 @@ TLS besides for findings 1 and 5), each running checked allreduce steps of a kno
 JSON line on its stdout. It samples every worker's VmRSS (/proc/PID/status) every 50 ms: the
 baseline is the median of the 2 s before the attack, the peak the largest sample from the
 attack's start to the end, and "after" the median of the last second once the attacker is gone
-and each worker ran five more steps (and 2 s passed). Then it prints one line per attack and
-`replay ok`, or `replay FAILED: ...` naming every target missed (exit status 1):
+and each worker ran five more steps (and 2 s passed, or --settle S). The early sums of 4 are for
+steps 1,000 ahead of rank 0's (--early-ahead N): the replay ends before those steps run. Then it
+prints one line per attack and `replay ok`, or `replay FAILED: ...` naming every target missed
+(exit status 1):
 
 - every step of every worker from the baseline on exact, with all three members in its sum;
 - no member evicted; no step longer than the node deadline its rank held (for 3, whose silent
@@ -139,7 +141,8 @@ def worker_main(a: argparse.Namespace) -> int:
             emit({"step": rec.step, "t0": began[0], "t1": time.time(), "duration_s": rec.duration_s,
                   "exact": rec.exact, "ranks": rec.ranks, "error": rec.error, "epoch": rec.epoch,
                   "deadline_s": None if status is None else status.node_deadline_s,
-                  "evicted_total": None if status is None else status.evicted_total})
+                  "evicted_total": None if status is None else status.evicted_total,
+                  "evicted": [] if status is None else [e.rank for e in status.evictions]})
     except _Stop:
         pass
     finally:
@@ -290,14 +293,14 @@ def attacker_main(a: argparse.Namespace) -> int:
                 t0 = time.monotonic()
                 if _closed(sock, a.hold):
                     lifetimes.append(round(time.monotonic() - t0, 3))
-                    log.append(f"{name}: proved, closed after {lifetimes[-1]:.3f} s")
+                    log.append(f"{name}: proved, then closed by the worker")
                 else:
                     still_open += 1
                     log.append(f"{name}: proved, open after {a.hold:g} s")
                 sock.close()
             time.sleep(0.3)
         report.update(tries=tries, proven=proven, refused=refused, closed_after_s=lifetimes,
-                      open_at_hold_end=still_open, log=log)
+                      open_at_hold_end=still_open, outcomes={o: log.count(o) for o in sorted(set(log))})
     report["seconds"] = round(time.monotonic() - started, 2)
     print(json.dumps(report), flush=True)
     return 0
@@ -408,6 +411,7 @@ class Job:
             certs.make(self.tls_dir, [*MEMBERS, EXTRA_CERT_RANK])
         self.workers: list[Worker] = []
         self.ready: list[dict[str, Any]] = []
+        self.stopped = False
 
     def start(self) -> None:
         for r in MEMBERS:
@@ -436,6 +440,9 @@ class Job:
         return True
 
     def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         for w in self.workers:
             w.send("stop")
         deadline = time.monotonic() + 30
@@ -516,13 +523,18 @@ def read_json_line(proc: subprocess.Popen[str], limit_s: float) -> str:
 
 
 def status_counts(address: str) -> dict[str, Any]:
-    """The nonzero counters of a worker's GET /status ("counts"), or why there are none."""
+    """The nonzero counters of a worker's GET /status ("counts", and "http": its status port's
+    connections and those it shed), or why there are none."""
     try:
         with urllib.request.urlopen(f"http://{address}/status", timeout=5) as resp:
-            counts = json.loads(resp.read()).get("counts", {})
+            doc = json.loads(resp.read())
     except (OSError, ValueError) as exc:
         return {"error": str(exc)}
-    return {k: v for k, v in counts.items() if v}
+    out = {k: v for k, v in doc.get("counts", {}).items() if v}
+    http = doc.get("http", {})
+    if http.get("shed"):
+        out["http_shed"] = http["shed"]
+    return out
 
 
 def status_code(address: str) -> int:
@@ -640,7 +652,7 @@ def attack_silent_joiner(job: Job, res: Result) -> None:
 
 def attack_early_data(job: Job, res: Result) -> None:
     step = max(s["step"] for s in job.workers[0].steps())
-    first = step + 1000
+    first = step + job.args.early_ahead
     epoch = job.workers[0].steps()[-1]["epoch"]
     with attacker([sys.executable, str(Path(__file__).resolve()), "--attacker", "early", "--target", job.peers[0],
                    "--key", str(job.key), "--first-step", str(first), "--count", "2000", "--numel", "62500",
@@ -718,7 +730,7 @@ def fmt_list(xs: list[float]) -> str:
 def evicted_text(evicted: dict[int, list[int]]) -> str:
     if not any(evicted.values()):
         return "none"
-    return ", ".join(f"r{r} evicted {sorted(e) if -1 not in e else len(e)}" for r, e in evicted.items() if e)
+    return ", ".join(f"r{r} evicted {sorted(e)}" for r, e in evicted.items() if e)
 
 
 def max_deadline(job: Job, t0: float, t1: float) -> float:
@@ -747,15 +759,17 @@ def run_attack(name: str, tls: bool, attack: Attack, documented: bool, args: arg
             a1 = time.time()
             if not job.wait_steps(5, a1, 60):
                 res.misses.append("the job did not run 5 steps within 60 s after the attack")
-            while time.time() < a1 + 2.0:
+            while time.time() < a1 + args.settle:
                 time.sleep(0.05)
             after0 = time.time()
             time.sleep(1.0)
             after1 = time.time()
             load1 = os.getloadavg()[0]
             sampler.stop.set()
+            counts = status_counts(job.ready[0]["http"])
+            job.stop()
             summarize(job, res, sampler, base0, a0, a1, after0, after1)
-            res.figures.append(f"rank 0's /status counts afterwards: {status_counts(job.ready[0]['http'])}")
+            res.figures.append(f"rank 0's /status afterwards: {counts}")
             res.figures.append(f"load {load0:.2f} -> {load1:.2f}")
         except Exception as exc:
             res.misses.append(f"the replay broke: {type(exc).__name__}: {exc}")
@@ -785,13 +799,10 @@ def summarize(job: Job, res: Result, sampler: Sampler, base0: float, a0: float, 
     slowest = max((s["duration_s"] for _, s in steps), default=0.0)
     views = [(w.rank, rec) for w in job.workers for rec in w.records if "view" in rec and rec["t"] >= base0]
     members_out = sorted({m for _, v in views for m in MEMBERS if m not in v["view"]})
-    evicted: dict[int, list[int]] = {}  # rank -> the ranks it evicted (its final line, else its step lines' count)
-    for w in job.workers:
-        final = [rec for rec in w.records if rec.get("final")]
-        if final:
-            evicted[w.rank] = [e["rank"] for e in final[-1]["evictions"]]
-        else:
-            evicted[w.rank] = [-1] * max((s["evicted_total"] or 0 for s in w.steps()), default=0)
+    # rank -> the ranks it had evicted by its last step in the window (not those at the job's stop,
+    # where the workers close one by one and a rank still running may evict one that closed)
+    evicted: dict[int, list[int]] = {
+        w.rank: next((s["evicted"] for s in reversed(w.steps()) if s["t1"] <= after1), []) for w in job.workers}
     rss = []
     for w in job.workers:
         base = sampler.between(w.rank, base0, a0)
@@ -839,7 +850,8 @@ def driver_main(args: argparse.Namespace) -> int:
                            text=True)
     print(f"attack replay at {head.stdout.strip()}{' (fttree/ modified in the work tree)' if dirty.stdout else ''}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}, "
-          f"{os.cpu_count()} CPUs; steps of {args.size} float32, {args.gap:g} s apart; MB = 10^6 bytes", flush=True)
+          f"{os.cpu_count()} CPUs; steps of {args.size} float32, {args.gap:g} s apart; 'after' {args.settle:g} s "
+          f"after the attack; MB = 10^6 bytes", flush=True)
     results = []
     for name, tls, attack, documented in chosen:
         if attack is None:
@@ -866,6 +878,8 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="one attack (a name, or its number: 4 runs both of 4)")
     ap.add_argument("--size", type=int, default=2048, help="float32 elements a step (small: one control frame)")
     ap.add_argument("--gap", type=float, default=0.02, help="seconds between a worker's steps")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds after the attack before the 1 s 'after' window")
+    ap.add_argument("--early-ahead", type=int, default=1000, help="4-early-data: its first step, ahead of rank 0's")
     ap.add_argument("--keep-logs", action="store_true", help="keep the workers' logs (their stderr)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--joiner", action="store_true", help=argparse.SUPPRESS)
