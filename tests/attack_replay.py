@@ -797,7 +797,7 @@ def summarize(job: Job, res: Result, sampler: Sampler, base0: float, a0: float, 
     bad = [(r, s) for r, s in steps if not s["exact"] or not set(MEMBERS) <= set(s["ranks"])]
     stalls = [(r, s) for r, s in steps if s["deadline_s"] and s["duration_s"] > s["deadline_s"]]
     slowest = max((s["duration_s"] for _, s in steps), default=0.0)
-    views = [(w.rank, rec) for w in job.workers for rec in w.records if "view" in rec and rec["t"] >= base0]
+    views = [(w.rank, rec) for w in job.workers for rec in w.records if "view" in rec and base0 <= rec["t"] <= after1]
     members_out = sorted({m for _, v in views for m in MEMBERS if m not in v["view"]})
     # rank -> the ranks it had evicted by its last step in the window (not those at the job's stop,
     # where the workers close one by one and a rank still running may evict one that closed)
