@@ -27,7 +27,7 @@ from fttree.core.membership import (
 )
 from fttree.core.messages import Agreement, Kind, Message, Notice, Sender
 from fttree.core.protocol import Complete, Received, Submit, TimerKey, TimerKind, TreeMachine
-from fttree.core.replica import EARLY_BYTES_FLOOR, Arrived, Foreign, Replica
+from fttree.core.replica import EARLY_BYTES_FLOOR, EARLY_FAR_BYTES, Arrived, Foreign, Replica
 from fttree.core.view import View
 from fttree.net.node import StepResult
 from fttree.testing.sim import SimNetwork
@@ -282,6 +282,30 @@ def test_forged_early_data_beyond_the_bound_is_dropped_and_counted() -> None:
     for step in range(1, 9):
         replica.step(Submit(step=step, data=np.zeros(1024, np.float32), signature="float32[1024]"), 1.0)
     assert replica.early_bytes == 0
+
+
+def test_forged_sums_for_steps_far_ahead_hold_at_most_the_far_bound() -> None:
+    """Forty 1 MiB subtree sums "from rank 1" for steps 1,000 to 1,039 (rank 0 is at step 0):
+    at most EARLY_FAR_BYTES of them are held (a key holder's sums for steps a thousand ahead
+    would sit in memory until those steps ran), the rest dropped and counted; sums for near
+    steps still have the whole bound."""
+    replica = Replica(0, View.initial(3), Config())
+    _take_part(replica)
+    replica.step(Submit(step=0, data=np.zeros(1024, np.float32), signature="float32[1024]"), 0.0)
+    mib = np.ones(1 << 18, np.float32)
+
+    def sum_for(step: int) -> Message:
+        return Message(kind=Kind.DATA_REDUCE, src=1, step=step, chunk=0, chunks=1, tree=0, origin=1, contributors=(1,),
+                       dtype="<f4", numel=int(mib.size), signature=f"float32[{mib.size}]", payload=mib.data.cast("B"))
+
+    for step in range(1000, 1040):
+        replica.step(Arrived(msg=sum_for(step)), 0.0)
+    assert replica.early_bytes == EARLY_FAR_BYTES
+    assert replica.early_dropped == 40 - EARLY_FAR_BYTES // mib.nbytes
+    for step in range(5, 45):
+        replica.step(Arrived(msg=sum_for(step)), 0.0)
+    assert replica.early_bytes == EARLY_FAR_BYTES + 40 * mib.nbytes  # near steps: all held
+    assert replica.early_dropped == 40 - EARLY_FAR_BYTES // mib.nbytes
 
 
 def test_children_steps_ahead_of_their_parent_are_never_dropped_and_stay_exact() -> None:

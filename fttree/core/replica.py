@@ -69,6 +69,12 @@ _NEVER_STALE = frozenset({Kind.PROBE, Kind.PROBE_ACK, Kind.CATCHUP, Kind.META_ST
 EARLY_BYTES_FLOOR = 64 << 20
 EARLY_WINDOW_STEPS = 64
 EARLY_FACTOR = 4
+# Of those bytes, steps more than EARLY_NEAR_STEPS beyond this rank's newest submitted one hold
+# at most EARLY_FAR_BYTES: children run ahead by a training step's buckets, not by hundreds of
+# steps, and a key holder's sums for steps a thousand ahead would otherwise sit in memory until
+# those steps run (a dropped one costs its step a relay, never a wrong sum).
+EARLY_NEAR_STEPS = 256
+EARLY_FAR_BYTES = 8 << 20
 #: sender rules whose frames a member sends (a coordinator's commit: the membership checks the ballot)
 _MEMBER_RULES = frozenset({Sender.MEMBER, Sender.COORDINATOR})
 
@@ -372,7 +378,7 @@ class Replica:
         step = msg.step
         if step > self.newest_submitted + self.cfg.max_ops_ahead:
             return True
-        if self.early_bytes + size <= self.early_limit():
+        if self.early_bytes + size <= self.early_limit() and self._room_far(step, size):
             self._early_steps[step] = self._early_steps.get(step, 0) + size
             self.early_bytes += size
             return True
@@ -385,6 +391,14 @@ class Replica:
                                  f"such steps already (at most {self.early_limit()}); further ones are counted, "
                                  "not logged"))
         return False
+
+    def _room_far(self, step: int, size: int) -> bool:
+        """Is there room for `size` bytes for `step` among the steps far ahead (EARLY_FAR_BYTES)?
+        Near steps always are: the overall bound is theirs."""
+        near = self.newest_submitted + EARLY_NEAR_STEPS
+        if step <= near:
+            return True
+        return sum(b for s, b in self._early_steps.items() if s > near) + size <= EARLY_FAR_BYTES
 
     # ---- frames before taking part, and stale frames ---------------------------------------------
 
