@@ -182,7 +182,7 @@ def check_exposure(credentials: Credentials, addresses: Iterable[Address], insec
     """Refuse a job without a credential on addresses others can reach, naming the options."""
     if credentials.secured or insecure:
         return
-    exposed = sorted({str(a) for a in addresses if not is_loopback(a)})
+    exposed = sorted({str(a) for a in addresses if a.listed and not is_loopback(a)})  # (`-` listens nowhere)
     if exposed:
         raise ConfigError(
             f"workers at {', '.join(exposed[:3])}{' ...' if len(exposed) > 3 else ''} are reachable beyond this "
