@@ -14,9 +14,11 @@ import pytest
 from fttree import FTTreeAllreduce
 from fttree.errors import ConfigError, PeerError
 from fttree.net import certs
+from fttree.net import handshake as hs
 from fttree.net.address import NOWHERE, Address, parse_address, parse_peers
 
 from .conftest import cluster, local_peers, start_all
+from .rawpeer import closed_by_peer, connect, read_frame_head
 
 SIZE = 407_500  # float32: 1.63 MB a step
 
@@ -83,7 +85,7 @@ def test_a_rank_nobody_can_dial_trains_with_the_others_on_the_connections_it_ope
     """Rank 3 is `-`: it listens nowhere (nothing could be dialled) and every step is exact on
     every rank, rank 3 in every sum, in view 0. Nobody dialled it: its peers' frames went on
     the two connections it opened to each (control and bulk, adopted)."""
-    settings: dict[str, object] = {"timeout_s": 0.3, "step_timeout_s": 20}
+    settings: dict[str, object] = {"timeout_s": 0.3, "step_timeout_s": 20, "insecure": secured == "plain"}
     if secured in ("key", "tls"):
         key = tmp_path / "job.key"
         key.write_bytes(b"k" * 32)
@@ -106,7 +108,7 @@ def test_a_lost_connection_of_a_rank_nobody_can_dial_comes_back_from_its_side() 
     """Rank 0 drops the connections rank 2 (`-`) dialled: rank 2 dials them again at once
     (it has no frames to send: it keeps them up because they are its peers' only way to it),
     and the steps go on exact."""
-    with cluster(3, listed=unlisted(2), timeout_s=0.3, step_timeout_s=20) as handles:
+    with cluster(3, listed=unlisted(2), insecure=True, timeout_s=0.3, step_timeout_s=20) as handles:
         exact_steps(handles, 2)
         node = handles[0].transport
         assert node is not None
@@ -130,7 +132,7 @@ def test_ranks_behind_one_site_dial_each_other_and_the_public_ones_only_are_dial
     def behind(r: int, p: str) -> str:
         return f"{p} behind home" if r >= 2 else p
 
-    with cluster(4, listed=behind, timeout_s=0.3, step_timeout_s=20) as handles:
+    with cluster(4, listed=behind, insecure=True, timeout_s=0.3, step_timeout_s=20) as handles:
         exact_steps(handles, 3)
         for h in handles[:2]:
             assert all(links(h)[p][0] == 0 and links(h)[p][1] >= 2 for p in (2, 3)), links(h)
@@ -144,7 +146,7 @@ def test_two_ranks_nobody_can_dial_are_named_at_the_start_not_waited_for() -> No
     """Ranks 2 and 3 are both `-` (two NATs): no connection can join them before relays
     come, so the start fails at once, naming the pair, instead of waiting out its deadline."""
     peers = [p if r < 2 else "-" for r, p in enumerate(local_peers(4))]
-    handles = [FTTreeAllreduce(r, peers, startup_timeout_s=60, timeout_s=0.3) for r in range(4)]
+    handles = [FTTreeAllreduce(r, peers, startup_timeout_s=60, timeout_s=0.3, insecure=True) for r in range(4)]
     began = time.monotonic()
     errors = start_all(handles, limit_s=90)
     took = time.monotonic() - began
@@ -159,8 +161,45 @@ def test_two_ranks_nobody_can_dial_are_named_at_the_start_not_waited_for() -> No
 
 def test_a_rank_listed_as_dash_listens_nowhere() -> None:
     """Its own entry `-`: no listening socket, so nothing could dial it even by mistake."""
-    with cluster(2, listed=unlisted(1), timeout_s=0.3, step_timeout_s=20) as handles:
+    with cluster(2, listed=unlisted(1), insecure=True, timeout_s=0.3, step_timeout_s=20) as handles:
         tcp = handles[1].transport.inner  # type: ignore[union-attr]
         assert tcp._server is None
         assert tcp._tls_listener is None
         exact_steps(handles, 2, size=1000)
+
+
+def test_without_a_key_a_rank_behind_a_nat_is_refused_naming_the_options() -> None:
+    """Its connections come from the NAT's address: only a key can tell it from anyone else."""
+    for entry in ("-", "127.0.0.9:1 behind home"):
+        peers = [*local_peers(2), entry]
+        with pytest.raises(ConfigError, match=r"dial from behind a NAT.*--auth-key-file.*--insecure"):
+            FTTreeAllreduce(0, peers)
+
+
+def test_an_outsider_claiming_the_rank_nobody_can_dial_is_not_sent_its_frames(tmp_path: Path) -> None:
+    """Rank 2 is `-`. A connection that claims rank 2 without the key is refused at its
+    proof: rank 0 keeps sending on rank 2's own connections (none adopted from the outsider),
+    and the steps stay exact."""
+    key = tmp_path / "job.key"
+    key.write_bytes(b"k" * 32)
+    with cluster(3, listed=unlisted(2), auth_key_file=str(key), handshake_timeout_s=2.0, timeout_s=0.3,
+                 step_timeout_s=20) as handles:
+        exact_steps(handles, 2)
+        before = links(handles[0])[2]
+        addr = handles[0].peers[0]
+        for channel in (hs.CONTROL, hs.BULK):
+            with connect(addr.host, addr.port) as sock:  # this job's id, a proof made with another key
+                hello = hs.Hello(src=2, dst=0, world=3, channel=channel, address="-", job=handles[0].credentials.job,
+                                 nonce=hs.new_nonce())
+                sock.sendall(hs.encode(hello))
+                head = read_frame_head(sock)
+                assert head is not None
+                challenge = hs.decode(head)
+                assert isinstance(challenge, hs.Challenge)
+                sock.sendall(hs.encode(hs.Proof(src=2, mac=hs.dial_mac(b"x" * 32, hello, challenge.nonce))))
+                assert closed_by_peer(sock)
+        assert links(handles[0])[2] == before
+        assert handles[0].transport is not None
+        assert handles[0].transport.status().refusals >= 2
+        exact_steps(handles, 2)
+        assert links(handles[0])[2] == before
