@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from fttree import FTTreeAllreduce
@@ -79,3 +80,15 @@ def run_threads(targets: list[Callable[[], None]], limit_s: float = 120) -> None
     for t in threads:
         t.join(limit_s)
         assert not t.is_alive(), "a worker did not finish within its deadline"
+
+
+def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 1000) -> None:
+    """`steps` allreduce steps on every handle at once: each result the exact sum of every rank's
+    contribution, with every rank among its contributors."""
+    for step in range(steps):
+        data = [np.full(size, float(step + r), np.float32) for r in range(len(handles))]
+        futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
+        for h, fut in zip(handles, futures, strict=True):
+            assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
+            assert h.last is not None
+            assert h.last.contributors == tuple(range(len(handles))), (h.rank, step, h.last.contributors)

@@ -3,7 +3,10 @@
 proving the job's key on the control channel and naming an address, all held open for
 `--hold` seconds; with `--then R`, one more as rank R afterwards. Prints one JSON line:
 proven (the worker took the proof and kept the connection a moment), refused, kept (still
-open at the end of the hold), closed_while_held, and `then` ("answered" or "refused")."""
+open at the end of the hold), closed_while_held, and `then` ("answered" or "refused").
+With `--payload-mib N`, each proven connection then announces a frame of `--announce-mib` MiB
+and sends N MiB of it, never the rest (sent_mib_kept: MiB that went out on connections the
+worker kept)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fttree.core.messages import MAGIC, PREFIX, VERSION
 from fttree.net import handshake as hs
 from fttree.net.credentials import Credentials
 from tests.rawpeer import connect, handshake
@@ -48,6 +52,24 @@ def prove(host: str, port: int, key: bytes, rank: int, world: int) -> socket.soc
     return sock
 
 
+def start_payload(sock: socket.socket, announce_mib: int, mib: int) -> int:
+    """Announce a frame of `announce_mib` MiB on `sock` and send `mib` MiB of it: the MiB that
+    went out before the worker closed the connection."""
+    head = b"\x80" * 16  # decoded only once the payload is complete: never
+    chunk = bytes(1 << 20)
+    sock.setblocking(True)
+    sock.settimeout(5.0)
+    sent = 0
+    try:
+        sock.sendall(PREFIX.pack(MAGIC, VERSION, len(head), announce_mib << 20) + head)
+        for _ in range(mib):
+            sock.sendall(chunk)
+            sent += 1
+    except OSError:
+        pass
+    return sent
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
@@ -56,6 +78,8 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--hold", type=float, default=4.0)
     ap.add_argument("--then", type=int, default=-1)
+    ap.add_argument("--payload-mib", type=int, default=0)
+    ap.add_argument("--announce-mib", type=int, default=255)
     args = ap.parse_args()
     host, port_s = args.target.rsplit(":", 1)
     port = int(port_s)
@@ -69,6 +93,10 @@ def main() -> int:
         if s is not None and s not in held:
             s.close()
     report: dict[str, object] = {"proven": len(held), "refused": args.count - len(held)}
+    if args.payload_mib:
+        sent = [start_payload(s, args.announce_mib, args.payload_mib) for s in held]
+        time.sleep(0.5)
+        report["sent_mib_kept"] = sum(mib for s, mib in zip(held, sent, strict=True) if not closed(s))
     time.sleep(args.hold)
     still = [s for s in held if not closed(s)]
     report["kept"] = len(still)

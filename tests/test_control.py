@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fttree import FTTreeAllreduce, logs
+from fttree.core.messages import Kind, Message
 from fttree.status.control import ControlServer, is_loopback
 from fttree.tools.demo import contribution, expected_sum
 
@@ -327,3 +328,32 @@ def test_a_job_key_makes_admin_requests_need_its_token(tmp_path: Path) -> None:
         assert call(hs[0], "POST", "/faults", "delay 1-0 1ms")[0] == 401
         assert call(hs[0], "POST", "/faults", "delay 1-0 1ms", {"Authorization": f"Bearer {token}"})[0] == 200
         assert get_json(hs[0], "/status")["rank"] == 0
+
+
+def test_early_frames_dropped_at_their_bound_show_in_status_and_metrics() -> None:
+    """Forty 16 MiB subtree sums "from rank 1" for steps rank 0 has not reached (640 MiB) reach
+    rank 0's node: it holds 4 (EARLY_BYTES_FLOOR), drops 36, and /status and /metrics say so
+    as counters (empty sums beside them, none here)."""
+    with cluster(3, timeout_s=0.1, http_port=0) as hs:
+        run_step(hs, 0)
+        node, loop = hs[0].node, hs[0]._loop
+        assert node is not None
+        assert loop is not None
+        big = np.ones(4 << 20, np.float32)
+        for step in range(5, 45):
+            msg = Message(kind=Kind.DATA_REDUCE, src=1, step=step, chunk=0, chunks=1, tree=0, origin=1,
+                          contributors=(1,), dtype="<f4", numel=int(big.size), signature=f"float32[{big.size}]",
+                          payload=big.data.cast("B"), epoch=hs[0].view.epoch)
+            loop.call_soon_threadsafe(node.on_message, msg)
+        deadline = time.monotonic() + 30
+        while get_json(hs[0], "/status")["counts"]["early_dropped"] < 36:
+            assert time.monotonic() < deadline, get_json(hs[0], "/status")["counts"]
+            time.sleep(0.05)
+        counts = get_json(hs[0], "/status")["counts"]
+        assert counts["early_dropped"] == 36
+        assert counts["early_dropped_bytes"] == 36 * big.nbytes
+        assert counts["empty_sums"] == 0
+        figures = metrics(hs[0])
+        assert figures[("fttree_early_frames_dropped_total", ())] == 36
+        assert figures[("fttree_early_bytes_dropped_total", ())] == 36 * big.nbytes
+        assert figures[("fttree_empty_sums_total", ())] == 0

@@ -12,31 +12,23 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from fttree import FTTreeAllreduce
 from fttree.net import certs
 from fttree.net import handshake as hs
 from fttree.net.address import parse_address
 from fttree.net.credentials import write_key
-from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
+from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, UNKNOWN_UNFINISHED_BYTES, TcpTransport
 
-from .conftest import cluster
+from .conftest import cluster, exact_steps
 from .rawpeer import read_frame_head
 
 HERE = Path(__file__).resolve().parent
 FLOODER = HERE / "tls_flooder.py"
 HOLDER = HERE / "proven_holder.py"
-
-
-def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 1000) -> None:
-    for step in range(steps):
-        data = [np.full(size, float(step + r), np.float32) for r in range(len(handles))]
-        futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
-        for h, fut in zip(handles, futures, strict=True):
-            assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
 
 
 def tcp(handle: FTTreeAllreduce) -> TcpTransport:
@@ -107,6 +99,42 @@ def redial_s(handle: FTTreeAllreduce, peer: int, limit_s: float = 15.0) -> float
     return asyncio.run_coroutine_threadsafe(cut_and_wait(), loop).result(limit_s + 5)
 
 
+def reconnect_during_flood(handles: list[FTTreeAllreduce], mode: str, tls_dir: Path | None, hold_s: float) -> None:
+    """Run tls_flooder.py (1,000 connections in `mode`, held `hold_s`) against rank 0 while the
+    job runs: a member's new connection is answered, and rank 1's own redial is up, within
+    2 s; rank 0's open files and memory stay bounded, and every step is exact."""
+    exact_steps(handles, 5)
+    target = str(handles[0].peers[0])
+    fds_before, rss_before = open_fds(), rss_mb()
+    flooder = subprocess.Popen([sys.executable, str(FLOODER), "--target", target, "--count", "1000",
+                                "--mode", mode, "--hold", str(hold_s)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert flooder.stdout is not None
+        assert json.loads(flooder.stdout.readline()) == {"ready": True}
+        time.sleep(2.0)  # the flood fills whatever it can fill
+        fds_peak, rss_peak = open_fds(), rss_mb()
+        redial = redial_s(handles[1], peer=0)
+        exact_steps(handles, 2)
+        hello_s = [member_hello_s(target, tls_dir, 2, handles[0].credentials.job) for _ in range(3)]
+        exact_steps(handles, 2)
+        fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
+        print(f"member HELLO answered in {[round(s, 3) for s in hello_s]} s, rank 1 redialled in "
+              f"{redial:.3f} s; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+        out, err = flooder.communicate(timeout=60)
+    finally:
+        if flooder.poll() is None:
+            flooder.kill()
+            flooder.wait()
+    assert flooder.returncode == 0, err
+    print(out.strip())
+    assert max(hello_s) < 2.0, hello_s
+    assert redial < 2.0, redial
+    assert fds_peak - fds_before < 200, (fds_before, fds_peak)
+    assert rss_peak - rss_before < 50, (rss_before, rss_peak)
+    exact_steps(handles, 3)
+
+
 def test_a_member_reconnects_within_2_s_during_a_tls_handshake_flood(tmp_path: Path) -> None:
     """1,000 stalled TLS handshakes (a partial ClientHello each, from 16 outsider addresses,
     opened again as the worker closes them) while the job runs: a member's new connection is
@@ -114,36 +142,28 @@ def test_a_member_reconnects_within_2_s_during_a_tls_handshake_flood(tmp_path: P
     stay bounded, and every step is exact."""
     certs.make(tmp_path / "tls", range(3))
     with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20) as handles:
-        exact_steps(handles, 5)
-        target = str(handles[0].peers[0])
-        fds_before, rss_before = open_fds(), rss_mb()
-        flooder = subprocess.Popen([sys.executable, str(FLOODER), "--target", target, "--count", "1000",
-                                    "--mode", "partial", "--hold", "12"], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-        try:
-            assert flooder.stdout is not None
-            assert json.loads(flooder.stdout.readline()) == {"ready": True}
-            time.sleep(2.0)  # the flood fills whatever it can fill
-            fds_peak, rss_peak = open_fds(), rss_mb()
-            redial = redial_s(handles[1], peer=0)
-            exact_steps(handles, 2)
-            hello_s = [member_hello_s(target, tmp_path / "tls", 2, handles[0].credentials.job) for _ in range(3)]
-            exact_steps(handles, 2)
-            fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
-            print(f"member HELLO answered in {[round(s, 3) for s in hello_s]} s, rank 1 redialled in "
-                  f"{redial:.3f} s; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
-            out, err = flooder.communicate(timeout=60)
-        finally:
-            if flooder.poll() is None:
-                flooder.kill()
-                flooder.wait()
-        assert flooder.returncode == 0, err
-        print(out.strip())
-        assert max(hello_s) < 2.0, hello_s
-        assert redial < 2.0, redial
-        assert fds_peak - fds_before < 200, (fds_before, fds_peak)
-        assert rss_peak - rss_before < 50, (rss_before, rss_peak)
-        exact_steps(handles, 3)
+        reconnect_during_flood(handles, "partial", tmp_path / "tls", hold_s=12)
+
+
+def run_holder(handles: list[FTTreeAllreduce], key: Path, *args: str,
+               sample: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run proven_holder.py against rank 0 with `args` while the job steps (`sample` after each
+    step, every step exact): its JSON report."""
+    holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", str(handles[0].peers[0]), "--key-file",
+                               str(key), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while holder.poll() is None:
+            exact_steps(handles, 1)
+            sample()
+            time.sleep(0.05)
+        out, err = holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert holder.returncode == 0, err
+    report: dict[str, Any] = json.loads(out)
+    return report
 
 
 def test_a_key_holder_cannot_open_unbounded_proven_connections(tmp_path: Path) -> None:
@@ -156,25 +176,15 @@ def test_a_key_holder_cannot_open_unbounded_proven_connections(tmp_path: Path) -
     with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
         exact_steps(handles, 5)
         transport = tcp(handles[0])
-        target = str(handles[0].peers[0])
         known = sorted(transport.addresses)
         fds_before, rss_before = open_fds(), rss_mb()
-        holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", target, "--key-file", str(key),
-                                   "--first", "100", "--count", "400", "--hold", "4"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        fds_peak, rss_peak = fds_before, rss_before
-        try:
-            while holder.poll() is None:
-                exact_steps(handles, 1)
-                fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
-                time.sleep(0.05)
-            out, err = holder.communicate(timeout=60)
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
-        assert holder.returncode == 0, err
-        report = json.loads(out)
+        peaks = [fds_before, rss_before]
+
+        def sample() -> None:
+            peaks[:] = max(peaks[0], open_fds()), max(peaks[1], rss_mb())
+
+        report = run_holder(handles, key, "--first", "100", "--count", "400", "--hold", "4", sample=sample)
+        fds_peak, rss_peak = peaks
         print(f"{report}; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
         assert report["proven"] + report["refused"] == 400, report
         assert report["kept"] <= 8, report  # 4 unknown ranks at once, on one channel each
@@ -198,15 +208,7 @@ def test_an_unknown_rank_that_stays_silent_is_let_go(tmp_path: Path) -> None:
         exact_steps(handles, 2)
         transport = tcp(handles[0])
         transport.idle_unknown_s = 1.5
-        holder = subprocess.Popen([sys.executable, str(HOLDER), "--target", str(handles[0].peers[0]), "--key-file",
-                                   str(key), "--first", "200", "--count", "6", "--hold", "4", "--then", "300"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        while holder.poll() is None:
-            exact_steps(handles, 1)
-            time.sleep(0.05)
-        out, err = holder.communicate(timeout=60)
-        assert holder.returncode == 0, err
-        report = json.loads(out)
+        report = run_holder(handles, key, "--first", "200", "--count", "6", "--hold", "4", "--then", "300")
         assert report["proven"] == 4, report
         assert report["refused"] == 2, report
         assert report["closed_while_held"] == 4, report  # idle: let go
@@ -220,36 +222,7 @@ def test_a_member_reconnects_within_2_s_during_a_flood_of_silent_connections(tmp
     HELLO is answered, and rank 1's redial is up, within 2 s, and every step is exact."""
     key = write_key(tmp_path / "job.key")
     with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
-        exact_steps(handles, 5)
-        target = str(handles[0].peers[0])
-        fds_before, rss_before = open_fds(), rss_mb()
-        flooder = subprocess.Popen([sys.executable, str(FLOODER), "--target", target, "--count", "1000",
-                                    "--mode", "silent", "--hold", "10"], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-        try:
-            assert flooder.stdout is not None
-            assert json.loads(flooder.stdout.readline()) == {"ready": True}
-            time.sleep(2.0)
-            fds_peak, rss_peak = open_fds(), rss_mb()
-            redial = redial_s(handles[1], peer=0)
-            exact_steps(handles, 2)
-            hello_s = [member_hello_s(target, None, 2, handles[0].credentials.job) for _ in range(3)]
-            exact_steps(handles, 2)
-            fds_peak, rss_peak = max(fds_peak, open_fds()), max(rss_peak, rss_mb())
-            print(f"member HELLO answered in {[round(s, 3) for s in hello_s]} s, rank 1 redialled in "
-                  f"{redial:.3f} s; open files {fds_before} -> {fds_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
-            out, err = flooder.communicate(timeout=60)
-        finally:
-            if flooder.poll() is None:
-                flooder.kill()
-                flooder.wait()
-        assert flooder.returncode == 0, err
-        print(out.strip())
-        assert max(hello_s) < 2.0, hello_s
-        assert redial < 2.0, redial
-        assert fds_peak - fds_before < 200, (fds_before, fds_peak)
-        assert rss_peak - rss_before < 50, (rss_before, rss_peak)
-        exact_steps(handles, 3)
+        reconnect_during_flood(handles, "silent", None, hold_s=10)
 
 
 def test_places_before_the_proof_follow_the_address_table() -> None:
@@ -272,3 +245,36 @@ def test_places_before_the_proof_follow_the_address_table() -> None:
     assert t.knows(9)
     t.inbound_gone(9)
     assert 9 in t.addresses
+
+
+def test_a_key_holder_cannot_make_a_worker_hold_unfinished_payloads_of_invented_ranks(tmp_path: Path) -> None:
+    """A key holder proves 4 ranks the job does not have (1000-1003) and starts a 40 MiB frame
+    on each, sending 30 MiB of it and never the rest: the worker keeps at most
+    UNKNOWN_UNFINISHED_BYTES of such frames (one here), refuses the others by name, and its
+    memory grows by less than 100 MB; every step stays exact, and the bytes are released
+    when the attacker goes."""
+    key = write_key(tmp_path / "job.key")
+    with cluster(3, auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 3)
+        transport = tcp(handles[0])
+        refusals_before, rss_before = transport.refusals, rss_mb()
+        peaks = [rss_before, 0]
+
+        def sample() -> None:
+            peaks[:] = max(peaks[0], rss_mb()), max(peaks[1], transport.unknown_unfinished)
+
+        report = run_holder(handles, key, "--first", "1000", "--count", "4", "--hold", "2", "--payload-mib", "30",
+                            "--announce-mib", "40", sample=sample)
+        rss_peak, held_peak = peaks
+        print(f"{report}; unfinished bytes held at most {held_peak}, RSS {rss_before:.0f} -> {rss_peak:.0f} MB")
+        assert report["proven"] == 4, report
+        assert report["sent_mib_kept"] <= UNKNOWN_UNFINISHED_BYTES >> 20, report
+        assert held_peak <= UNKNOWN_UNFINISHED_BYTES
+        assert transport.refusals - refusals_before >= 3  # 40 + 40 MiB would pass the 64 MiB bound
+        assert "unfinished payloads" in transport.last_frame_error
+        assert rss_peak - rss_before < 100, (rss_before, rss_peak)
+        exact_steps(handles, 2)
+        deadline = time.monotonic() + 10
+        while transport.unknown_unfinished and time.monotonic() < deadline:
+            exact_steps(handles, 1)
+        assert transport.unknown_unfinished == 0

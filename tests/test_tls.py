@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -22,20 +21,10 @@ from fttree.net import certs
 from fttree.net.credentials import Credentials, Tls, rank_of, write_key
 from fttree.tools.cli import main as cli
 
-from .conftest import cluster, free_port, local_peers, start_all
+from .conftest import cluster, exact_steps, free_port, local_peers, start_all
 from .procs import Output
 
 PROBER = Path(__file__).resolve().parent / "tls_prober.py"
-
-
-def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 50_000) -> None:
-    for step in range(steps):
-        data = [np.full(size, float(step + r), np.float32) for r in range(len(handles))]
-        futures = [h.allreduce_async(d) for h, d in zip(handles, data, strict=True)]
-        for h, fut in zip(handles, futures, strict=True):
-            assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
-            assert h.last is not None
-            assert h.last.contributors == tuple(range(len(handles)))
 
 
 def test_certificates_name_their_rank_and_a_ca_signs_more_later(tmp_path: Path) -> None:
@@ -74,12 +63,12 @@ def test_certs_cli(tmp_path: Path) -> None:
 def test_a_tls_job_sums_exactly_and_names_its_job_by_its_ca(tmp_path: Path) -> None:
     certs.make(tmp_path / "tls", range(3))
     with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20) as handles:
-        exact_steps(handles, 10)
+        exact_steps(handles, 10, size=50_000)
         assert {h.credentials.job for h in handles} == {Tls.from_dir(tmp_path / "tls", 0).ca_fingerprint[:16]}
         assert all(h.transport is not None and h.transport.status().refusals == 0 for h in handles)
     key = write_key(tmp_path / "job.key")  # a key and TLS together: the key names the job
     with cluster(3, tls_dir=str(tmp_path / "tls"), auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
-        exact_steps(handles, 3)
+        exact_steps(handles, 3, size=50_000)
         assert handles[0].credentials.job == Credentials.from_key_file(key).job
 
 
@@ -88,19 +77,19 @@ def test_outsiders_and_a_member_claiming_another_rank_are_refused(tmp_path: Path
     certs.make(tmp_path / "other", range(3))
     with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20,
                  handshake_timeout_s=2.0) as handles:
-        exact_steps(handles, 3)
+        exact_steps(handles, 3, size=50_000)
         prober = subprocess.Popen([sys.executable, str(PROBER), "--target", str(handles[0].peers[0]), "--job-dir",
                                    str(tmp_path / "tls"), "--other-dir", str(tmp_path / "other"), "--job",
                                    handles[0].credentials.job], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         while prober.poll() is None:  # the job runs while it is probed
-            exact_steps(handles, 1)
+            exact_steps(handles, 1, size=50_000)
         out, err = prober.communicate(timeout=60)
         assert prober.returncode == 0, err
         report = json.loads(out)
         assert report == {"clear": "refused", "no_certificate": "refused", "other_job": "refused",
                           "rank1_as_rank2": "refused", "rank1_as_itself": "answered"}, report
-        exact_steps(handles, 3)
+        exact_steps(handles, 3, size=50_000)
         transport = handles[0].transport
         assert transport is not None
         # the lie about the rank, and three failed TLS handshakes (counted as their
@@ -108,7 +97,7 @@ def test_outsiders_and_a_member_claiming_another_rank_are_refused(tmp_path: Path
         deadline = time.monotonic() + 30
         while transport.status().refusals < 4 and time.monotonic() < deadline:
             gc.collect()
-            exact_steps(handles, 1)
+            exact_steps(handles, 1, size=50_000)
         assert transport.status().refusals >= 4, transport.status().refusals
 
 
@@ -119,7 +108,7 @@ def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) ->
     certs.make(tmp_path / "tls", range(3))
     with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20,
                  handshake_timeout_s=2.0) as handles:
-        exact_steps(handles, 10, size=1000)
+        exact_steps(handles, 10)
         before = rss_mb()
         prober = subprocess.Popen([sys.executable, str(PROBER), "--target", str(handles[0].peers[0]), "--job-dir",
                                    str(tmp_path / "tls"), "--other-dir", str(tmp_path / "tls"), "--job", "x",
@@ -127,7 +116,7 @@ def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) ->
                                   stderr=subprocess.PIPE, text=True)
         peak = before
         while prober.poll() is None:
-            exact_steps(handles, 1, size=1000)
+            exact_steps(handles, 1)
             peak = max(peak, rss_mb())
         _out, err = prober.communicate(timeout=60)
         assert prober.returncode == 0, err
@@ -135,7 +124,7 @@ def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) ->
         assert transport is not None
         assert transport.status().refusals > 0  # the stalled handshakes, at their deadline
         assert peak - before < 50, (before, peak)
-        exact_steps(handles, 3, size=1000)
+        exact_steps(handles, 3)
 
 
 def rss_mb() -> float:
@@ -204,7 +193,7 @@ def test_tls_from_three_files_and_their_checks(tmp_path: Path) -> None:
     for t in starts:
         t.join(timeout=60)
     try:
-        exact_steps(handles, 2)
+        exact_steps(handles, 2, size=50_000)
         assert all(h.credentials.tls is not None for h in handles)
     finally:
         for h in handles:

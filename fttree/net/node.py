@@ -110,6 +110,9 @@ class NodeStatus:
     foreign_frames: int = 0  # frames dropped because their sender may not send them (SENDER_RULES)
     late_streak: dict[int, int] = field(default_factory=dict)  # member -> steps in a row it was late in
     late_total: dict[int, int] = field(default_factory=dict)  # member -> steps it was late in
+    empty_sums: int = 0  # subtree sums that named no contributor: nothing of them added
+    early_dropped: int = 0  # data frames for steps not submitted here yet, dropped for want of room
+    early_dropped_bytes: int = 0
 
 
 class Node:
@@ -324,7 +327,9 @@ class Node:
                           transport=self.transport.status(), steps_in_flight=tuple(self.active_steps()),
                           last_steps=tuple(self.step_durations), note_counts=dict(self.note_counts),
                           reruns=self.reruns, foreign_frames=self.foreign_frames,
-                          late_streak=dict(self.steps.late_streak), late_total=dict(self.steps.late_total))
+                          late_streak=dict(self.steps.late_streak), late_total=dict(self.steps.late_total),
+                          empty_sums=self.machine.empty_sums, early_dropped=self.replica.early_dropped,
+                          early_dropped_bytes=self.replica.early_dropped_bytes)
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""

@@ -113,6 +113,10 @@ MAX_PENDING_HANDSHAKES = 64  # connections not proven yet, at most (Config.max_p
 MAX_RANK = 65535  # the largest rank a HELLO may claim
 MAX_UNKNOWN_RANKS = 4  # ranks not in the address table (joiners) with proven connections at once, at most
 IDLE_UNKNOWN_S = 60.0  # such a rank's proven connection that carries no byte this long is closed
+# Payload bytes such ranks may have announced and not finished sending, all together: a joiner
+# sends small frames until the group knows it, and a key holder inventing ranks must not make a
+# worker hold 4 ranks x 2 channels x max_payload_bytes of half-sent frames.
+UNKNOWN_UNFINISHED_BYTES = 64 << 20
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
 # Receive buffers the pool tracks: a 100 MB step in 4 MiB chunks holds one per chunk until its
@@ -746,6 +750,7 @@ class TcpTransport:
         # is dialled apart from the rank that listens there)
         self._proven: dict[tuple[int, int, int], _Inbound] = {}
         self._hello_learned: set[int] = set()  # ranks whose address only their own HELLO gave (joiners)
+        self.unknown_unfinished = 0  # payload bytes ranks not known yet announced and have not finished
         self.addresses_changed = 0  # counts changes of `addresses` (the TLS listener's list of members)
         self.idle_unknown_s = IDLE_UNKNOWN_S
         self.frame_errors = 0
@@ -1155,6 +1160,15 @@ class TcpTransport:
             raise FrameError(f"rank {rank} is not a rank of this job yet, and {MAX_UNKNOWN_RANKS} other such "
                              f"ranks are connected already (at most {MAX_UNKNOWN_RANKS})")
 
+    def hold_unknown(self, rank: int, nbytes: int) -> str:
+        """Reserve room for a payload of `nbytes` that rank `rank`, not known yet, begins to
+        send: '' or why it is refused (UNKNOWN_UNFINISHED_BYTES for all such ranks together)."""
+        if self.unknown_unfinished + nbytes > UNKNOWN_UNFINISHED_BYTES:
+            return (f"rank {rank} is not a rank of this job yet, and its payload would make the unfinished "
+                    f"payloads of such ranks pass {UNKNOWN_UNFINISHED_BYTES} bytes")
+        self.unknown_unfinished += nbytes
+        return ""
+
     def learn_from_hello(self, rank: int, address: Address) -> None:
         """A proven rank not in the address table named where it listens (a joiner): kept
         while it has a proven connection, or for good once the group tells of it (add_peer)."""
@@ -1422,6 +1436,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
         self.heard_at = 0.0  # when bytes last arrived (an unknown rank's connection is closed when idle)
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.unknown_held = 0  # bytes of the payload being read counted in t.unknown_unfinished
         self.writable: asyncio.Event | None = None  # cleared while the transport's write buffer is full
 
     # ---- writing, where a channel adopted this connection (its peer cannot be dialled) ---------
@@ -1470,6 +1485,7 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.hello is not None and self.t._proven.get(self._slot()) is self:
             del self.t._proven[self._slot()]
         self.transport = None
+        self._release_unknown()
         if self.writable is not None:
             self.writable.set()  # a drain waiting here raises
         if self.src >= 0:
@@ -1483,10 +1499,14 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.idle_timer is not None:
             self.idle_timer.cancel()
 
+    def _release_unknown(self) -> None:
+        self.t.unknown_unfinished -= self.unknown_held
+        self.unknown_held = 0
+
     def _check_idle(self) -> None:
         """A rank the transport does not know: closed once it sends nothing for idle_unknown_s
         (its slot among MAX_UNKNOWN_RANKS goes to another joiner). A rank of the job never is:
-        its peer would take the close for a broken link (_Channel._watch_eof)."""
+        its peer would take the close for a broken link (_Channel._receive)."""
         self.idle_timer = None
         t = self.t
         if self.transport is None or t.closed or t.knows(self.src):
@@ -1533,6 +1553,7 @@ class _Inbound(asyncio.BufferedProtocol):
                     self._progress()
                     return
                 payload, self.payload = self.payload, None
+                self._release_unknown()
                 self._frame(self.head, payload)
             else:
                 self.end += nbytes
@@ -1570,8 +1591,16 @@ class _Inbound(asyncio.BufferedProtocol):
             if not payload_len:
                 self._frame(head, None)
                 continue
-            payload = self.t.pool.take(payload_len)
             take = min(payload_len, self.end - self.start)
+            if take < payload_len and self.src >= 0 and not self.t.knows(self.src):
+                why = self.t.hold_unknown(self.src, payload_len)
+                if why:
+                    self.t.refused(f"rank {self.src} at {self.peer[0]}", why)
+                    assert self.transport is not None
+                    self.transport.abort()
+                    return
+                self.unknown_held = payload_len
+            payload = self.t.pool.take(payload_len)
             payload[:take] = self.scratch[self.start:self.start + take]
             self.start += take
             if take == payload_len:

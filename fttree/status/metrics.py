@@ -148,6 +148,15 @@ def render(snap: Snapshot) -> str:
     w.family("fttree_foreign_frames_total", "counter",
              "Frames dropped because their sender may not send them (not a member, for a member's message).",
              [({}, snap.foreign_frames)])
+    w.family("fttree_empty_sums_total", "counter",
+             "Subtree sums that named no contributor: taken as their sender's arrival, nothing of them added.",
+             [({}, snap.empty_sums)])
+    w.family("fttree_early_frames_dropped_total", "counter",
+             "Data frames for steps not submitted here yet, dropped because the bytes held for such steps "
+             "were at their bound (a sender far ahead, or a key holder's flood).",
+             [({}, snap.early_dropped)])
+    w.family("fttree_early_bytes_dropped_total", "counter", "The payload bytes of those frames.",
+             [({}, snap.early_dropped_bytes)])
     w.family("fttree_late_steps_total", "counter",
              "Steps that closed without a member's contribution, that member being late (a straggler).",
              [({"rank": r}, n) for r, n in sorted(snap.late_total.items())])

@@ -175,6 +175,9 @@ class Snapshot:
     frame_errors: int
     refusals: int  # connections refused at the handshake
     foreign_frames: int  # frames dropped because their sender may not send them
+    empty_sums: int  # subtree sums that named no contributor: nothing of them added
+    early_dropped: int  # data frames for steps not submitted here yet, dropped for want of room
+    early_dropped_bytes: int
     late_streak: dict[int, int]  # member -> steps in a row it was late in (straggler_policy="deadline")
     late_total: dict[int, int]  # member -> steps it was late in
     computing_waits: int  # steps whose deadline was put off for a member still computing (submit_wait_s)
@@ -214,7 +217,8 @@ class Snapshot:
                        "retransmissions": self.retransmissions, "duplicates": self.duplicates,
                        "stale": self.stale, "protocol_errors": self.protocol_errors,
                        "frame_errors": self.frame_errors, "refusals": self.refusals,
-                       "foreign_frames": self.foreign_frames},
+                       "foreign_frames": self.foreign_frames, "empty_sums": self.empty_sums,
+                       "early_dropped": self.early_dropped, "early_dropped_bytes": self.early_dropped_bytes},
             "stragglers": {"late_in_a_row": {str(r): n for r, n in sorted(self.late_streak.items())},
                            "late_total": {str(r): n for r, n in sorted(self.late_total.items())},
                            "waited_past_deadline": self.computing_waits},
@@ -486,6 +490,8 @@ class Monitor:
             duplicates=counts.get(NoteKind.DUPLICATE, 0), stale=counts.get(NoteKind.STALE, 0),
             protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
             refusals=status.transport.refusals, foreign_frames=status.foreign_frames,
+            empty_sums=status.empty_sums, early_dropped=status.early_dropped,
+            early_dropped_bytes=status.early_dropped_bytes,
             late_streak=status.late_streak, late_total=status.late_total,
             computing_waits=counts.get(NoteKind.WAIT, 0),
             faults=status.transport.faults,
