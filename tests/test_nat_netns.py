@@ -6,10 +6,12 @@ is removed, namespaces, interfaces and rules, even when a test fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,37 @@ def test_ranks_behind_a_nat_train_exactly_with_the_public_ones(world: int, site:
             assert list(rec.ranks) == list(range(world)), f"rank {rank} step {step}\n{report}"
             assert rec.epoch == 0, f"rank {rank} step {step}: a view change\n{report}"
     assert not [n for n in our_networks() if n.startswith("fttreenat")], "a NAT network was left behind"
+
+
+STALL = Path(__file__).resolve().parent / "nat_stall.py"
+
+
+@pytest.fixture
+def loopback_ns(root: None) -> Iterator[str]:
+    """A namespace of its own with lo up (netem/cluster.sh), deleted whatever happens."""
+    name = f"fttree-test-nat-{os.getpid()}"
+    cluster = NAT.parent / "cluster.sh"
+    try:
+        subprocess.run([str(cluster), "up", name, "-n", "3"], capture_output=True, check=True, timeout=30)
+        yield name
+    finally:
+        subprocess.run([str(cluster), "down", name, "--kill"], capture_output=True, check=False, timeout=60)
+
+
+def test_a_silent_cut_of_the_connections_a_rank_behind_a_nat_dialled_is_detected_and_dialled_again(
+        loopback_ns: str) -> None:
+    """Rank 2 is `-`; rank 0 sends to it on the two connections rank 2 dialled. The firewall
+    drops everything on those two (by port, both ways) for good: rank 0's stall detection
+    gives up on them as on any connection it dialled (errors), the backups carry the steps
+    meanwhile, and rank 2 dials again, rank 0 adopting the new connections. Every step exact
+    on every rank, with all three in the sum and no view change (nat_stall.py)."""
+    out = subprocess.run(["ip", "netns", "exec", loopback_ns, sys.executable, str(STALL)], capture_output=True,
+                         text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(STALL.parent.parent)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report["cut_ports"]) == 2, report  # control and bulk
+    assert report["wrong"] == [], report
+    before, after = report["before"], report["after"]
+    assert before["connects"] == after["connects"] == 0, report  # rank 0 never dialled rank 2
+    assert after["errors"] > before["errors"], report  # the stalled connections were given up
+    assert after["adopted"] >= before["adopted"] + 1, report  # and rank 2's new ones carry rank 0's frames
