@@ -15,6 +15,7 @@ from fttree.errors import ConfigError, PeerError
 from fttree.net import certs
 from fttree.net import handshake as hs
 from fttree.net.address import NOWHERE, Address, parse_address, parse_peers
+from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
 
 from .conftest import cluster, local_peers, start_all
 from .conftest import exact_steps as exact_sums
@@ -198,3 +199,20 @@ def test_an_outsider_claiming_the_rank_nobody_can_dial_is_not_sent_its_frames(tm
         assert handles[0].transport.status().refusals >= 2
         exact_steps(handles, 2)
         assert links(handles[0])[2] == before
+
+
+def test_the_ranks_of_a_site_dialling_at_once_are_not_refused_as_one_outsiders_flood() -> None:
+    """Ranks behind a NAT all dial from its one address. Before any has proven the key, an
+    unknown address may have two more connections in their handshake per such rank; once one
+    has, that address counts as a member's (MEMBER_HOST_HANDSHAKES each)."""
+    addresses = {0: Address("127.0.0.1", 1), 1: Address("127.0.0.2", 1), 2: NOWHERE, 3: NOWHERE}
+    t = TcpTransport(0, addresses)
+    assert t.handshake_cap("198.51.100.7") == PER_HOST_HANDSHAKES + 4
+    assert t.handshake_cap("127.0.0.2") == MEMBER_HOST_HANDSHAKES
+    t.learn_nat_host(2, "198.51.100.7")
+    assert t.handshake_cap("198.51.100.7") == MEMBER_HOST_HANDSHAKES
+    assert t.handshake_cap("203.0.113.9") == PER_HOST_HANDSHAKES + 2  # rank 3 not seen yet
+    t.learn_nat_host(3, "198.51.100.7")
+    assert t.handshake_cap("198.51.100.7") == 2 * MEMBER_HOST_HANDSHAKES
+    assert t.handshake_cap("203.0.113.9") == PER_HOST_HANDSHAKES
+    assert "-" not in t.member_hosts()

@@ -745,7 +745,8 @@ class TcpTransport:
         self._pending: set[_Inbound] = set()  # accepted connections that have not proven the key yet
         self._pending_hosts: dict[str, int] = {}  # of those, how many from each source address
         self._pending_outsiders = 0  # of those, from addresses no rank listens on
-        self._members: tuple[int, dict[str, int]] = (-1, {})
+        self._members: tuple[int, dict[str, int], int] = (-1, {}, 0)  # (addresses_changed, member_hosts, unseen)
+        self._nat_hosts: dict[int, str] = {}  # rank behind a NAT -> the address its proven connections came from
         # (rank, channel, the rank it dialled) -> its newest proven connection (a joiner's contact
         # is dialled apart from the rank that listens there)
         self._proven: dict[tuple[int, int, int], _Inbound] = {}
@@ -1100,16 +1101,30 @@ class TcpTransport:
         if self._members[0] != self.addresses_changed:
             hosts: dict[str, int] = {}
             for r, a in self.addresses.items():
-                if r != self.rank and r >= 0:
+                if r != self.rank and r >= 0 and a.dialable_from(self.me):
                     hosts[_host_key(a.host)] = hosts.get(_host_key(a.host), 0) + 1
-            self._members = (self.addresses_changed, hosts)
+            for host in self._nat_hosts.values():  # where ranks behind a NAT dial from, once proven
+                hosts[host] = hosts.get(host, 0) + 1
+            unseen = sum(1 for r, a in self.addresses.items()  # ranks behind a NAT not proven yet
+                         if r != self.rank and r >= 0 and not a.dialable_from(self.me) and r not in self._nat_hosts)
+            self._members = (self.addresses_changed, hosts, unseen)
         return self._members[1]
+
+    def learn_nat_host(self, rank: int, host: str) -> None:
+        """Rank `rank`, which cannot be dialled from here, proved the key from `host` (its NAT's
+        address): connections from there count as a member's for the handshake caps, so that
+        the ranks of a site dialling at once are not refused as a flood from one outsider."""
+        if self._nat_hosts.get(rank) != host:
+            self._nat_hosts[rank] = host
+            self.addresses_changed += 1
 
     def handshake_cap(self, host: str) -> int:
         """Connections in their handshake at once from `host`: MEMBER_HOST_HANDSHAKES for each
-        rank that listens there, else PER_HOST_HANDSHAKES."""
+        rank that listens there (or proved the key from there, behind a NAT), else
+        PER_HOST_HANDSHAKES, and two more for each rank behind a NAT not seen yet: all of one
+        site's ranks dial both their connections from one address at once when they start."""
         ranks = self.member_hosts().get(host, 0)
-        return MEMBER_HOST_HANDSHAKES * ranks if ranks else PER_HOST_HANDSHAKES
+        return MEMBER_HOST_HANDSHAKES * ranks if ranks else PER_HOST_HANDSHAKES + 2 * self._members[2]
 
     def _admit_pending(self, inbound: _Inbound) -> str:
         """Take an accepted connection into its handshake: '' or why it is refused. From an
@@ -1653,6 +1668,7 @@ class _Inbound(asyncio.BufferedProtocol):
         listed = t.addresses.get(self.src)
         if listed is not None and not listed.dialable_from(t.me) and self.hello.dst == t.rank:
             # we cannot dial this rank: its proven connection carries our frames of this kind to it
+            t.learn_nat_host(self.src, self.host)
             t._link(self.src).channel(self.hello.channel).adopt(self)
             return
         link = t._out.get(self.src)
