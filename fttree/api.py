@@ -110,7 +110,8 @@ def _restore(data: np.ndarray, how: Any) -> Any:
 class FTTreeAllreduce:
     """Fault-tolerant tree allreduce for one rank.
 
-    `peers` lists every rank's "host:port" (index = rank). Settings are the fields of
+    `peers` lists every rank's "host:port" (index = rank; "-" for a rank nobody can dial, behind a
+    NAT: docs/nat.md). Settings are the fields of
     `fttree.Config` (durations in seconds, named `*_s`), given as keywords or as `config`:
     `timeout_s` is the backup-link watch (the first guess of the adaptive policy),
     `step_timeout_s` bounds a whole step, after which it raises StepAborted naming what it

@@ -147,7 +147,8 @@ def topology(world: int) -> None:
 @main.command()
 @click.option("--rank", type=int, required=True, help="This worker's rank (line number in --peers).")
 @click.option("--peers", "peers_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="File with one host:port per line; line i is rank i.")
+              help="File with one host:port per line; line i is rank i ('-' for a rank nobody can dial, "
+                   "'host:port behind SITE' for one only its site-mates can: docs/nat.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per step (for launch).")
 @click.option("--gate-dir", type=click.Path(file_okay=False, path_type=Path), default=None, hidden=True,
               help="Wait before --gate-steps for the real-fault runner (fttree launch --real-faults).")
