@@ -5,6 +5,7 @@ their site-mates only. The real NAT, in network namespaces, is tests/test_nat_ne
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from fttree.net import handshake as hs
 from fttree.net.address import NOWHERE, Address, parse_address, parse_peers
 from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
 
-from .conftest import cluster, local_peers, start_all
+from .conftest import cluster, local_peers, run_threads, start_all
 from .conftest import exact_steps as exact_sums
 from .rawpeer import closed_by_peer, connect, read_frame_head
 
@@ -216,3 +217,36 @@ def test_the_ranks_of_a_site_dialling_at_once_are_not_refused_as_one_outsiders_f
     assert t.handshake_cap("198.51.100.7") == 2 * MEMBER_HOST_HANDSHAKES
     assert t.handshake_cap("203.0.113.9") == PER_HOST_HANDSHAKES
     assert "-" not in t.member_hosts()
+
+
+def test_a_restarted_rank_nobody_can_dial_rejoins_and_takes_the_global_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 (`-`) dies in round 1 of an outer-step job; a new process of it joins with the
+    peers file (join=True): it dials every member, they answer on its connections, and it
+    takes the global parameters and trains on (test_diloco's restart, with rank 2 behind a NAT)."""
+    from . import test_diloco as td
+
+    monkeypatch.setitem(td.SETTINGS, "insecure", True)
+    peers = [*local_peers(2), "-"]
+    runs = [td.Run() for _ in range(3)]
+    rejoined = td.Run()
+    killed = threading.Event()
+
+    def member(rank: int) -> None:
+        td.train(rank, peers, runs[rank], rounds=3, joiner_rounds=2)
+
+    def victim() -> None:
+        td.train(2, peers, runs[2], rounds=100, crash_in=1)
+        killed.set()
+
+    def restarted() -> None:
+        assert killed.wait(60)
+        td.train(2, peers, rejoined, rounds=0, join=True, joiner_rounds=2)
+
+    run_threads([lambda: member(0), lambda: member(1), victim, restarted])
+    assert [runs[0].error, runs[1].error, rejoined.error] == [None, None, None]
+    assert rejoined.synced_from is not None
+
+
+def test_joining_through_a_contact_from_behind_a_nat_is_refused_naming_the_way_that_works() -> None:
+    with pytest.raises(ConfigError, match=r"join with every rank's address"):
+        FTTreeAllreduce(4, {4: "-"}, join="127.0.0.2:29500", insecure=True)
