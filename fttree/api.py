@@ -110,7 +110,8 @@ def _restore(data: np.ndarray, how: Any) -> Any:
 class FTTreeAllreduce:
     """Fault-tolerant tree allreduce for one rank.
 
-    `peers` lists every rank's "host:port" (index = rank). Settings are the fields of
+    `peers` lists every rank's "host:port" (index = rank; "-" for a rank nobody can dial, behind a
+    NAT: docs/nat.md). Settings are the fields of
     `fttree.Config` (durations in seconds, named `*_s`), given as keywords or as `config`:
     `timeout_s` is the backup-link watch (the first guess of the adaptive policy),
     `step_timeout_s` bounds a whole step, after which it raises StepAborted naming what it
@@ -140,6 +141,11 @@ class FTTreeAllreduce:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         self.contact = parse_address(join) if isinstance(join, str) else None
+        if self.contact is not None and not known[rank].dialable_from(self.contact):
+            raise ConfigError(f"rank {rank} is listed as {known[rank]}: the member at {self.contact} could not send "
+                              f"to it through a contact yet. Behind a NAT, join with every rank's address (the "
+                              f"peers file and join=True): it then dials each member, which answers on that "
+                              f"connection (docs/nat.md)")
         addresses = [known.get(r, known[rank]) for r in range(max(known) + 1)]
         if len(known) != len(addresses) and self.contact is None:
             raise ConfigError(f"peers names ranks {sorted(known)}: every rank 0..{max(known)} needs an address "

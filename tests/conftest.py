@@ -44,11 +44,15 @@ def start_all(handles: list[FTTreeAllreduce], limit_s: float | None = None) -> l
 
 
 @contextlib.contextmanager
-def cluster(n: int, **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
+def cluster(n: int, *, listed: Callable[[int, str], str] | None = None,
+            **kwargs: object) -> Iterator[list[FTTreeAllreduce]]:
     """n started FTTreeAllreduce handles in this process, closed on exit. Static timeouts
-    unless asked otherwise: tests that assert which steps recover need them predictable."""
+    unless asked otherwise: tests that assert which steps recover need them predictable.
+    `listed(rank, address)` gives the peers-list entry of each rank ("-" for one nobody dials)."""
     kwargs.setdefault("timeout_policy", "static")
     peers = local_peers(n)
+    if listed is not None:
+        peers = [listed(r, p) for r, p in enumerate(peers)]
     handles = [FTTreeAllreduce(r, peers, **kwargs) for r in range(n)]  # type: ignore[arg-type]
     errors = start_all(handles)
     try:

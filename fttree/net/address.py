@@ -1,4 +1,12 @@
-"""Peer addresses: "host:port" per rank, as in a peers file (line i is rank i)."""
+"""Peer addresses: "host:port" per rank, as in a peers file (line i is rank i).
+
+A rank that others cannot dial (behind a NAT or a firewall that lets it dial out only) is
+listed as `-`: it listens nowhere, dials every rank it can, and they send to it on the
+connections it opened (tcp.py). A rank that only the ranks of its own site can dial (behind
+the same NAT) is listed as `host:port behind SITE`: its site-mates dial it at host:port (an
+address of the site's own network), everyone else as for `-`. Two ranks neither of which can
+dial the other (two `-`, or two sites) cannot be connected yet: that needs a relay.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +17,51 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+UNLISTED = "-"  # the peers-file entry of a rank nobody can dial
+BEHIND = " behind "  # "host:port behind SITE": dialled only by the ranks behind SITE
+
 
 @dataclass(frozen=True, slots=True)
 class Address:
     host: str
     port: int
+    behind: str = ""  # the site (NAT) only whose ranks can dial this address; "" for everyone
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        if not self.listed:
+            return UNLISTED
+        return f"{self.host}:{self.port}" + (f"{BEHIND}{self.behind}" if self.behind else "")
+
+    @property
+    def listed(self) -> bool:
+        """Does this rank listen anywhere (False for `-`)?"""
+        return self.host != UNLISTED
+
+    def dialable_from(self, other: Address) -> bool:
+        """Can the rank at `other` dial this address? Everyone can dial a public address, the
+        ranks behind the same site a site-local one, nobody a `-`."""
+        return self.listed and (not self.behind or other.behind == self.behind)
+
+
+NOWHERE = Address(UNLISTED, 0)  # a rank that cannot be dialled at all
 
 
 def parse_address(text: str) -> Address:
+    text = text.strip()
+    if text == UNLISTED:
+        return NOWHERE
+    words = text.split()
+    site = ""
+    if len(words) == 3 and words[1] == BEHIND.strip():
+        text, site = words[0], words[2]
+        if not all(c.isalnum() or c in "_.-" for c in site):
+            raise ConfigError(f"bad site {site!r} in peer address {' '.join(words)!r}: a site is a name of letters, "
+                              f"digits, '_', '.', '-'")
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"bad peer address {text.strip()!r}: expected host:port")
-    return Address(host.strip("[]"), int(port))
+        raise ConfigError(f"bad peer address {text.strip()!r}: expected host:port, host:port behind SITE, or - "
+                          f"(a rank nobody can dial)")
+    return Address(host.strip("[]"), int(port), site)
 
 
 def parse_peers(lines: list[str]) -> list[Address]:
@@ -33,6 +71,8 @@ def parse_peers(lines: list[str]) -> list[Address]:
         raise ConfigError("the peers list is empty")
     seen: dict[Address, int] = {}
     for rank, addr in enumerate(peers):
+        if not addr.listed:  # (the same site address behind two sites is two machines)
+            continue
         if addr in seen:
             raise ConfigError(f"ranks {seen[addr]} and {rank} share the address {addr}: each rank needs its own")
         seen[addr] = rank

@@ -182,6 +182,14 @@ def check_exposure(credentials: Credentials, addresses: Iterable[Address], insec
     """Refuse a job without a credential on addresses others can reach, naming the options."""
     if credentials.secured or insecure:
         return
+    addresses = list(addresses)
+    hidden = [str(a) for a in addresses if not a.listed or a.behind]
+    if hidden:
+        raise ConfigError(
+            f"ranks listed as {' and '.join(sorted(set(hidden))[:2])} dial from behind a NAT: their connections come "
+            f"from the NAT's address, which proves nothing, so only a key tells them from anyone else. Give every "
+            f"worker the same key (auth_key_file=, --auth-key-file, FTTREE_AUTH_KEY_FILE; `fttree key --out FILE` "
+            f"makes one), or pass insecure=True (--insecure) on a network you trust")
     exposed = sorted({str(a) for a in addresses if not is_loopback(a)})
     if exposed:
         raise ConfigError(

@@ -8,6 +8,15 @@ packets stalls only its own writer, never the other links. A writer whose drain 
 waiting for TCP's exponential retransmission backoff. Frames lost with a dropped connection are
 the protocol's business (it recovers them through backup links). The in-process fault layer
 wraps this transport from outside (faulty.py).
+
+A connection serves both directions where only one side can dial (address.py: a rank listed
+as `-`, or behind a site that the other rank is not in). The rank that can dial dials its
+control and bulk connections at the start and keeps them up whether or not it has frames to
+send; the dialled rank never dials back: once such a connection has proven the key
+(handshake.py), its own channel of that kind to the dialler writes on it (`_Channel.adopt`), with
+the same budget, stall detection and acknowledgement counters as a connection it dialled, and
+the dialler reads frames on it (`_Channel._receive`). A pair neither of which can dial the other
+is refused by name at the start (no relay yet).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -123,8 +132,32 @@ class _LinkStats:
     bytes_received: int = 0
     stale_dropped: int = 0
     connects: int = 0
+    adopted: int = 0
     errors: int = 0
     last_error: str = ""
+
+
+class _Conn:
+    """A proven connection that a channel writes on: one it dialled (a stream), or one the peer
+    dialled (an _Inbound) when the peer cannot be dialled from here. A channel needs only this."""
+
+    __slots__ = ("_drain", "inbound", "transport")
+
+    def __init__(self, transport: asyncio.WriteTransport, drain: Callable[[], Awaitable[None]],
+                 inbound: _Inbound | None = None) -> None:
+        self.transport, self._drain, self.inbound = transport, drain, inbound
+
+    def writelines(self, bufs: list[bytes | memoryview]) -> None:
+        self.transport.writelines(bufs)
+
+    async def drain(self) -> None:
+        await self._drain()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.transport.get_extra_info(name)
 
 
 class _Channel:
@@ -148,13 +181,13 @@ class _Channel:
         self.connected = asyncio.Event()
         self.idle = asyncio.Event()  # nothing queued and the last drain finished
         self.idle.set()
-        self.writer: asyncio.StreamWriter | None = None
+        self.writer: _Conn | None = None
         self.sock: socket.socket | None = None
         self.ever_connected = False
         self.unreachable = False  # the last dial failed: close() does not wait for what is queued here
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
         self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
-        self.eof_watch: asyncio.Task[None] | None = None
+        self.eof_watch: asyncio.Task[None] | None = None  # reads the dialled connection (_receive)
         # acknowledgement progress of the current connection (uplink.py; Linux's SIOCOUTQ)
         self.written = 0  # bytes handed to the connection
         self.acked = 0  # of those, acknowledged by the peer
@@ -261,10 +294,15 @@ class _Channel:
             t.stats[self.peer].last_error = f"the address of rank {self.peer} is not known yet"
             self.unreachable = True
             return False
+        if not addr.dialable_from(t.me):  # (_run waits for its connection instead: never comes here)
+            t.stats[self.peer].last_error = t.undialable(self.peer)
+            self.unreachable = True
+            return False
         try:
             tls = t.credentials.tls
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0), limit=STREAM_LIMIT,
+                asyncio.open_connection(addr.host, addr.port, local_addr=(t.me.host, 0) if t.me.listed else None,
+                                        limit=STREAM_LIMIT,
                                         ssl=None if tls is None else tls.client,
                                         ssl_handshake_timeout=None if tls is None else t.handshake_timeout_s),
                 t.connect_timeout_s)
@@ -280,13 +318,7 @@ class _Channel:
             if isinstance(exc, ConnectionRefusedError):
                 t.events.on_link_down(self.peer, f"connection to {addr} refused", True)
             return False
-        sock = writer.get_extra_info("socket")
-        self.sock = None
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _bound_retransmissions(sock, t.stall_timeout_s)
-            # asyncio hands out a wrapper whose ioctl and getsockopt still reach the socket
-            self.sock = cast(socket.socket, sock)
+        self.sock = self._tune(writer.get_extra_info("socket"))
         refused = await self._handshake(reader, writer, addr)
         if refused:
             writer.transport.abort()
@@ -295,7 +327,25 @@ class _Channel:
             t.refused(f"dial {addr}", refused)
             self.unreachable = True
             return False
-        self.writer = writer
+        conn = _Conn(writer.transport, writer.drain)
+        self._attach(conn)
+        t.stats[self.peer].connects += 1
+        self.eof_watch = asyncio.get_running_loop().create_task(self._receive(reader, conn))
+        return True
+
+    def _tune(self, sock: Any) -> socket.socket | None:
+        """Set up a new connection's socket: no Nagle delay, bounded retransmissions."""
+        if sock is None:
+            return None
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _bound_retransmissions(sock, self.t.stall_timeout_s)
+        # asyncio hands out a wrapper whose ioctl and getsockopt still reach the socket
+        return cast(socket.socket, sock)
+
+    def _attach(self, conn: _Conn) -> None:
+        """A proven connection, dialled or adopted, carries this channel's frames from now on."""
+        self.writer = conn
         self.unreachable = False
         self.written = self.acked = 0
         self.clean, self.clean_at, self.fast_rto = False, -float("inf"), False  # a new connection's own history
@@ -303,10 +353,39 @@ class _Channel:
             self.follow_rtt(tcp_counters(self.sock))  # the handshake's round trip
         self.stalled = False
         self.ever_connected = True
-        t.stats[self.peer].connects += 1
         self.connected.set()
-        self.eof_watch = asyncio.get_running_loop().create_task(self._watch_eof(reader, writer))
-        return True
+
+    def passive(self) -> bool:
+        """The peer cannot be dialled from here: it dials us, and we write on its connection."""
+        addr = self.t.addresses.get(self.peer)
+        return addr is not None and not addr.dialable_from(self.t.me)
+
+    def keep_up(self) -> bool:
+        """The peer cannot dial us: our connection is its only way to us, so it stays up
+        whether or not we have frames to send."""
+        addr = self.t.addresses.get(self.peer)
+        return addr is not None and addr.dialable_from(self.t.me) and not self.t.me.dialable_from(addr)
+
+    def adopt(self, inbound: _Inbound) -> None:
+        """The peer, which we cannot dial, dialled this channel's kind of connection to us and
+        proved the key: our frames to it go on that connection from now on (its newest one)."""
+        transport = inbound.transport
+        if transport is None or self.t.closed:
+            return
+        if self.writer is not None:
+            self._drop_connection(f"rank {self.peer} dialled a new connection")
+        self.sock = self._tune(transport.get_extra_info("socket"))
+        self._attach(_Conn(transport, inbound.drain, inbound))
+        self.t.stats[self.peer].adopted += 1
+        self.wake.set()
+
+    def adopted_lost(self, inbound: _Inbound) -> None:
+        """The connection the peer dialled, which carried our frames, is gone: it dials again."""
+        if self.writer is None or self.writer.inbound is not inbound or self.t.closed:
+            return
+        self._drop_connection(f"rank {self.peer} closed the connection it dialled")
+        self.t.events.on_link_down(self.peer, "closed by the peer")
+        self.wake.set()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: Address) -> str:
         """Say who we are and whom we dial, check that the peer holds the job's key, and prove
@@ -338,13 +417,37 @@ class _Channel:
         writer.write(hs.encode(hs.Proof(src=t.rank, mac=hs.dial_mac(t.credentials.key, hello, answer.nonce))))
         return ""
 
-    async def _watch_eof(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The peer never writes on our outgoing connection, so its end of file means its
-        process closed the socket (or died): notice it now, not at the next send."""
-        with contextlib.suppress(OSError):
-            while await reader.read(1 << 16):
-                pass
-        if self.writer is writer and not self.t.closed:
+    async def _receive(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
+        """Frames the peer sends on our connection, until its end of file. A peer that can dial
+        us writes nothing here, so its end of file means its process closed the socket (or
+        died): noticed now, not at the next send. A peer that cannot dial us sends its frames
+        here; the connection proved the peer's key, as an accepted one does before any frame."""
+        t, peer = self.t, self.peer
+        try:
+            while True:
+                head_len, payload_len = decode_prefix(await reader.readexactly(PREFIX.size),
+                                                      max_payload_bytes=t.max_payload_bytes)
+                head = await reader.readexactly(head_len)
+                payload = None
+                if payload_len:
+                    payload = t.pool.take(payload_len)
+                    got, told = 0, time.monotonic()
+                    while got < payload_len:
+                        chunk = await reader.read(payload_len - got)
+                        if not chunk:
+                            raise asyncio.IncompleteReadError(b"", payload_len - got)
+                        payload[got:got + len(chunk)] = chunk
+                        got += len(chunk)
+                        if got < payload_len and time.monotonic() - told >= PROGRESS_EVERY_S:
+                            told = time.monotonic()
+                            t.events.on_progress(peer)
+                t.deliver(peer, head, payload)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        except FrameError as exc:
+            t._frame_error(f"rank {peer}", exc)
+            conn.transport.abort()
+        if self.writer is conn and not self.t.closed:
             self._drop_connection(f"rank {self.peer} closed the connection")
             self.t.events.on_link_down(self.peer, "closed by the peer")
             self.redial = True
@@ -375,7 +478,18 @@ class _Channel:
     async def _run(self) -> None:
         backoff = REDIAL_FIRST_S
         while not self.t.closed:
-            if self.writer is None and self.ever_connected and not self.queue and not self.redial:
+            if self.writer is None and self.passive():
+                # nothing to dial: the peer dials us, and adopt() wakes this task with its connection
+                self.unreachable = True
+                self.t.stats[self.peer].last_error = self.t.undialable(self.peer)
+                self._drop_stale()
+                if not self.queue:
+                    self.idle.set()
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            if (self.writer is None and self.ever_connected and not self.queue and not self.redial
+                    and not self.keep_up()):
                 self.idle.set()  # nothing to send: dial again only when there is
                 self.wake.clear()
                 await self.wake.wait()
@@ -390,9 +504,12 @@ class _Channel:
                     backoff = min(backoff * 2, REDIAL_MAX_S)
                     continue
             backoff = REDIAL_FIRST_S
+            writer = self.writer
             try:
                 await (self._drain_bulk() if self.bulk else self._drain_queue())
             except (OSError, TimeoutError, RuntimeError) as exc:
+                if self.writer is not writer:  # replaced meanwhile by the peer's newer connection (adopt)
+                    continue
                 why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 self._drop_connection(why)
                 if isinstance(exc, ConnectionError):  # reset or closed, not merely slow
@@ -566,8 +683,11 @@ class _OutLink:
         return self.control.connected
 
     @property
-    def writer(self) -> asyncio.StreamWriter | None:
+    def writer(self) -> _Conn | None:
         return self.control.writer
+
+    def channel(self, kind: int) -> _Channel:
+        return self.bulk if kind == BULK else self.control
 
 
 _LIVE: weakref.WeakSet[TcpTransport] = weakref.WeakSet()  # transports whose sockets a fork must not keep
@@ -625,7 +745,8 @@ class TcpTransport:
         self._pending: set[_Inbound] = set()  # accepted connections that have not proven the key yet
         self._pending_hosts: dict[str, int] = {}  # of those, how many from each source address
         self._pending_outsiders = 0  # of those, from addresses no rank listens on
-        self._members: tuple[int, dict[str, int]] = (-1, {})
+        self._members: tuple[int, dict[str, int], int] = (-1, {}, 0)  # (addresses_changed, member_hosts, unseen)
+        self._nat_hosts: dict[int, str] = {}  # rank behind a NAT -> the address its proven connections came from
         # (rank, channel, the rank it dialled) -> its newest proven connection (a joiner's contact
         # is dialled apart from the rank that listens there)
         self._proven: dict[tuple[int, int, int], _Inbound] = {}
@@ -752,6 +873,11 @@ class TcpTransport:
         return self._events
 
     async def start(self) -> None:
+        if not self.me.listed:  # nobody can dial this rank: it listens nowhere and dials every rank it can
+            _LIVE.add(self)
+            for peer in list(self.addresses):
+                self._stay_reachable(peer)
+            return
         try:
             loop = asyncio.get_running_loop()
             tls = self.credentials.tls
@@ -764,6 +890,38 @@ class TcpTransport:
         except OSError as exc:
             hint = " (is another worker already running as this rank?)" if exc.errno == 98 else ""
             raise PeerError(f"rank {self.rank} cannot listen on {self.me}: {exc.strerror or exc}{hint}") from None
+        for peer in list(self.addresses):
+            self._stay_reachable(peer)
+
+    def _stay_reachable(self, peer: int) -> None:
+        """A peer that cannot dial this rank and that this rank can dial: open both connections
+        to it now and keep them up, as they are its only way to send here."""
+        addr = self.addresses.get(peer)
+        if peer == self.rank or peer < 0 or addr is None or not addr.dialable_from(self.me) \
+                or self.me.dialable_from(addr):
+            return
+        link = self._link(peer)
+        link.bulk  # noqa: B018  (opened now: the peer may send a large payload before this rank does)
+
+    def undialable(self, peer: int) -> str:
+        """Why frames to `peer` wait for a connection it dials (or never go)."""
+        addr = self.addresses.get(peer)
+        if addr is None or addr.dialable_from(self.me):
+            return ""
+        if not self.me.dialable_from(addr):
+            return (f"rank {self.rank} ({self.me}) and rank {peer} ({addr}) cannot connect: neither can dial the "
+                    f"other, and relays between NATs are not built yet")
+        return f"rank {peer} ({addr}) cannot be dialled from here: waiting for it to dial in"
+
+    def deliver(self, src: int, head: bytes, payload: bytearray | memoryview | None) -> None:
+        """A whole frame from `src` on one of its proven connections (either direction)."""
+        msg = decode_header(head, payload)
+        if msg.src != src:
+            raise FrameError(f"frame says it is from rank {msg.src} on rank {src}'s connection")
+        stats = self.stats.setdefault(src, _LinkStats())  # a joiner's first frames come before its address
+        stats.frames_received += 1
+        stats.bytes_received += PREFIX.size + len(head) + (0 if payload is None else len(payload))
+        self.events.on_message(msg)
 
     def socket_fds(self) -> set[int]:
         """The file descriptors of this transport's open sockets: the listening one and every
@@ -790,6 +948,8 @@ class TcpTransport:
         link = self._out.get(rank)
         if link is not None:  # frames may wait for this address: dial now
             link.peer_is_up()
+        if self._server is not None or self._tls_listener is not None or not self.me.listed:  # started
+            self._stay_reachable(rank)
 
     def address_of(self, rank: int) -> str:
         found = self.addresses.get(rank)
@@ -826,13 +986,21 @@ class TcpTransport:
                 peer=peer, connected=None if out is None else writer is not None,
                 frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
-                errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
+                adopted=st.adopted, errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
                                frame_errors=self.frame_errors, last_frame_error=self.last_frame_error,
                                refusals=self.refusals)
 
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
-        """Connect to each peer, or raise PeerError naming those still unreachable."""
+        """Connect to each peer, or raise PeerError naming those still unreachable. A peer that
+        cannot be dialled from here is waited for to dial in; a pair in which neither can dial
+        the other is named at once."""
+        stuck = [p for p in peers if (a := self.addresses.get(p)) is not None and not a.dialable_from(self.me)
+                 and not self.me.dialable_from(a)]
+        if stuck:
+            raise PeerError("; ".join(self.undialable(p) for p in stuck) + " (issue 40: a relay through a reachable "
+                            "member is to come; until then give one of each such pair an address the other can dial)",
+                            peers=tuple(stuck))
         links = {p: self._link(p) for p in peers}
         waits = {p: asyncio.ensure_future(link.connected.wait()) for p, link in links.items()}
         if not waits:
@@ -918,7 +1086,10 @@ class TcpTransport:
         self.check_unknown(hello.src)
         if self.credentials.secured or hello.src not in self.addresses:
             return  # proven by the key (or a joiner: its address arrives with it)
-        expected = self.addresses[hello.src].host
+        listed = self.addresses[hello.src]
+        if not listed.dialable_from(self.me):  # it dials from behind a NAT: its source address is the NAT's
+            return
+        expected = listed.host
         if is_ip(expected) and is_ip(peer_host) and ipaddress.ip_address(expected) != ipaddress.ip_address(peer_host):
             raise FrameError(f"connection from {peer_host} claims rank {hello.src}, whose address is {expected} "
                              f"(two workers with the same rank, or a wrong --rank?)")
@@ -930,16 +1101,30 @@ class TcpTransport:
         if self._members[0] != self.addresses_changed:
             hosts: dict[str, int] = {}
             for r, a in self.addresses.items():
-                if r != self.rank and r >= 0:
+                if r != self.rank and r >= 0 and a.dialable_from(self.me):
                     hosts[_host_key(a.host)] = hosts.get(_host_key(a.host), 0) + 1
-            self._members = (self.addresses_changed, hosts)
+            for host in self._nat_hosts.values():  # where ranks behind a NAT dial from, once proven
+                hosts[host] = hosts.get(host, 0) + 1
+            unseen = sum(1 for r, a in self.addresses.items()  # ranks behind a NAT not proven yet
+                         if r != self.rank and r >= 0 and not a.dialable_from(self.me) and r not in self._nat_hosts)
+            self._members = (self.addresses_changed, hosts, unseen)
         return self._members[1]
+
+    def learn_nat_host(self, rank: int, host: str) -> None:
+        """Rank `rank`, which cannot be dialled from here, proved the key from `host` (its NAT's
+        address): connections from there count as a member's for the handshake caps, so that
+        the ranks of a site dialling at once are not refused as a flood from one outsider."""
+        if self._nat_hosts.get(rank) != host:
+            self._nat_hosts[rank] = host
+            self.addresses_changed += 1
 
     def handshake_cap(self, host: str) -> int:
         """Connections in their handshake at once from `host`: MEMBER_HOST_HANDSHAKES for each
-        rank that listens there, else PER_HOST_HANDSHAKES."""
+        rank that listens there (or proved the key from there, behind a NAT), else
+        PER_HOST_HANDSHAKES, and two more for each rank behind a NAT not seen yet: all of one
+        site's ranks dial both their connections from one address at once when they start."""
         ranks = self.member_hosts().get(host, 0)
-        return MEMBER_HOST_HANDSHAKES * ranks if ranks else PER_HOST_HANDSHAKES
+        return MEMBER_HOST_HANDSHAKES * ranks if ranks else PER_HOST_HANDSHAKES + 2 * self._members[2]
 
     def _admit_pending(self, inbound: _Inbound) -> str:
         """Take an accepted connection into its handshake: '' or why it is refused. From an
@@ -1267,6 +1452,26 @@ class _Inbound(asyncio.BufferedProtocol):
         self.heard_at = 0.0  # when bytes last arrived (an unknown rank's connection is closed when idle)
         self.idle_timer: asyncio.TimerHandle | None = None
         self.unknown_held = 0  # bytes of the payload being read counted in t.unknown_unfinished
+        self.writable: asyncio.Event | None = None  # cleared while the transport's write buffer is full
+
+    # ---- writing, where a channel adopted this connection (its peer cannot be dialled) ---------
+
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = asyncio.Event()
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None:
+            self.writable.set()
+
+    async def drain(self) -> None:
+        """Wait until the transport takes more (as StreamWriter.drain); ConnectionResetError once
+        the connection is gone."""
+        if self.writable is not None and not self.writable.is_set() and self.transport is not None:
+            await self.writable.wait()
+        if self.transport is None:
+            raise ConnectionResetError(f"rank {self.src}'s connection was lost")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -1294,10 +1499,16 @@ class _Inbound(asyncio.BufferedProtocol):
         self.t._pending_done(self)
         if self.hello is not None and self.t._proven.get(self._slot()) is self:
             del self.t._proven[self._slot()]
-        if self.src >= 0:
-            self.t.inbound_gone(self.src)
         self.transport = None
         self._release_unknown()
+        if self.writable is not None:
+            self.writable.set()  # a drain waiting here raises
+        if self.src >= 0:
+            link = self.t._out.get(self.src)
+            if link is not None:
+                for ch in link.channels:
+                    ch.adopted_lost(self)
+            self.t.inbound_gone(self.src)
         if self.hello_timer is not None:
             self.hello_timer.cancel()
         if self.idle_timer is not None:
@@ -1310,7 +1521,7 @@ class _Inbound(asyncio.BufferedProtocol):
     def _check_idle(self) -> None:
         """A rank the transport does not know: closed once it sends nothing for idle_unknown_s
         (its slot among MAX_UNKNOWN_RANKS goes to another joiner). A rank of the job never is:
-        its peer would take the close for a broken link (_Channel._watch_eof)."""
+        its peer would take the close for a broken link (_Channel._receive)."""
         self.idle_timer = None
         t = self.t
         if self.transport is None or t.closed or t.knows(self.src):
@@ -1454,6 +1665,12 @@ class _Inbound(asyncio.BufferedProtocol):
                 t.learn_from_hello(self.src, parse_address(self.hello.address))
         if not t.knows(self.src):
             self.idle_timer = asyncio.get_running_loop().call_later(t.idle_unknown_s, self._check_idle)
+        listed = t.addresses.get(self.src)
+        if listed is not None and not listed.dialable_from(t.me) and self.hello.dst == t.rank:
+            # we cannot dial this rank: its proven connection carries our frames of this kind to it
+            t.learn_nat_host(self.src, self.host)
+            t._link(self.src).channel(self.hello.channel).adopt(self)
+            return
         link = t._out.get(self.src)
         if link is not None:
             link.peer_is_up()
@@ -1462,11 +1679,4 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.src < 0:
             self._handshake(head)
             return
-        msg = decode_header(head, payload)
-        t = self.t
-        if msg.src != self.src:
-            raise FrameError(f"frame says it is from rank {msg.src} on rank {self.src}'s connection")
-        stats = t.stats.setdefault(self.src, _LinkStats())  # a joiner's first frames come before its address
-        stats.frames_received += 1
-        stats.bytes_received += PREFIX.size + len(head) + (0 if payload is None else len(payload))
-        t.events.on_message(msg)
+        self.t.deliver(self.src, head, payload)

@@ -49,7 +49,8 @@ class LinkStatus:
     bytes_received: int = 0
     injected_drops: int = 0  # frames the in-process fault layer dropped (both directions)
     stale_dropped: int = 0  # queued frames of finished ops dropped unsent
-    connects: int = 0
+    connects: int = 0  # connections dialled to the peer
+    adopted: int = 0  # connections the peer dialled that carry our frames to it (it cannot be dialled from here)
     errors: int = 0  # connections that broke and were redialled
     last_error: str = ""
     rtt_s: float | None = None  # the kernel's smoothed round-trip time, where there is one

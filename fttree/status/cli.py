@@ -22,7 +22,7 @@ import click
 
 from .. import logs
 from ..errors import ConfigError
-from ..net.address import Address, parse_address, parse_peers
+from ..net.address import UNLISTED, Address, parse_address, parse_peers
 
 HTTP_PORT_OFFSET = 1000  # a worker's default control port: its data port + this
 _OPTS = "fttree.observability"
@@ -141,7 +141,7 @@ def targets_from(peers_file: Path | None, launch_dir: Path | None, offset: int) 
     if peers_file is None:
         raise click.UsageError("give --peers FILE or --launch-dir DIR")
     peers = parse_peers(peers_file.read_text().splitlines())
-    return [f"{p.host}:{p.port + offset}" for p in peers]
+    return [f"{p.host}:{p.port + offset}" if p.listed else str(p) for p in peers]
 
 
 Report = dict[str, Any] | str  # a /status document, or why the worker did not answer
@@ -150,6 +150,8 @@ Report = dict[str, Any] | str  # a /status document, or why the worker did not a
 async def _fetch(session: Any, target: str, timeout_s: float) -> Report:
     import aiohttp
 
+    if target == UNLISTED:
+        return "listed as '-' (behind a NAT): its control server answers on its own machine only"
     try:
         async with session.get(f"http://{target}/status", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:

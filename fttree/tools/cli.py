@@ -147,7 +147,8 @@ def topology(world: int) -> None:
 @main.command()
 @click.option("--rank", type=int, required=True, help="This worker's rank (line number in --peers).")
 @click.option("--peers", "peers_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="File with one host:port per line; line i is rank i.")
+              help="File with one host:port per line; line i is rank i ('-' for a rank nobody can dial, "
+                   "'host:port behind SITE' for one only its site-mates can: docs/nat.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per step (for launch).")
 @click.option("--gate-dir", type=click.Path(file_okay=False, path_type=Path), default=None, hidden=True,
               help="Wait before --gate-steps for the real-fault runner (fttree launch --real-faults).")
@@ -247,6 +248,9 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
               help="Apply --faults with iptables (netem/ scripts) in a network namespace, not in-process. Needs root.")
 @click.option("--netns", default=None, metavar="NAME",
               help="Namespace for --real-faults (default: a new fttree-PID, deleted afterwards).")
+@click.option("--behind-nat", "behind_nat", multiple=True, metavar="RANKS",
+              help="Put these ranks (3,4) behind a NAT router of their own (repeat for more sites), each rank in a "
+                   "namespace of its own (netem/nat.sh). Needs root.")
 @click.option("--no-key", is_flag=True,
               help="Make no job key: the workers prove nothing (loopback only, unless --insecure; a baseline "
                    "for what the key costs).")
@@ -262,11 +266,13 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
            trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None,
            tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, tls: bool,
-           no_key: bool, settings: tuple[str, ...]) -> None:
+           no_key: bool, behind_nat: tuple[str, ...], settings: tuple[str, ...]) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
-    SIGCONT); the other faults in-process, or with iptables under --real-faults. The workers
+    SIGCONT); the other faults in-process, or with iptables under --real-faults. With
+    --behind-nat, each rank runs in a namespace of its own and those named sit behind NATs
+    (docs/nat.md). The workers
     prove a key made for this job (job.key in the launch directory) unless --auth-key-file
     names one; --tls also encrypts their connections."""
     from .nodefaults import link_schedule_text, node_faults
@@ -278,6 +284,16 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         raise click.BadParameter(str(exc), param_hint="--faults") from None
     if uplink is not None:
         uplink_settings(uplink)  # a bad rate fails here, not in every worker
+    sites: list[list[int]] = []
+    if behind_nat:
+        from .realfaults import parse_sites
+
+        if real_faults:
+            raise click.UsageError("--behind-nat and --real-faults cannot be combined yet")
+        try:
+            sites = parse_sites(behind_nat, world)
+        except FTTreeError as exc:
+            raise click.BadParameter(str(exc), param_hint="--behind-nat") from None
     _parse_settings(settings)  # likewise a bad setting
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
             str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,
@@ -322,6 +338,19 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         return
     from .realfaults import sigterm_as_interrupt
 
+    if sites:
+        from .realfaults import launch_behind_nat
+
+        try:
+            result = launch_behind_nat(sites, world, args, steps=steps, port=port, launch_dir=launch_dir,
+                                       deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
+                                       echo=click.echo, schedule=schedule,
+                                       verbose=click.get_current_context().find_root().params.get("verbose", 0))
+        except FTTreeError as exc:
+            raise click.ClickException(str(exc)) from None
+        if not result.ok:
+            sys.exit(1)
+        return
     try:
         with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
             result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,

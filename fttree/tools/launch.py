@@ -244,12 +244,15 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
            launch_dir: Path | None = None, deadline_s: float = 600.0,
            echo: Callable[[str], None] = print, prefix: Sequence[str] = (),
            schedule: FaultSchedule | None = None, driver: NodeFaultDriver | None = None,
-           verbose: int = 0) -> LaunchResult:
+           verbose: int = 0, peers: Sequence[str] | None = None,
+           rank_prefix: Callable[[int], Sequence[str]] | None = None) -> LaunchResult:
     """Start n workers, stream their step lines, and return everything they reported. Each
     worker's log (stderr; `verbose` as -v gives the workers) goes to worker-R.log in the launch
     directory.
 
-    `prefix` is put before each worker command (for example `ip netns exec NAME`). The crash and
+    `prefix` is put before each worker command (for example `ip netns exec NAME`), and after it
+    `rank_prefix(rank)` (for example `netem/nat.sh exec NAME RANK --`). `peers` replaces the
+    local peers file (rank r on host_base + r), for ranks in namespaces of their own. The crash and
     hang rules of `schedule` are carried out on the worker processes (SIGKILL, SIGSTOP/SIGCONT;
     see nodefaults.py) by `driver`, made here unless given; the caller leaves them out of the
     workers' own `--faults`. The other rules only explain who may leave the group."""
@@ -261,7 +264,9 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
     if driver is None:
         driver = NodeFaultDriver(node_faults(schedule, steps), world=n,
                                  gate_dir=Path(tempfile.mkdtemp(prefix="gates-", dir=workdir)), echo=echo)
-    peers = local_peers(n, host_base, port)
+    peers = list(peers) if peers is not None else local_peers(n, host_base, port)
+    if len(peers) != n:
+        raise ConfigError(f"{len(peers)} peers for {n} workers")
     peers_file = workdir / "peers.txt"
     peers_file.write_text("\n".join(peers) + "\n")
     echo(f"launching {n} workers ({peers[0]} .. {peers[-1]}), peers in {peers_file}")
@@ -291,7 +296,8 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         for rank in range(n):
-            cmd = [*prefix, *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)], verbose)]
+            cmd = [*prefix, *(rank_prefix(rank) if rank_prefix is not None else ()),
+                   *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)], verbose)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     start_new_session=True)
             procs[rank] = proc

@@ -323,6 +323,70 @@ def launch_with_real_faults(schedule: FaultSchedule, world: int, worker_args: Se
         return RealFaultRun(result=result, netns=ns, applied=runner.applied)
 
 
+# ---- ranks behind NATs (netem/nat.sh) --------------------------------------------------------
+
+
+def parse_sites(sites: Sequence[str], world: int) -> list[list[int]]:
+    """`--behind-nat 3,4 --behind-nat 5`: each a site's ranks; at least one rank stays public."""
+    parsed: list[list[int]] = []
+    seen: set[int] = set()
+    for text in sites:
+        try:
+            ranks = [int(r) for r in text.split(",")]
+        except ValueError:
+            raise ConfigError(f"--behind-nat takes ranks separated by commas (3,4), got {text!r}") from None
+        for r in ranks:
+            if not 0 <= r < world:
+                raise ConfigError(f"--behind-nat {text}: rank {r} is not one of 0..{world - 1}")
+            if r in seen:
+                raise ConfigError(f"--behind-nat: rank {r} is behind two NATs")
+            seen.add(r)
+        parsed.append(ranks)
+    if len(parsed) > 1:
+        raise ConfigError(f"--behind-nat {parsed[0][0]} and {parsed[1][0]}: ranks behind two NATs cannot reach each "
+                          f"other, and relaying between them is not built yet (issue 40); put them behind one")
+    if len(seen) == world:
+        raise ConfigError("--behind-nat: every rank is behind a NAT; at least one must be public (the others dial it)")
+    return parsed
+
+
+@contextlib.contextmanager
+def nat_network(sites: Sequence[Sequence[int]], world: int, name: str | None = None) -> Iterator[str]:
+    """netem/nat.sh's network for `world` ranks, `sites` behind NATs of their own and the
+    rest public; removed on exit, processes inside included."""
+    name = name or f"fttreenat{os.getpid()}"
+    behind = {r for site in sites for r in site}
+    args = ["up", name, "--public", ",".join(str(r) for r in range(world) if r not in behind)]
+    for site in sites:
+        args += ["--site", ",".join(map(str, site))]
+    try:
+        run_script("nat.sh", *args)
+        yield name
+    finally:
+        run_script("nat.sh", "down", name, check=False)
+
+
+def launch_behind_nat(sites: Sequence[Sequence[int]], world: int, worker_args: Sequence[str], *, steps: int,
+                      port: int = 29500, launch_dir: Path | None = None, deadline_s: float = 600.0,
+                      echo: Callable[[str], None] = print, schedule: FaultSchedule | None = None,
+                      site_local: bool = True, verbose: int = 0) -> LaunchResult:
+    """`fttree launch --behind-nat`: each rank in a namespace of its own (netem/nat.sh), the
+    ranks of each site behind a NAT router. The peers file lists a site rank as `HOST:PORT
+    behind siteK` (its site-mates dial it there), or `-` without `site_local`."""
+    if os.geteuid() != 0:
+        raise RealFaultError("--behind-nat needs root: it builds network namespaces and NAT rules")
+    for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
+        if shutil.which(tool) is None:
+            raise RealFaultError(f"--behind-nat needs the '{tool}' command: apt-get install {package}")
+    nat = str(netem_dir() / "nat.sh")
+    with sigterm_as_interrupt(), nat_network(sites, world) as name:
+        peers = run_script("nat.sh", "peers", name, "--port", str(port), *(["--site-local"] if site_local else []))
+        echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
+        return launch(world, worker_args, steps=steps, port=port, launch_dir=launch_dir, deadline_s=deadline_s,
+                      echo=echo, schedule=schedule, verbose=verbose, peers=peers.splitlines(),
+                      rank_prefix=lambda rank: [nat, "exec", name, str(rank), "--"])
+
+
 def run_launch_cli(schedule: FaultSchedule, world: int, worker_args: Sequence[str], *, steps: int,
                    netns: str | None, host_base: str, port: int, launch_dir: Path | None, deadline_s: float,
                    verbose: int = 0) -> None:
