@@ -338,25 +338,18 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         return
     from .realfaults import sigterm_as_interrupt
 
-    if sites:
-        from .realfaults import launch_behind_nat
-
-        try:
-            result = launch_behind_nat(sites, world, args, steps=steps, port=port, launch_dir=launch_dir,
-                                       deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
-                                       echo=click.echo, schedule=schedule,
-                                       verbose=click.get_current_context().find_root().params.get("verbose", 0))
-        except FTTreeError as exc:
-            raise click.ClickException(str(exc)) from None
-        if not result.ok:
-            sys.exit(1)
-        return
+    deadline_s = startup_timeout + steps * (step_timeout + 5) + launch_linger_s()
+    verbose = click.get_current_context().find_root().params.get("verbose", 0)
     try:
         with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
-            result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
-                                deadline_s=startup_timeout + steps * (step_timeout + 5) + launch_linger_s(),
-                                echo=click.echo, schedule=schedule,
-                                verbose=click.get_current_context().find_root().params.get("verbose", 0))
+            if sites:
+                from .realfaults import launch_behind_nat
+
+                result = launch_behind_nat(sites, world, args, steps=steps, port=port, launch_dir=launch_dir,
+                                           deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose)
+            else:
+                result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
+                                    deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose)
     except FTTreeError as exc:
         raise click.ClickException(str(exc)) from None
     if not result.ok:
