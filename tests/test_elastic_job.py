@@ -49,8 +49,10 @@ def loop(job: fttree.ElasticJob, model: nn.Module, epochs: int) -> list[EpochSum
 def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ...]) -> None:
     assert [s.epoch for s in summaries] == list(range(epochs))
     for s in summaries:
-        assert s.complete and s.once, s
-        assert s.committed == s.distinct == SIZE and s.repeated == s.missing == 0, s
+        assert s.complete, s
+        assert s.once, s
+        assert s.committed == s.distinct == SIZE, s
+        assert s.repeated == s.missing == 0, s
         assert s.answered == ranks, s
 
 
@@ -97,24 +99,30 @@ def test_a_rank_that_leaves_mid_epoch_leaves_its_samples_to_the_others() -> None
     results = ok(run_ranks(3, body, node_deadline_s=1.0))
     first, second = results[0]
     assert first == results[1][0]
-    assert first.once and first.departed == (2,) and first.answered == (0, 1), first
+    assert first.once, first
+    assert (first.departed, first.answered) == ((2,), (0, 1)), first
     assert first.moved > 0
-    assert second.once and second.departed == () and second.answered == (0, 1), second
+    assert second.once, second
+    assert (second.departed, second.answered) == ((), (0, 1)), second
 
 
-def test_leaving_an_epoch_early_stops_the_job_on_every_rank() -> None:
-    """Every rank breaks after the same training step: the epoch's summary says it stopped with
-    nothing committed twice, and epochs() ends."""
+@pytest.mark.parametrize("how", ["break", "steps", "stop"])
+def test_leaving_an_epoch_early_stops_the_job_on_every_rank(how: str) -> None:
+    """Every rank leaves after training step 2 (a `break`, `epochs(steps=3)`, or `job.stop()`
+    from a step listener): the epoch's summary says it stopped with nothing committed twice,
+    and epochs() ends."""
     def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[EpochSummary], int]:
         model = mlp(0)
         job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(), batch_size=BATCH,
                                 allreduce=ar, bucket_mb=0.0005)
+        if how == "stop":
+            job.step_listeners.append(lambda report: job.stop() if report.step == 2 else None)
         seen = []
-        for epoch in job.epochs():
+        for epoch in job.epochs(steps=3 if how == "steps" else None):
             for x, y in epoch:
                 nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                 job.step()
-                if job.training_steps == 3:
+                if how == "break" and job.training_steps == 3:
                     break
             seen.append(epoch.summary)
         return seen, job.training_steps
@@ -122,8 +130,10 @@ def test_leaving_an_epoch_early_stops_the_job_on_every_rank() -> None:
     for seen, steps in ok(run_ranks(3, body)):
         assert steps == 3
         (summary,) = seen
-        assert not summary.complete and not summary.once, summary
-        assert summary.committed == summary.distinct == 3 * 3 * BATCH and summary.repeated == 0, summary
+        assert not summary.complete, summary
+        assert not summary.once, summary
+        assert summary.committed == summary.distinct == 3 * 3 * BATCH, summary
+        assert summary.repeated == 0, summary
 
 
 def test_misuse_is_named() -> None:
@@ -181,7 +191,7 @@ def test_bad_objects_are_refused_by_name() -> None:
         fttree.ElasticJob(model, opt, iter(range(3)), batch_size=4)
     with pytest.raises(ConfigError, match="dataset is empty"):
         fttree.ElasticJob(model, opt, Pairs(0), batch_size=4)
-    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
         fttree.ElasticJob(opt, opt, Pairs(), batch_size=4)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be an FTTreeAllreduce"):
         fttree.ElasticJob(model, opt, Pairs(), batch_size=4, allreduce=object())  # type: ignore[arg-type]

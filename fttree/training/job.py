@@ -299,6 +299,9 @@ class ElasticJob:
         self._fetched_at = self._fetches()
         self._started = False
         self._current: Epoch | None = None
+        self._max_steps: int | None = None  # epochs(steps=)
+        self._stop = False  # stop() was called
+        self._stopping = False  # the job ends after the training step just taken
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -312,11 +315,15 @@ class ElasticJob:
         """The newest committed training step: its contributors, late ranks and next view."""
         return self._settled().last_step
 
-    def epochs(self, count: int | None = None) -> Iterator[Epoch]:
-        """Epochs up to number `count` (None: until the loop leaves one early). A joiner first
-        waits for the group's state and history here, then starts in the group's epoch."""
+    def epochs(self, count: int | None = None, *, steps: int | None = None) -> Iterator[Epoch]:
+        """Epochs up to number `count` (None: no limit), ending the job after training step
+        `steps` (DiLoCo: rounds; None: no limit), inside an epoch if so. A joiner first waits
+        for the group's state and history here, then starts in the group's epoch."""
         if count is not None:
             _positive_int("count", count, 1)
+        if steps is not None:
+            _positive_int("steps", steps, 1)
+        self._max_steps = steps
         if self._started:
             raise ConfigError("ElasticJob.epochs() runs once per job")
         self._started = True
@@ -338,6 +345,13 @@ class ElasticJob:
             if epoch.stopped:
                 return
             number += 1
+
+    def stop(self) -> None:
+        """End the job after the training step under way (its epoch ends there, audited, and
+        `epochs()` with it). Every member must call it at the same step: from an `on_step`
+        listener, which sees every committed step alike on every member, empty ones included
+        (a loop body does not: the epoch steps a rank with nothing to train by itself)."""
+        self._stop = True
 
     def step(self) -> bool:
         """After backward on the batch the epoch gave: average (or DiLoCo's local step, and the
@@ -368,6 +382,9 @@ class ElasticJob:
         if self._pending is not None:
             raise ConfigError("ElasticJob: the loop asked for the next batch without job.step() on the last one")
         while True:
+            if self._stopping:  # stop() or epochs(steps=): after the step that ended here
+                self._end_epoch(epoch, stop=True)
+                raise StopIteration
             if self._flag_due:
                 self._flag_due = False
                 ends = self.sampler.finished
@@ -410,6 +427,7 @@ class ElasticJob:
         self._round += 1
         self._commit_done(skipped)
         self._flag_due = self._flags
+        self._stopping = self._stop or (self._max_steps is not None and self._round >= self._max_steps)
 
     def _settled(self) -> _Settled:
         opt = self.opt
