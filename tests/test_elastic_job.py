@@ -5,6 +5,9 @@ with a restart) are tested through examples/train_mlp.py, which runs on ElasticJ
 
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +198,27 @@ def test_bad_objects_are_refused_by_name() -> None:
         fttree.ElasticJob(opt, opt, Pairs(), batch_size=4)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be an FTTreeAllreduce"):
         fttree.ElasticJob(model, opt, Pairs(), batch_size=4, allreduce=object())  # type: ignore[arg-type]
+
+
+def readme_loop() -> str:
+    """The README's ElasticJob block, less the line that starts a handle from the environment
+    (the test's workers are threads of one process, each with its own handle)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in (part.split("```")[0] for part in text.split("```python")[1:]) if "ElasticJob" in b)
+    lines = block.strip().splitlines()
+    assert len(lines) <= 15, f"the README's loop grew to {len(lines)} lines"
+    return "\n".join(line for line in lines if not line.startswith("ar = "))
+
+
+def test_the_readmes_loop_trains_every_sample_once() -> None:
+    code = readme_loop()
+
+    def body(rank: int, ar: FTTreeAllreduce) -> list[EpochSummary]:
+        scope: dict[str, Any] = {"model": mlp(0), "dataset": Pairs(), "ar": ar}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(code, scope)
+        summaries: list[EpochSummary] = scope["job"].summaries
+        return summaries
+
+    for summaries in ok(run_ranks(3, body)):
+        assert_once(summaries, 10, (0, 1, 2))
