@@ -190,7 +190,8 @@ def train(args: argparse.Namespace) -> int:
                                       else None)
         model = thesis_mlp(seed=args.seed, hidden=args.hidden)  # one seed: the start compares a digest and copies
         # nothing (a model built otherwise would be copied from rank 0)
-        inner = torch.optim.SGD(model.parameters(), lr=args.lr)  # ElasticJob wraps it (train_elastic)
+        # the job wraps the optimizer and runs its setup collectives here, before the clock starts
+        job = make_job(args, ar, model, torch.optim.SGD(model.parameters(), lr=args.lr), data)
         net: nn.Module = model
 
         def close() -> None:
@@ -232,7 +233,7 @@ def train(args: argparse.Namespace) -> int:
 
     if args.comm == "fttree":
         try:
-            job, audits = train_elastic(args, ar, model, inner, data, progress, recoveries, evaluate)
+            audits = train_elastic(args, job, model, progress, recoveries, evaluate)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -287,17 +288,26 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_elastic(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.optim.Optimizer, data: Dataset,
-                  progress: Progress, recoveries: list[Any], evaluate: Any) -> tuple[Any, list[Any]]:
-    """The fttree loop: fttree.ElasticJob deals the samples (each once per epoch, whoever dies,
-    lags or restarts) and does the protocol; what is left here is the model's step and this
-    example's reporting. Returns the job and its epochs' summaries."""
+def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.optim.Optimizer, data: Dataset) -> Any:
+    """fttree.ElasticJob over the training set: it wraps `inner` (fttree.DistributedOptimizer,
+    or fttree.DiLoCo with --diloco) and deals the samples, each once per epoch."""
     import fttree
 
-    rank = ar.rank
     dataset: Any = Samples(data.x_train, data.y_train)
     if args.cache_dir:
-        dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{rank}")
+        dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{ar.rank}")
+    return fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
+                             overlap=args.overlap, compression=args.compression, bucket_mb=args.bucket_mb,
+                             seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
+                             joins=args.restart is not None)  # --restart: a process comes back mid-job
+
+
+def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress: Progress, recoveries: list[Any],
+                  evaluate: Any) -> list[Any]:
+    """The fttree loop: the job deals the samples (each once per epoch, whoever dies, lags or
+    restarts) and does the protocol; what is left here is the model's step and this example's
+    reporting. Returns the epochs' summaries."""
+    rank = job.rank
     rounds = -(-args.steps // (args.diloco or 1))  # training steps: DiLoCo rounds count as one
     loss_fn = nn.CrossEntropyLoss()
     losses: list[float] = []
@@ -328,15 +338,14 @@ def train_elastic(args: argparse.Namespace, ar: Any, model: nn.Module, inner: to
         seen[1] = now
         evaluate(report.step)
 
-    job = fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
-                            overlap=args.overlap, compression=args.compression, bucket_mb=args.bucket_mb,
-                            seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
-                            joins=args.restart is not None, on_step=on_step)
+    job.step_listeners.append(on_step)
     missed[0] = job.joining  # a restarted process: the crash is behind it
     seen[1] = time.perf_counter()
     for epoch in job.epochs(steps=None if args.restart is not None else rounds):
         for x, y in epoch:
             began = time.perf_counter()
+            if not hits[1]:  # a round's first batch: its time counts from here, not from the loader's fetch
+                seen[1] = began
             out = model(x)
             loss = loss_fn(out, y)
             loss.backward()
@@ -347,7 +356,7 @@ def train_elastic(args: argparse.Namespace, ar: Any, model: nn.Module, inner: to
             job.step()
         if rank == 0 and not args.json:
             print(epoch.summary, flush=True)
-    return job, job.summaries
+    return list(job.summaries)
 
 
 def is_worker() -> bool:
