@@ -59,13 +59,17 @@ def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ..
         assert s.answered == ranks, s
 
 
-@pytest.mark.parametrize("diloco", [0, 3])
-def test_every_sample_once_per_epoch_and_the_models_alike(diloco: int) -> None:
+@pytest.mark.parametrize(("diloco", "overlap", "workers"), [(0, False, 0), (3, False, 0), (2, True, 0), (0, False, 2)])
+def test_every_sample_once_per_epoch_and_the_models_alike(diloco: int, overlap: bool, workers: int) -> None:
+    """Data-parallel, DiLoCo rounds (their empty local batches stepped by the job), DiLoCo
+    with overlap (a round committed a round late, the last at the epoch's end), and loader
+    processes that prefetch ahead of the commits."""
     def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[EpochSummary], list[torch.Tensor], list[StepReport]]:
         model = mlp(0)
         reports: list[StepReport] = []
         job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(), batch_size=BATCH,
-                                allreduce=ar, diloco=diloco, bucket_mb=0.0005, on_step=reports.append)
+                                allreduce=ar, diloco=diloco, overlap=overlap, num_workers=workers,
+                                bucket_mb=0.0005, on_step=reports.append)
         summaries = loop(job, model, 2)
         return summaries, [p.detach().clone() for p in model.parameters()], reports
 
@@ -79,6 +83,22 @@ def test_every_sample_once_per_epoch_and_the_models_alike(diloco: int) -> None:
     for got in results[1:]:
         for a, b in zip(results[0][1], got[1], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_diloco_round_with_no_sample_for_a_rank_is_one_round() -> None:
+    """74 samples, 3 ranks, rounds of 3 x 4 per rank: the last round holds 2 samples, so a rank
+    gets none in it; the epoch steps its 3 empty local steps once (stepping them for each
+    of its empty local batches made it run rounds the others did not)."""
+    size = 2 * 3 * 3 * BATCH + 2
+
+    def body(rank: int, ar: FTTreeAllreduce) -> list[EpochSummary]:
+        model = mlp(0)
+        job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(size), batch_size=BATCH,
+                                allreduce=ar, diloco=3, joins=False, bucket_mb=0.0005)  # no flag to end it early
+        return loop(job, model, 2)
+
+    for summaries in ok(run_ranks(3, body)):
+        assert [(s.once, s.committed, s.steps) for s in summaries] == [(True, size, 3)] * 2, summaries
 
 
 def test_a_rank_that_leaves_mid_epoch_leaves_its_samples_to_the_others() -> None:
@@ -178,6 +198,8 @@ def test_misuse_is_named() -> None:
     ({"batch_size": 4, "overlap": True}, "needs diloco=H"),
     ({"batch_size": 4, "diloco": 2, "overlap": True, "joins": True}, "joins=True with overlap=True"),
     ({"batch_size": 4, "num_workers": -1}, "num_workers must be an integer >= 0"),
+    ({"batch_size": 4, "prefetch_factor": 2}, "needs num_workers > 0"),
+    ({"batch_size": 4, "num_workers": 1, "prefetch_factor": 0}, "prefetch_factor must be an integer >= 1"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs: dict[str, Any], says: str) -> None:
     model = mlp(0)

@@ -241,6 +241,11 @@ class ElasticJob:
         batch_size = _positive_int("batch_size", batch_size, 1)
         diloco = _positive_int("diloco", diloco, 0)
         num_workers = _positive_int("num_workers", num_workers, 0)
+        if prefetch_factor is not None:
+            _positive_int("prefetch_factor", prefetch_factor, 1)
+            if not num_workers:
+                raise ConfigError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (loader processes to "
+                                  f"prefetch with)")
         if overlap and not diloco:
             raise ConfigError("overlap=True overlaps DiLoCo's outer steps: it needs diloco=H (local steps per round)")
         if joins is None:
@@ -397,8 +402,9 @@ class ElasticJob:
                 self._end_epoch(epoch, stop=False)
                 raise
             part = self._rounds.queue.popleft()
-            if part.filled and part.index >= part.filled:
-                continue  # an empty local batch job.step() stepped already, at its round's last filled one
+            if part.index >= max(part.filled, 1):
+                continue  # an empty local batch stepped already: by job.step() at its round's last filled
+                # one, or below at its round's first when the whole round is empty
             if batch is None:  # nothing left for this rank this round: take part, counted in no average
                 for _ in range(self._parts):
                     self._empty_local_step()
