@@ -121,9 +121,8 @@ def load_data(images: str | None, labels: str | None, synthetic: int = 0) -> Dat
     return Dataset(x[:-n_test], y[:-n_test], x[-n_test:], y[-n_test:], name)
 
 
-class IndexedSamples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    """(image, label, index): the index lets each worker report exactly which samples it
-    trained on, for the per-epoch exactly-once audit."""
+class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """(image, label) pairs over the training tensors (or the synthetic task), for a DataLoader."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = x, y
@@ -131,8 +130,8 @@ class IndexedSamples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, 
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], int(i)
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
 
 
 def batch_indices(n_train: int, step: int, world: int, rank: int, batch: int = BATCH) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Data-parallel training of the thesis's MLP (784-512-10, 407,050 parameters, batch 100 per
-worker, SGD) with fttree.DistributedOptimizer, on N local workers.
+worker, SGD) with fttree.ElasticJob, on N local workers.
 
     python examples/train_mlp.py -n 7 --steps 50
     python examples/train_mlp.py -n 7 --steps 50 --faults "cut 1-0 @5..10" --timeout 0.2
@@ -10,11 +10,11 @@ Without --images the data is scikit-learn's bundled digits upsampled to 28x28 (n
 --images/--labels take MNIST idx files (.gz or not). Fault windows count training steps
 (DistributedOptimizer marks them; its setup collectives are never hit).
 
-With fttree the data comes from fttree.ElasticSampler: every sample goes to exactly one
-worker per epoch, and when a worker dies (--faults "crash 4 @12") its samples not yet trained
-go to the survivors. After each epoch the workers add up which samples they trained in
-committed steps (one allreduce of a count per sample) and rank 0 prints how many were
-committed and whether each was committed once. --cache-dir keeps each worker's samples on
+With fttree the loop is fttree.ElasticJob's (train_elastic below): every sample goes to
+exactly one worker per epoch, and when a worker dies (--faults "crash 4 @12") its samples not
+yet trained go to the survivors. After each epoch the workers add up which samples they
+trained in committed steps (one allreduce of a count per sample) and rank 0 prints the
+epoch's summary: how many were committed and whether each was committed once. --cache-dir keeps each worker's samples on
 local disk (fttree.CachedDataset) and reports how many had to be fetched.
 
 With --diloco H each worker takes H local SGD steps and the workers average their parameter
@@ -45,8 +45,8 @@ from mlp_common import (
     BATCH,
     RESTARTED,
     Dataset,
-    IndexedSamples,
     Progress,
+    Samples,
     accuracy,
     batch_indices,
     describe_note,
@@ -190,14 +190,8 @@ def train(args: argparse.Namespace) -> int:
                                       else None)
         model = thesis_mlp(seed=args.seed, hidden=args.hidden)  # one seed: the start compares a digest and copies
         # nothing (a model built otherwise would be copied from rank 0)
-        inner = torch.optim.SGD(model.parameters(), lr=args.lr)
-        opt: Any
-        if args.diloco:
-            opt = fttree.DiLoCo(model, inner, allreduce=ar, sync_every=args.diloco, compression=args.compression,
-                                overlap=args.overlap, bucket_mb=args.bucket_mb)
-        else:
-            opt = fttree.DistributedOptimizer(inner, model, allreduce=ar, bucket_mb=args.bucket_mb,
-                                              compression=args.compression)
+        # the job wraps the optimizer and runs its setup collectives here, before the clock starts
+        job = make_job(args, ar, model, torch.optim.SGD(model.parameters(), lr=args.lr), data)
         net: nn.Module = model
 
         def close() -> None:
@@ -239,7 +233,7 @@ def train(args: argparse.Namespace) -> int:
 
     if args.comm == "fttree":
         try:
-            audits, fewest, late = train_with_sampler(args, ar, opt, model, data, progress, recoveries, evaluate)
+            audits = train_elastic(args, job, model, progress, recoveries, evaluate)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -247,20 +241,22 @@ def train(args: argparse.Namespace) -> int:
             print(f"rank {rank}: training stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return 1
         if rank == 0 and args.json:
-            print(json.dumps({"audits": audits}), flush=True)  # before the summary: that stays the last line
+            print(json.dumps({"audits": [a.to_dict() for a in audits]}), flush=True)  # the summary stays last
+        last = job.last_step
         progress.summary(args.warmup, {"comm": args.comm, "workers": world,
                                        "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
                                        "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
                                        "detours": sum(n.kind.value == "detour" for n in recoveries),
                                        "notes": dict(Counter(n.cause.value for n in recoveries)),
-                                       "fewest_contributors": fewest,
-                                       "late_steps": {str(r): n for r, n in sorted(late.items())},
+                                       "fewest_contributors": job.fewest_contributors or world,
+                                       "late_steps": {str(r): n for r, n in sorted(job.late.items())},
                                        "epochs": len(audits),
-                                       "exactly_once": all(a["once"] for a in audits if a["complete"]),
-                                       "last_contributors": list(opt.last_step.contributors) if opt.last_step else [],
-                                       **({"outer_hidden": round(opt.stats.hidden, 3),
-                                           "outer_waited_s": round(opt.stats.waited_s, 3),
-                                           "outer_sync_s": round(opt.stats.sync_s, 3)} if args.diloco else {})})
+                                       "exactly_once": all(a.once for a in audits if a.complete),
+                                       "last_contributors": list(last.contributors) if last else [],
+                                       **({"outer_hidden": round(job.opt.stats.hidden, 3),
+                                           "outer_waited_s": round(job.opt.stats.waited_s, 3),
+                                           "outer_sync_s": round(job.opt.stats.sync_s, 3)}
+                                          if isinstance(job.opt, fttree.DiLoCo) else {})})
         close()
         return 0
     try:
@@ -292,190 +288,75 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_with_sampler(args: argparse.Namespace, ar: Any, opt: Any, model: nn.Module, data: Dataset,
-                       progress: Progress, recoveries: list[Any],
-                       evaluate: Any = None) -> tuple[list[dict[str, Any]], int, dict[int, int]]:
-    """The fttree loop: an ElasticSampler deals the samples, each step is committed from the
-    optimizer (`commit_from`), a worker with nothing left contributes empty, and every epoch
-    ends with an audit of what was committed. Returns the audits, the fewest workers whose
-    batches one step's sum held, and per rank the steps that closed without it (late)."""
-    import numpy as np
-    from torch.utils.data import DataLoader
-
+def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.optim.Optimizer, data: Dataset) -> Any:
+    """fttree.ElasticJob over the training set: it wraps `inner` (fttree.DistributedOptimizer,
+    or fttree.DiLoCo with --diloco) and deals the samples, each once per epoch."""
     import fttree
 
-    rank, n_train, restart = ar.rank, len(data.x_train), args.restart
-    dataset: Any = IndexedSamples(data.x_train, data.y_train)
-    cache = None
+    dataset: Any = Samples(data.x_train, data.y_train)
     if args.cache_dir:
-        cache = dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{rank}")
-    inner_steps = args.diloco or 1  # local steps per training step (a DiLoCo round)
-    steps = -(-args.steps // inner_steps)
-    lag = 1 if args.diloco and args.overlap else 0  # an overlapped round is committed when the next one ends
-    # follow(): a restarted process takes the epoch history from a peer with the training state
-    sampler = fttree.ElasticSampler.follow(opt, n_train, BATCH * inner_steps, seed=args.seed,
-                                           stable=args.stable or cache is not None,
-                                           horizon=fttree.loader_horizon(args.loader_workers) + lag)
-    in_flight: dict[int, list[int]] = {}  # round -> this rank's samples in it, until its outer step is committed
-    committed = -1  # the newest training step committed
+        dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{ar.rank}")
+    return fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
+                             overlap=args.overlap, compression=args.compression, bucket_mb=args.bucket_mb,
+                             seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
+                             joins=args.restart is not None)  # --restart: a process comes back mid-job
+
+
+def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress: Progress, recoveries: list[Any],
+                  evaluate: Any) -> list[Any]:
+    """The fttree loop: the job deals the samples (each once per epoch, whoever dies, lags or
+    restarts) and does the protocol; what is left here is the model's step and this example's
+    reporting. Returns the epochs' summaries."""
+    rank = job.rank
+    rounds = -(-args.steps // (args.diloco or 1))  # training steps: DiLoCo rounds count as one
+    loss_fn = nn.CrossEntropyLoss()
+    losses: list[float] = []
+    hits, seen = [0, 0], [0, 0.0]  # hits/samples of the step's batches; notes seen, the last step's end
     # --restart R: every worker goes on past --steps until R, once missing from a step, is back
     # among a step's contributors; all see the same contributors, so all stop at the same step
-    missed, back = opt.syncing, restart is None
-    late: Counter[int] = Counter()  # rank -> training steps that closed without it (--straggler-policy)
+    missed, back = [False], [args.restart is None]
 
-    def commit_done(trained: list[int]) -> None:
-        """Commit the newest step if its outer step finished here and it is not committed yet."""
-        nonlocal fewest, committed, missed, back
-        done = opt.last_step
-        if done is None or done.step <= committed:
+    def on_step(report: Any) -> None:
+        """Every committed training step, empty ones included: progress, evaluation, --restart's stop."""
+        if args.restart is not None:
+            missed[0] = missed[0] or args.restart not in report.contributors
+            back[0] = back[0] or (missed[0] and args.restart in report.contributors)
+            if report.step + 1 >= rounds and back[0]:
+                job.stop()
+        if report.waiting:
             return
-        committed = done.step
-        if restart is not None:
-            missed = missed or restart not in done.contributors
-            back = back or (missed and restart in done.contributors)
-        if not opt.syncing:  # a restarted process counts from when it holds the group's model
-            fewest = min(fewest, len(done.contributors))
-        late.update(done.late)
-        if rank in done.contributors:
-            trained.extend(in_flight.get(done.step, []))
-        in_flight.pop(done.step, None)
-        sampler.commit_from(opt)
+        now = time.perf_counter()
+        new, seen[0] = recoveries[int(seen[0]):], len(recoveries)
+        own = "late: skipped a step closed without this rank" if report.skipped else \
+            "no batch left: empty contribution" if not report.trained and rank in report.contributors else ""
+        note = "; ".join(sorted({describe_note(n) for n in new} | ({own} if own else set())))
+        loss_value = sum(losses) / len(losses) if losses and report.trained else float("nan")
+        acc = hits[0] / hits[1] if hits[1] and report.trained else float("nan")
+        progress.step(report.step, now - seen[1], loss_value, acc, note)
+        losses.clear()
+        hits[:] = [0, 0]
+        seen[1] = now
+        evaluate(report.step)
 
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers,
-                        collate_fn=fttree.CollateOrNone(), timeout=120 if args.loader_workers else 0)
-    loss_fn = nn.CrossEntropyLoss()
-    audits: list[dict[str, Any]] = []
-    fewest = ar.world  # the fewest workers whose batches one step's sum held (fewer: one died, or was lost)
-    step, epoch = 0, 0
-    carried: list[int] = []  # a restarted process: what its earlier process committed in this epoch
-    resumed = opt.syncing  # a restarted process comes in mid-epoch: its sampler is in that epoch already
-
-    def audit_now(members_audit: bool) -> bool:
-        """--restart: one number after each round tells every process whether the members audit
-        an epoch now. A restarted process still waiting for the group's history cannot know
-        when an epoch ends, yet must take part in the audit's allreduce like any member."""
-        if restart is None:
-            return members_audit
-        ar.mark_step(None)  # not a training step
-        return float(ar.allreduce(np.array([1.0 if members_audit else 0.0], dtype=np.float32))[0]) > 0
-
-    if opt.syncing:
-        while not sampler.member:  # no batch until the sampler, with the group's history, deals to it
-            for _ in range(inner_steps):
-                opt.zero_grad()
-                opt.step(contribute=False)
-            commit_done([])
-            if audit_now(False):  # an epoch ended while this process waited: its part is nothing
-                ar.mark_step(None)
-                ar.allreduce(np.zeros(n_train + ar.world, dtype=np.int32))
-        assert opt.last_step is not None
-        step, epoch = opt.last_step.step + 1 + lag, sampler.epoch
-        carried = sampler.committed(rank).tolist()
-    while step < steps or not back:
-        if not resumed:
-            sampler.set_epoch(epoch)
-        trained: list[int] = carried  # samples this rank trained in steps that list it as a contributor
-        carried, resumed = [], False
-        fetched_before = cache.stats().fetched if cache is not None else 0
-        for batch in loader:
-            seen = len(recoveries)
-            t0 = time.perf_counter()
-            if batch is not None and not args.diloco and opt.steps_behind:
-                # a straggler (--straggler-policy deadline): the group closed this step without it
-                # already; computing it would be wasted. Take the others' average; the sampler
-                # deals this batch again
-                opt.zero_grad()
-                opt.step(contribute=False)
-                loss_value, acc, note = float("nan"), float("nan"), "late: skipped a step closed without this rank"
-                batch = None
-            elif batch is None:  # nothing left for this rank this epoch: take part, counted in no average
-                for _ in range(inner_steps):
-                    opt.zero_grad()
-                    opt.step(contribute=False)
-                loss_value, acc, note = float("nan"), float("nan"), "no batch left: empty contribution"
-            else:
-                x, y, idx = batch
-                losses, hits = [], 0
-                for part in torch.arange(len(y)).tensor_split(inner_steps):  # a round's local batches
-                    opt.zero_grad()
-                    if not len(part):
-                        opt.step(contribute=False)
-                        continue
-                    began = time.perf_counter()
-                    out = model(x[part])
-                    loss = loss_fn(out, y[part])
-                    loss.backward()
-                    device_time(args, rank, time.perf_counter() - began)
-                    opt.step()
-                    losses.append(loss.item())
-                    hits += int((out.argmax(1) == y[part]).sum())
-                loss_value, acc, note = sum(losses) / len(losses), hits / len(y), ""
-            in_flight[step] = idx.tolist() if batch is not None else []
-            commit_done(trained)
-            if restart is not None:  # the loop below stops after this round at an epoch's end or at the last step
-                audit_now(sampler.finished or (step + 1 >= steps and back))
-            seconds = time.perf_counter() - t0
-            new = recoveries[seen:]
-            note = "; ".join(sorted({describe_note(n) for n in new} | ({note} if note else set())))
-            progress.step(step, seconds, loss_value, acc, note)
-            if evaluate is not None:
-                evaluate(step)
-            step += 1
-            if step >= steps and back:
-                break
-        if lag:  # the epoch's last round is in flight: take it in before the audit
-            opt.flush()
-            commit_done(trained)
-        fetched = (cache.stats().fetched if cache is not None else 0) - fetched_before
-        audits.append(audit_epoch(ar, sampler, np.asarray(trained, dtype=np.int64), fetched, epoch, n_train,
-                                  quiet=args.json))
-        epoch += 1
-    return audits, fewest, dict(late)
-
-
-def audit_epoch(ar: Any, sampler: Any, trained: Any, fetched: int, epoch: int, n_train: int,
-                quiet: bool) -> dict[str, Any]:
-    """Add up, over all workers, how often each sample was trained in a committed step: one
-    allreduce of a count per sample (plus each rank's cache fetches). Workers that left the
-    view cannot answer; what they committed comes from the survivors' samplers (every member
-    computes the same history), added once, by the lowest surviving rank."""
-    import numpy as np
-
-    world = ar.world
-    counts = np.zeros(n_train + world, dtype=np.int32)
-    np.add.at(counts, trained, 1)
-    departed = sorted(set(sampler.history().members) - set(sampler.members))
-    gone: dict[int, int] = {}
-    if ar.rank == min(sampler.members):
-        for r in departed:
-            theirs = sampler.committed(r)
-            gone[r] = len(theirs)
-            np.add.at(counts, theirs, 1)
-    counts[n_train + ar.rank] = fetched
-    ar.mark_step(None)  # an audit, not a training step: fault windows do not count it
-    total = ar.allreduce(counts)
-    per_sample, fetches = total[:n_train], total[n_train:]
-    answered = ar.last.contributors if ar.last is not None else ()
-    complete = sampler.finished
-    info = {"epoch": epoch, "complete": complete, "committed": int(per_sample.sum()),
-            "distinct": int((per_sample > 0).sum()), "repeated": int((per_sample > 1).sum()),
-            "missing": int((per_sample == 0).sum()), "once": bool(complete and (per_sample == 1).all()),
-            "departed": departed, "answered": list(answered), "fetched": int(fetches.sum()),
-            "moved": sum(e.pool for e in sampler.stats().events)}
-    if ar.rank == 0 and not quiet:
-        left = f"; ranks {departed} left the view ({info['moved']} of their samples went to the survivors; " \
-               f"{sum(gone.values())} they had committed are counted from the survivors' samplers)" if departed else ""
-        cache = f"; cache fetches {info['fetched']}" if fetches.any() else ""
-        if complete:
-            verdict = "each once" if info["once"] else \
-                f"NOT exactly once: {info['repeated']} repeated, {info['missing']} missing"
-            print(f"epoch {epoch}: {info['committed']} of {n_train} samples committed, {verdict}{left}{cache}",
-                  flush=True)
-        else:
-            verdict = "none twice" if not info["repeated"] else f"{info['repeated']} TWICE"
-            print(f"epoch {epoch} stopped at --steps: {info['committed']} of {n_train} samples committed so far, "
-                  f"{verdict}{left}{cache}", flush=True)
-    return info
+    job.step_listeners.append(on_step)
+    missed[0] = job.joining  # a restarted process: the crash is behind it
+    seen[1] = time.perf_counter()
+    for epoch in job.epochs(steps=None if args.restart is not None else rounds):
+        for x, y in epoch:
+            began = time.perf_counter()
+            if not hits[1]:  # a round's first batch: its time counts from here, not from the loader's fetch
+                seen[1] = began
+            out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+            device_time(args, rank, time.perf_counter() - began)
+            losses.append(loss.item())
+            hits[0] += int((out.argmax(1) == y).sum())
+            hits[1] += len(y)
+            job.step()
+        if rank == 0 and not args.json:
+            print(epoch.summary, flush=True)
+    return list(job.summaries)
 
 
 def is_worker() -> bool:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .training.backend import allreduce_of
     from .training.ddp import comm_hook
     from .training.diloco import DiLoCo
+    from .training.job import ElasticJob, EpochSummary
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
     from .training.state import sync_state
 
@@ -46,6 +47,8 @@ _LAZY = {
     "StepResult": "fttree.net.node",
     "DistributedOptimizer": "fttree.training.optim",
     "DiLoCo": "fttree.training.diloco",
+    "ElasticJob": "fttree.training.job",
+    "EpochSummary": "fttree.training.job",
     "attach": "fttree.training.optim",
     "synchronize": "fttree.training.optim",
     "comm_hook": "fttree.training.ddp",
@@ -74,7 +77,9 @@ __all__ = [
     "ConfigError",
     "DiLoCo",
     "DistributedOptimizer",
+    "ElasticJob",
     "ElasticSampler",
+    "EpochSummary",
     "FTTreeAllreduce",
     "FTTreeError",
     "FrameError",

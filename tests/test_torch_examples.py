@@ -53,6 +53,23 @@ def test_train_mlp_with_diloco_survives_a_crash_and_a_restart_and_uses_every_sam
     assert summary["test_accuracy"] > 0.6
 
 
+def test_train_mlp_takes_a_restarted_worker_back_and_uses_every_sample_once() -> None:
+    """Data-parallel `--restart`: rank 2 dies at step 3; its process started again waits inside
+    ElasticJob.epochs() for the state and the sampler's history (taking part in the per-step
+    flag and in the audits of the epochs that end meanwhile), then trains again; every epoch
+    finished committed each sample exactly once."""
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--steps", "20", "--faults", "crash 2 @3",
+                       "--restart", "2", "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary, audits = json.loads(lines[-1]), json.loads(lines[-2])["audits"]
+    assert summary["last_contributors"] == [0, 1, 2, 3], summary
+    assert summary["exactly_once"], audits
+    assert any(a["departed"] == [2] and a["complete"] for a in audits), audits
+    assert audits[-1]["answered"] == [0, 1, 2, 3], audits[-1]
+    assert all(a["repeated"] == 0 for a in audits), audits
+
+
 def train_mlp_module() -> Any:
     """examples/train_mlp.py as a module, to check its command line without starting a process
     (each would import torch again: seconds on a loaded machine)."""

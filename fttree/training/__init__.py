@@ -1,3 +1,4 @@
 """PyTorch integration: gradient buckets, the optimizer wrapper and hooks, the DDP
-communication hook and the "fttree" torch.distributed backend. The only sub-package that
+communication hook, the "fttree" torch.distributed backend, and ElasticJob (the whole exactly-once
+loop). The only sub-package that
 imports torch."""

@@ -107,6 +107,7 @@ class DiLoCo:
         self._in_flight: threading.Thread | None = None  # overlap: the previous round's outer step
         self._failed: BaseException | None = None  # ...and what it raised
         self._started_at = 0.0
+        self._settled: TrainingStep | None = None  # see settled_step
         self._to_model()
         self._round_start = [p.detach().clone() for _, p in self._local]  # overlap: where this round began
 
@@ -155,6 +156,8 @@ class DiLoCo:
         self.outer.step(contribute=contribute)
         self.outer_steps += 1
         self.stats.outer_steps += 1
+        if not self.overlap:
+            self._settled = self.outer.last_step
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
         self._was_syncing = self.outer.syncing
@@ -196,6 +199,7 @@ class DiLoCo:
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
+        self._settled = self.outer.last_step
 
     def flush(self) -> None:
         """overlap=True: wait for the outer step in flight and go on from the global parameters
@@ -229,6 +233,13 @@ class DiLoCo:
     def last_step(self) -> TrainingStep | None:
         """The newest outer step that finished here: its contributors and next view."""
         return self.outer.last_step
+
+    @property
+    def settled_step(self) -> TrainingStep | None:
+        """The newest outer step this worker has taken in. Without overlap it is `last_step`;
+        with overlap `last_step` may already be the round in flight, which its own thread
+        finishes at any moment, so a sampler that commits a round a round late reads this."""
+        return self._settled
 
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Extra state a joiner takes over with the global parameters (see DistributedOptimizer)."""
