@@ -197,6 +197,8 @@ class _Channel:
         self.clean_at = -float("inf")  # when `clean` was last brought up to date
         self.fast_rto = False  # the connection's least retransmission timeout is FAST_RTO_MIN_S
         self.lost_at = -float("inf")  # when frames were last lost with a broken connection
+        self._read_at = -float("inf")  # when `_counters` was read (counters()): one read per look
+        self._counters: TcpCounters | None = None
         name = f"fttree-link-{self.peer}" + ("-bulk" if bulk else "")
         self.task = asyncio.get_running_loop().create_task(self._run(), name=name)
 
@@ -214,7 +216,7 @@ class _Channel:
         """Bytes handed to the connection and not acknowledged by the peer (the event loop's
         buffer and the kernel's); updates the acknowledgement progress on the way."""
         writer = self.writer
-        if writer is None:
+        if writer is None or self.written == self.acked:  # all acknowledged at the last look, nothing since
             return 0
         buffered = writer.transport.get_write_buffer_size()
         in_kernel = None if self.sock is None else unacked_bytes(self.sock)
@@ -226,6 +228,12 @@ class _Channel:
             self.progress_at = self.t.clock()
             self.stalled = False
         return buffered + in_kernel
+
+    def counters(self, now: float) -> TcpCounters | None:
+        """The connection's TCP_INFO as of the look at `now`: read once however many rules ask."""
+        if self._read_at != now:
+            self._read_at, self._counters = now, None if self.sock is None else tcp_counters(self.sock)
+        return self._counters
 
     def pending(self) -> int:
         """Bytes for the peer not yet acknowledged: queued, mid-frame, or on the connection."""
@@ -348,6 +356,7 @@ class _Channel:
         self.writer = conn
         self.unreachable = False
         self.written = self.acked = 0
+        self._read_at = -float("inf")
         self.clean, self.clean_at, self.fast_rto = False, -float("inf"), False  # a new connection's own history
         if self.sock is not None:
             self.follow_rtt(tcp_counters(self.sock))  # the handshake's round trip
@@ -615,7 +624,7 @@ class _Channel:
         idle = self.written == self.acked
         if idle and self.progress_at <= self.clean_at:
             return False
-        counters = tcp_counters(self.sock)
+        counters = self.counters(now)
         self.follow_rtt(counters)
         if counters is not None and self.progress_at > self.clean_at:
             # bytes were acknowledged since the last look (the sampler looks every 50 ms while
@@ -769,10 +778,14 @@ class TcpTransport:
         self._busy_bulk = 1  # bulk channels with bytes to send or in flight, at the last sample
         self._sampler: asyncio.Task[None] | None = None
         self._work = asyncio.Event()  # set while anything is queued or unacknowledged
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one this transport runs on (clock)
 
     def clock(self) -> float:
         """The event loop's clock: what LinkState.lost_at and the stall times are measured on."""
-        return asyncio.get_running_loop().time()
+        loop = self._loop
+        if loop is None:  # (asyncio.get_running_loop asks the system for the process id each call)
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     # ---- the uplink: acknowledgements, stalls, the in-flight budget (uplink.py) -------------------
 
@@ -825,7 +838,7 @@ class TcpTransport:
             queued = False
             for ch, out in zip(channels, pending, strict=True):
                 if out and ch.sock is not None:
-                    counters = tcp_counters(ch.sock)
+                    counters = ch.counters(now)
                     if counters is not None and counters.min_rtt_s:
                         self.meter.saw_rtt(counters.min_rtt_s)
                         queued = queued or (ch.bulk and queue_formed(counters))
