@@ -98,6 +98,7 @@ CONTROL, BULK = hs.CONTROL, hs.BULK  # the two connections to a peer (_OutLink),
 CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 KiB: 0.13 s at 1 Mbit/s)
 SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
 MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
+COUNTERS_FRESH_S = 1.0  # TCP_INFO this recent serves what changes slowly (retransmit_s)
 SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
@@ -234,6 +235,10 @@ class _Channel:
         if self._read_at != now:
             self._read_at, self._counters = now, None if self.sock is None else tcp_counters(self.sock)
         return self._counters
+
+    def recent_counters(self, now: float) -> TcpCounters | None:
+        """The connection's TCP_INFO as read at most COUNTERS_FRESH_S before `now`."""
+        return self._counters if now - self._read_at <= COUNTERS_FRESH_S else self.counters(now)
 
     def pending(self) -> int:
         """Bytes for the peer not yet acknowledged: queued, mid-frame, or on the connection."""
@@ -864,10 +869,13 @@ class TcpTransport:
 
     def retransmit_s(self, peer: int) -> float:
         """TCP's retransmission timeout to `peer` once a connection to it has lost packets (a
-        link that never lost one waits for no retransmission); 0.0 before."""
+        link that never lost one waits for no retransmission); 0.0 before. Asked after every
+        step for every neighbour: it takes the figures the sampler read lately (COUNTERS_FRESH_S),
+        as reading them all again cost more than the rest of a small step's bookkeeping."""
         link = self._out.get(peer)
-        counters = [c for ch in ([] if link is None else link.channels) if ch.sock is not None
-                    for c in [tcp_counters(ch.sock)] if c is not None]
+        now = self.clock()
+        counters = [c for ch in (() if link is None else link.channels) for c in [ch.recent_counters(now)]
+                    if c is not None]
         if not any(c.total_retrans for c in counters):
             return 0.0
         return max(retransmit_timeout_s(c) for c in counters)
