@@ -84,6 +84,8 @@ class DiLoCo:
         if sparse is None and compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {(*COMPRESSIONS, 'sparse')} or a fttree.Sparse, "
                               f"got {compression!r}")
+        if sparse is not None and overlap:
+            raise ConfigError("compression='sparse' does not take overlap=True yet: run the outer steps in line")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         self.model = model
@@ -231,8 +233,10 @@ class DiLoCo:
 
     def _to_model(self) -> None:
         with torch.no_grad():
-            for (_, g), (_, p) in zip(self._global, self._local, strict=True):
-                p.copy_(g)
+            # sparse: the model keeps its progress not yet sent (the global parameters stay alike)
+            kept = self._sparse.codec.residuals() if self._sparse is not None else [None] * len(self._global)
+            for (_, g), (_, p), r in zip(self._global, self._local, kept, strict=True):
+                p.copy_(g if r is None else g - r)
                 g.grad = None
 
     # ---- what the sampler and a joiner need (ElasticSampler.follow(opt), commit_from(opt)) --

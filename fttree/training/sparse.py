@@ -60,7 +60,7 @@ class Sparse:
     is starved). `block`: coordinates sent per chunk; a chunk spans block / density coordinates
     and has one scale."""
 
-    density: float = 1 / 64
+    density: float = 1 / 16
     bits: int = 2
     index: str = "random"
     block: int = 256
@@ -167,9 +167,11 @@ class SparseCodec:
     # ---- sending ------------------------------------------------------------------------
 
     def encode(self, pseudo: Sequence[torch.Tensor] | None, step: int) -> None:
-        """Fill the wire's `.grad`: this worker's accumulator plus `pseudo` at the round's
-        indices, quantised; what is not sent stays in the accumulator. `pseudo=None`: an empty
-        contribution (all zeros, counted in no average)."""
+        """Fill the wire's `.grad` from `pseudo`, this worker's whole distance from the global
+        parameters (its model is the global parameters less its accumulator, so that is the
+        accumulator plus this round's progress): its values at the round's indices, quantised;
+        what is not sent stays in the accumulator. `pseudo=None`: an empty contribution (all
+        zeros, counted in no average; the accumulator is kept)."""
         wire = torch.zeros_like(self.wire)
         self._sent = None
         if pseudo is not None:
@@ -178,7 +180,7 @@ class SparseCodec:
                 offset = 0
                 for t in pseudo:
                     n = t.numel()
-                    flat[offset:offset + n] += t.detach().reshape(-1).float()
+                    flat[offset:offset + n] = t.detach().reshape(-1).float()
                     offset += n
                 idx, scale, digest = self.plan(step)
                 levels = self.config.levels
@@ -204,6 +206,15 @@ class SparseCodec:
             idx, sent = self._sent
             self.acc.scatter_add_(1, idx, sent)
             self._sent = None
+
+    def residuals(self) -> list[torch.Tensor]:
+        """The accumulator shaped as the global parameters: what this worker's model keeps
+        beyond them (its progress not yet sent)."""
+        flat, out, offset = self.acc.view(-1), [], 0
+        for g in self.globals:
+            out.append(flat[offset:offset + g.numel()].view(g.shape))
+            offset += g.numel()
+        return out
 
     def reset(self) -> None:
         """Forget the accumulator (a worker whose state came from a peer, or a checkpoint's)."""
