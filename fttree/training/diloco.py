@@ -27,6 +27,11 @@ the new global parameters plus its progress since. The global parameters stay al
 worker; a worker's model is the global parameters only after `flush()`. `stats` says how long
 the caller waited for outer steps and how long they took.
 
+With `compression="sparse"` (or `fttree.Sparse(...)`) a worker sends only a share of the
+coordinates, the same ones on every worker, at 2-4 bits, and its model keeps the progress it
+has not sent (fttree.training.sparse): the global parameters stay alike on every worker, the
+model is each worker's own.
+
 Buffers (batch-norm statistics) are each worker's own, measured on its own data, as
 DistributedDataParallel keeps them with broadcast_buffers=False; a joiner starts from its
 donor's. The inner optimizer's state (Adam's moments) is each worker's own too and is kept
