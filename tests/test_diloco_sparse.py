@@ -272,3 +272,50 @@ def test_sparse_is_named_among_the_compressions() -> None:
                             compression="sparse")
         assert opt._sparse is not None
         assert opt._sparse.codec.config == Sparse()
+
+
+def test_an_empty_contribution_sends_zeros_and_keeps_the_accumulator() -> None:
+    config = Sparse(density=1 / 8, bits=2, block=16)
+    cs = codecs(config, 2)
+    one_round(cs, 0, [pseudo_of(r, cs[r]) for r in range(2)])  # learns the scales
+    kept = cs[1].acc.clone()
+    cs[0].encode(pseudo_of(5, cs[0]), 1)
+    cs[1].encode(None, 1)
+    assert cs[1].wire.grad is not None
+    assert not bool(cs[1].wire.grad.any())
+    assert torch.equal(cs[1].acc, kept)
+    total = cs[0].wire.grad + cs[1].wire.grad  # type: ignore[operator]
+    assert round(float(total[cs[0].count_at])) == 1  # an average over the one worker that sent
+    got = cs[1].decode(total, 1)
+    assert any(bool(t.any()) for t in got)
+
+
+def test_values_the_sum_left_out_go_back_into_the_accumulator() -> None:
+    config = Sparse(density=1 / 8, bits=4, block=16)
+    (c,) = codecs(config, 1)
+    c.rms.fill_(1e-2)
+    pseudo = pseudo_of(0, c)
+    c.encode(pseudo, 0)
+    assert not torch.equal(c.acc.view(-1)[:c.numel], torch.cat([t.reshape(-1) for t in pseudo]))
+    c.left_out()
+    assert torch.equal(c.acc.view(-1)[:c.numel], torch.cat([t.reshape(-1) for t in pseudo]))
+
+
+def test_loading_a_checkpoint_starts_the_accumulator_and_the_scales_over() -> None:
+    model = make_model()
+    with cluster(1, **SETTINGS) as (ar,):
+        opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
+                            compression=Sparse(density=1 / 8, block=32))
+        assert opt._sparse is not None
+        for step in range(3 * H):
+            x, y = batch(0, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        codec = opt._sparse.codec
+        assert float(codec.acc.norm()) > 0
+        assert float(codec.rms.norm()) > 0
+        opt.load_state_dict(opt.state_dict())
+        assert float(codec.acc.norm()) == 0
+        assert float(codec.rms.norm()) == 0
+        assert all(torch.equal(p, g) for p, (_, g) in zip(model.parameters(), opt.global_parameters, strict=True))
