@@ -265,9 +265,6 @@ def test_sparse_is_named_among_the_compressions() -> None:
         with pytest.raises(ConfigError, match="sparse"):
             fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), allreduce=ar, sync_every=4,
                           compression="int4")
-        with pytest.raises(ConfigError, match="overlap"):
-            fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), allreduce=ar, sync_every=4,
-                          compression="sparse", overlap=True)
         opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), allreduce=ar, sync_every=4,
                             compression="sparse")
         assert opt._sparse is not None
@@ -319,3 +316,41 @@ def test_loading_a_checkpoint_starts_the_accumulator_and_the_scales_over() -> No
         assert float(codec.acc.norm()) == 0
         assert float(codec.rms.norm()) == 0
         assert all(torch.equal(p, g) for p, (_, g) in zip(model.parameters(), opt.global_parameters, strict=True))
+
+
+def test_overlap_keeps_the_global_parameters_alike_and_the_model_is_them_less_the_accumulator() -> None:
+    """Sparse with the outer step behind the next round: the model goes on from the new global
+    parameters less what the worker has not sent, plus its progress since."""
+    peers = local_peers(3)
+    finals: dict[int, tuple[str, str, str]] = {}
+    errors: dict[int, BaseException] = {}
+
+    def worker(rank: int) -> None:
+        ar = fttree.FTTreeAllreduce(rank, peers, **SETTINGS).start()  # type: ignore[arg-type]
+        try:
+            with lock:
+                model = make_model()
+            opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
+                                overlap=True, compression=Sparse(density=1 / 8, block=32))
+            assert opt._sparse is not None
+            for step in range(5 * H):
+                x, y = batch(rank, step)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.flush()
+            kept = opt._sparse.codec.residuals()
+            finals[rank] = (digest([g for _, g in opt.global_parameters]), digest(list(model.parameters())),
+                            digest([g - k for (_, g), k in zip(opt.global_parameters, kept, strict=True)]))
+            assert opt.stats.outer_steps == 5
+        except BaseException as exc:
+            errors[rank] = exc
+        finally:
+            ar.close()
+
+    lock = threading.Lock()
+    run_threads([lambda r=r: worker(r) for r in range(3)])  # type: ignore[misc]
+    assert errors == {}
+    assert len({finals[r][0] for r in range(3)}) == 1
+    assert all(finals[r][1] == finals[r][2] for r in range(3))
+    assert finals[0][0] != digest([p for p in make_model().parameters()])  # it trained

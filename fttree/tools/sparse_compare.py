@@ -90,7 +90,7 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> Result:
                 model = model_of(args.dim, args.hidden)
                 probe = model_of(args.dim, args.hidden)  # holds the global parameters to evaluate them
             opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=args.lr), allreduce=ar,
-                         sync_every=args.h, compression=setup.compression, outer_lr=args.outer_lr,
+                         sync_every=args.h, compression=setup.compression, outer_lr=args.outer_lr, overlap=args.overlap,
                          outer_momentum=args.outer_momentum, nesterov=args.outer_momentum > 0)
             g = torch.Generator().manual_seed(rank + 1)
             for _ in range(args.rounds * args.h):
@@ -98,7 +98,10 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> Result:
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                 opt.step()
-                if rank == 0 and opt.inner_steps % args.h == 0:
+                last = opt.inner_steps == args.rounds * args.h
+                if last:
+                    opt.flush()  # overlap: take the outer step in flight in
+                if rank == 0 and opt.inner_steps % args.h == 0 and (last or not args.overlap):
                     with torch.no_grad():
                         for p, (_, glob) in zip(probe.parameters(), opt.global_parameters, strict=True):
                             p.copy_(glob)
@@ -126,9 +129,10 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> Result:
     return result
 
 
-def render(results: Sequence[Result], marks: Sequence[int]) -> str:
+def render(results: Sequence[Result], marks: Sequence[int], rounds: int) -> str:
+    """`marks`: the rounds whose loss to show (their place in each result's losses)."""
     base = next((r for r in results if r.setup.compression == "int8"), results[0])
-    head = " | ".join(f"loss after {m}" for m in marks)
+    head = " | ".join(f"loss after {m}" for m in marks) if len(marks) > 1 else f"loss after {rounds}"
     lines = [f"| run | busiest rank's bytes per round | vs int8 | {head} |",
              "|---|---|---|" + "---|" * len(marks)]
     for r in results:
@@ -149,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov when above 0")
+    p.add_argument("--overlap", action="store_true",
+                   help="outer steps behind the next round (only the last round's loss is measured: the "
+                        "global parameters are in flight before)")
     p.add_argument("--only", default="", help="comma-separated labels' prefixes to run (default all)")
     p.add_argument("--limit-s", type=float, default=1800.0)
     p.add_argument("--json", action="store_true", help="also print each result as a JSON line")
@@ -163,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             print(json.dumps({"label": setup.label, "losses": r.losses, "bytes_per_round": r.bytes_per_round}))
         results.append(r)
-    marks = sorted({m for m in (1, 2, 5, 10, 20, args.rounds) if m <= args.rounds})
-    print(render(results, marks))
+    marks = [1] if args.overlap else sorted({m for m in (1, 2, 5, 10, 20, args.rounds) if m <= args.rounds})
+    print(render(results, marks, args.rounds))
 
 
 if __name__ == "__main__":

@@ -89,8 +89,6 @@ class DiLoCo:
         if sparse is None and compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {(*COMPRESSIONS, 'sparse')} or a fttree.Sparse, "
                               f"got {compression!r}")
-        if sparse is not None and overlap:
-            raise ConfigError("compression='sparse' does not take overlap=True yet: run the outer steps in line")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         self.model = model
@@ -172,7 +170,8 @@ class DiLoCo:
     def _sync(self, contribute: bool) -> None:
         """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient."""
         if self._sparse is not None:  # the wire carries the sparse message, not the pseudo-gradient
-            self._sparse.encode([g.grad for _, g in self._global if g.grad is not None] if contribute else None)
+            self._sparse.encode([g.grad for _, g in self._global if g.grad is not None] if contribute else None,
+                                accumulate=self.overlap)
         self.outer.synchronize(contribute)
         if self._sparse is not None:
             self._sparse.settle()
@@ -193,9 +192,10 @@ class DiLoCo:
                                                                              strict=True)]
         if self._in_flight is not None:  # the previous round's outer step: wait, then go on from it
             self._finish_in_flight()
-            with torch.no_grad():
-                for (_, g), (_, p), d in zip(self._global, self._local, progress, strict=True):
-                    p.copy_(g.detach() + d)
+            with torch.no_grad():  # sparse: the model also keeps what it has not sent
+                kept = self._sparse.codec.residuals() if self._sparse is not None else [None] * len(self._global)
+                for (_, g), (_, p), d, r in zip(self._global, self._local, progress, kept, strict=True):
+                    p.copy_(g.detach() + d if r is None else g.detach() - r + d)
         with torch.no_grad():
             for (_, g), d in zip(self._global, progress, strict=True):
                 g.grad = -d if contribute else torch.zeros_like(g)

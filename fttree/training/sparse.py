@@ -166,12 +166,13 @@ class SparseCodec:
 
     # ---- sending ------------------------------------------------------------------------
 
-    def encode(self, pseudo: Sequence[torch.Tensor] | None, step: int) -> None:
+    def encode(self, pseudo: Sequence[torch.Tensor] | None, step: int, *, accumulate: bool = False) -> None:
         """Fill the wire's `.grad` from `pseudo`, this worker's whole distance from the global
         parameters (its model is the global parameters less its accumulator, so that is the
-        accumulator plus this round's progress): its values at the round's indices, quantised;
-        what is not sent stays in the accumulator. `pseudo=None`: an empty contribution (all
-        zeros, counted in no average; the accumulator is kept)."""
+        accumulator plus this round's progress), or with `accumulate` only this round's progress
+        (DiLoCo's overlap, whose model goes on from where it was): its values at the round's
+        indices, quantised; what is not sent stays in the accumulator. `pseudo=None`: an empty
+        contribution (all zeros, counted in no average; the accumulator is kept)."""
         wire = torch.zeros_like(self.wire)
         self._sent = None
         if pseudo is not None:
@@ -180,7 +181,10 @@ class SparseCodec:
                 offset = 0
                 for t in pseudo:
                     n = t.numel()
-                    flat[offset:offset + n] = t.detach().reshape(-1).float()
+                    if accumulate:
+                        flat[offset:offset + n] += t.detach().reshape(-1).float()
+                    else:
+                        flat[offset:offset + n] = t.detach().reshape(-1).float()
                     offset += n
                 idx, scale, digest = self.plan(step)
                 levels = self.config.levels
@@ -318,11 +322,11 @@ class SparseOuter(DistributedOptimizer):
         for (_, g), d in zip(self._globals, grads, strict=True):
             g.grad = d
 
-    def encode(self, pseudo: Sequence[torch.Tensor] | None) -> None:
+    def encode(self, pseudo: Sequence[torch.Tensor] | None, *, accumulate: bool = False) -> None:
         """This round's message; `pseudo=None` for an empty contribution. A worker still waiting
         for its state sends an empty one too (it is counted in nothing) and keeps no accumulator."""
         counted = pseudo is not None and self.sync.contribute and not self.syncing
-        self.codec.encode(pseudo if counted else None, self.step_count)
+        self.codec.encode(pseudo if counted else None, self.step_count, accumulate=accumulate)
 
     def settle(self) -> None:
         """After the sum: values of a worker the sum left out go back into its accumulator."""
