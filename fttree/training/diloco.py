@@ -135,7 +135,8 @@ class DiLoCo:
 
     def step(self, closure: Callable[[], Any] | None = None, *, contribute: bool = True) -> Any:
         """One inner step; every `sync_every`-th also runs the outer step before it returns (then
-        the model's parameters are the new global parameters, alike on every worker).
+        the model's parameters are the new global parameters, alike on every worker; with sparse
+        compression less this worker's progress not yet sent).
         `contribute=False`: this worker has no batch for this inner step (its sampler ran dry):
         no inner update; a round without any batch takes part in the outer step counted in no
         average."""
@@ -228,8 +229,9 @@ class DiLoCo:
 
     def flush(self) -> None:
         """overlap=True: wait for the outer step in flight and go on from the global parameters
-        it made (the model is then exactly them, as without overlap). A no-op otherwise, and
-        when nothing is in flight."""
+        it made (the model is then exactly them, as without overlap; with sparse compression
+        less this worker's progress not yet sent). A no-op otherwise, and when nothing is in
+        flight."""
         if self._in_flight is None:
             return
         self._finish_in_flight()
