@@ -49,8 +49,8 @@ def loop(job: fttree.ElasticJob, model: nn.Module, epochs: int) -> list[EpochSum
     return out
 
 
-def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ...]) -> None:
-    assert [s.epoch for s in summaries] == list(range(epochs))
+def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ...], first: int = 0) -> None:
+    assert [s.epoch for s in summaries] == list(range(first, first + epochs))
     for s in summaries:
         assert s.complete, s
         assert s.once, s
