@@ -330,6 +330,7 @@ class ElasticJob:
         self._resume_at: tuple[int, bool] | None = None  # a resumed job's epoch, and whether it is under way
         self._next_members: tuple[int, ...] | None = None  # the view the next epoch starts with, if not the sampler's
         self.resumed_from: Path | None = None  # the checkpoint this job resumed from
+        self.resumed_step: int | None = None  # ...and the training step count it was written at
         if self.checkpoint_dir is not None and not self.joining:  # a joiner takes the group's state instead
             self._agree(found)
             if found is not None:
@@ -646,7 +647,7 @@ class ElasticJob:
         if started:
             self._trained = self.sampler.committed(self.rank).tolist()  # counted in this epoch's audit
             self._epoch_steps = epoch_steps
-        self.resumed_from = found.path
+        self.resumed_from, self.resumed_step = found.path, step
 
     def _save(self, fresh_epoch: int | None) -> None:
         """Write a checkpoint, on the lowest-ranked member only: after a training step
