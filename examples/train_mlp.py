@@ -143,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--restart {args.restart}: not a rank of {n} workers")
     if args.restart is not None and args.comm != "fttree":
         p.error("--restart needs --comm fttree: a gloo group cannot take a worker back")
+    if args.restart is not None and args.epochs:
+        p.error("--restart with --epochs: --restart runs past --steps until the restarted rank is back, but a job of "
+                "whole epochs may end before it is; use --steps")
     if args.restart is not None and args.overlap:
         p.error("--restart with --overlap: this example commits an overlapped round a round late and cannot tell "
                 "a restarted process when an epoch ends; use one or the other")
