@@ -22,6 +22,8 @@ from fttree.training.job import EpochSummary, StepReport
 from .test_elastic_job import BATCH, SIZE, Pairs, assert_once, loop
 from .test_torch_optim import mlp, ok, run_ranks
 
+MOMENTUM = 0.9  # inner (DiLoCo) momentum differs per rank: each rank must get its own back
+
 
 class Killed(Exception):
     """Every rank stops dead here, as a job whose processes were all killed."""
@@ -30,7 +32,7 @@ class Killed(Exception):
 def make_job(ar: FTTreeAllreduce, directory: Path, *, diloco: int = 0, size: int = SIZE, every: int = 2,
              model: nn.Module | None = None, reports: list[StepReport] | None = None) -> tuple[Any, nn.Module]:
     model = mlp(0) if model is None else model
-    job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), Pairs(size),
+    job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM), Pairs(size),
                             batch_size=BATCH, allreduce=ar, diloco=diloco, bucket_mb=0.0005,
                             checkpoint_dir=directory, checkpoint_every=every,
                             on_step=None if reports is None else reports.append)
@@ -178,3 +180,22 @@ def test_checkpoint_settings_are_checked() -> None:
     for errors in ok(run_ranks(1, body)):
         assert "checkpoint_every must be an integer >= 1" in str(errors[0])
         assert "checkpoint_dir with overlap=True" in str(errors[1])
+
+
+@pytest.mark.parametrize("diloco", [0, 2])
+def test_a_resumed_job_ends_with_the_parameters_of_one_never_stopped(tmp_path: Path, diloco: int) -> None:
+    """The checkpoint holds everything training depends on: the optimizer's momentum (with
+    DiLoCo the outer momentum, the global parameters and the inner optimizer too) and the
+    sampler's position. A job stopped dead after step 4 and resumed from its checkpoint ends
+    with the same parameter bits as one that ran straight through."""
+    def straight(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
+        job, model = make_job(ar, tmp_path / "straight", diloco=diloco)
+        loop(job, model, 2)
+        return [p.detach().clone() for p in model.parameters()]
+
+    expected = ok(run_ranks(3, straight))[0]
+    killed_at(tmp_path / "cut", 4, diloco)
+    for _, _, path, params in resumed(tmp_path / "cut", diloco=diloco):
+        assert path is not None
+        for a, b in zip(expected, params, strict=True):
+            assert torch.equal(a, b)

@@ -39,6 +39,7 @@ _HEAD = struct.Struct("<4sBI32s")  # magic, version, meta length, digest
 MAX_META = 1 << 20  # the meta is a few hundred bytes; a bigger length field is damage
 KEEP = 2  # files kept: the newest, and the one before it should the newest's writer be slow
 _NAME = re.compile(r"step-(\d{1,18})\.fttree")
+_OWN = re.compile(r"step-(\d{1,18})\.rank-(\d{1,9})\.fttree")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +59,18 @@ def _digest(meta: bytes, state: bytes | memoryview) -> bytes:
     return bytes(hasher.digest())
 
 
-def write(directory: Path, step: int, meta: dict[str, Any], state: bytes) -> Path:
-    """Write one checkpoint atomically (temporary file, fsync, rename, fsync of the
-    directory) and drop all but the newest KEEP. Returns its path."""
+def own_path(directory: Path, step: int, rank: int) -> Path:
+    """Where `rank` keeps its own part of checkpoint `step` (DiLoCo's inner optimizer)."""
+    return directory / f"step-{step:012d}.rank-{rank}.fttree"
+
+
+def write(directory: Path, step: int, meta: dict[str, Any], state: bytes, rank: int | None = None) -> Path:
+    """Write one checkpoint (or with `rank`, that rank's own part of it) atomically
+    (temporary file, fsync, rename, fsync of the directory) and drop all but the newest KEEP
+    of its kind. Returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
     raw = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    path = directory / f"step-{step:012d}.fttree"
+    path = directory / f"step-{step:012d}.fttree" if rank is None else own_path(directory, step, rank)
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -76,7 +83,7 @@ def write(directory: Path, step: int, meta: dict[str, Any], state: bytes) -> Pat
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(directory)
-    for old in _listed(directory)[:-KEEP]:
+    for old in _listed(directory, rank)[:-KEEP]:
         old.unlink(missing_ok=True)  # a slower writer may have removed it already
     return path
 
@@ -89,11 +96,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _listed(directory: Path) -> list[Path]:
-    """Checkpoint files in `directory`, oldest first (temporary files are not listed)."""
+def _listed(directory: Path, rank: int | None = None) -> list[Path]:
+    """Checkpoint files in `directory` (with `rank`: that rank's own parts), oldest first
+    (temporary files are not listed)."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _NAME.fullmatch(p.name) if rank is None else _OWN.fullmatch(p.name))
+             and (rank is None or int(m.group(2)) == rank)]
     return [p for _, p in sorted(found)]
 
 

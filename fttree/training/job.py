@@ -636,6 +636,7 @@ class ElasticJob:
             history, epoch_steps = job["history"], int(job["epoch_steps"])
             if isinstance(self.opt, DiLoCo):
                 self.opt.load_state_dict(extra["diloco"])
+                self._load_own_inner(step)
             else:
                 self.opt.step_count = found.state.step_count
         except (KeyError, TypeError, ValueError) as exc:
@@ -649,12 +650,34 @@ class ElasticJob:
             self._epoch_steps = epoch_steps
         self.resumed_from, self.resumed_step = found.path, step
 
+    def _load_own_inner(self, step: int) -> None:
+        """DiLoCo: this rank's own inner optimizer state (its momentum grew on its own
+        batches), if it wrote its part of the checkpoint; else it keeps the writer's, which the
+        checkpoint holds (a kill can fall between the writer's file and another rank's part)."""
+        assert self.checkpoint_dir is not None
+        assert isinstance(self.opt, DiLoCo)
+        path = ckpt_file.own_path(self.checkpoint_dir, step, self.rank)
+        if not path.exists():
+            return
+        own = ckpt_file.read(path)
+        ckpt_file.check_meta(own, {**self._job_meta, "step": step, "rank": self.rank})
+        try:
+            self.opt.inner.load_state_dict(own.state.optimizer)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"checkpoint part {path} does not fit this rank's inner optimizer: {exc}") from exc
+
     def _save(self, fresh_epoch: int | None) -> None:
         """Write a checkpoint, on the lowest-ranked member only: after a training step
         (`fresh_epoch` None: the epoch's history through it goes in) or at an epoch's end
-        (the next epoch, `fresh_epoch`, starts afresh from it)."""
-        if self.checkpoint_dir is None or self.opt.syncing or not self.sampler.member \
-                or self.rank != min(self.sampler.members):
+        (the next epoch, `fresh_epoch`, starts afresh from it). With DiLoCo every member
+        first writes its own part: its inner optimizer's state, which differs per rank."""
+        if self.checkpoint_dir is None or self.opt.syncing or not self.sampler.member:
+            return
+        if isinstance(self.opt, DiLoCo):
+            own = encode(capture({}, self.opt.inner, step_count=0))
+            part = {**self._job_meta, "step": self.training_steps, "rank": self.rank}
+            ckpt_file.write(self.checkpoint_dir, self.training_steps, part, own.data, rank=self.rank)
+        if self.rank != min(self.sampler.members):
             return
         started = fresh_epoch is None
         job = {"history": self.sampler.history().to_dict() if started else None,
