@@ -199,3 +199,35 @@ def test_a_resumed_job_ends_with_the_parameters_of_one_never_stopped(tmp_path: P
         assert path is not None
         for a, b in zip(expected, params, strict=True):
             assert torch.equal(a, b)
+
+
+def test_ranks_that_had_left_before_the_checkpoint_are_taken_back_on_resume(tmp_path: Path) -> None:
+    """Rank 2 leaves after two steps; the checkpoint after step 4 has the view [0, 1]. All
+    three processes start again: the resumed epoch takes rank 2 back in (one step with no
+    contributors, its batches dealt again), and the epoch is still committed once."""
+    def first(rank: int, ar: FTTreeAllreduce) -> None:
+        job, model = make_job(ar, tmp_path)
+
+        def die(report: StepReport) -> None:
+            if report.step == 4:
+                raise Killed(f"rank {rank}")
+
+        job.step_listeners.append(die)
+        for epoch in job.epochs(2):
+            for x, y in epoch:
+                nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                job.step()
+                if rank == 2 and job.training_steps == 2:
+                    ar.leave()  # gone for good
+                    return
+
+    run_ranks(3, first)
+    saved = ckpt_file.read(ckpt_file.latest(tmp_path) or tmp_path)
+    assert saved.meta["step"] == 4
+    history = EpochHistory.from_dict(saved.state.extra["job"]["history"])
+    assert ElasticSampler.from_history(history, rank=0).members == (0, 1)
+    results = resumed(tmp_path)
+    assert_once(results[0][0], 2, (0, 1, 2))
+    for summaries, reports, _, _ in results:
+        assert summaries == results[0][0]
+        assert reports[0].contributors == (0, 1, 2)
