@@ -146,11 +146,15 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None
     path.write_bytes(bytes(data[:40]))  # truncated
     with pytest.raises(ConfigError, match="corrupt"):
         ckpt_file.read(path)
+    partial = tmp_path / f".{path.name}.4242.tmp"  # a writer killed mid-write: never read, removed at start
+    partial.write_bytes(bytes(data[:100]))
+    assert ckpt_file.latest(tmp_path) == path
     path.write_bytes(b"PK\x03\x04" + bytes(60))  # some other file under the name
     with pytest.raises(ConfigError, match="is not an fttree checkpoint"):
         ckpt_file.read(path)
     errors = run_ranks(3, lambda rank, ar: make_job(ar, tmp_path))
     assert all(isinstance(e, ConfigError) and str(path) in str(e) for e in errors), errors
+    assert not partial.exists()
 
 
 def test_ranks_that_see_different_checkpoints_refuse_to_start(tmp_path: Path) -> None:

@@ -113,6 +113,14 @@ def latest(directory: Path) -> Path | None:
     return files[-1] if files else None
 
 
+def drop_partial(directory: Path) -> None:
+    """Remove temporary files a writer killed mid-write left behind. Only while no rank
+    writes: when a job starts, before its ranks agree on the checkpoint to resume from."""
+    if directory.is_dir():
+        for p in directory.glob(".step-*.tmp"):
+            p.unlink(missing_ok=True)  # another rank may have removed it first
+
+
 def read(path: Path) -> Checkpoint:
     """Read and verify one checkpoint: ConfigError naming the file if it is not a whole,
     undamaged checkpoint of this format."""

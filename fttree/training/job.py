@@ -603,6 +603,7 @@ class ElasticJob:
         job, and put its model (and, data-parallel, optimizer state) in place, so the wrapper's
         start-up check finds every rank's model alike. A joiner's are replaced by the group's."""
         assert self.checkpoint_dir is not None
+        ckpt_file.drop_partial(self.checkpoint_dir)
         path = ckpt_file.latest(self.checkpoint_dir)
         if path is None:
             return None
