@@ -115,7 +115,8 @@ def latest(directory: Path) -> Path | None:
 
 def drop_partial(directory: Path) -> None:
     """Remove temporary files a writer killed mid-write left behind. Only while no rank
-    writes: when a job starts, before its ranks agree on the checkpoint to resume from."""
+    writes: when a job starts, after its ranks agreed on the checkpoint to resume from and
+    before their first step."""
     if directory.is_dir():
         for p in directory.glob(".step-*.tmp"):
             p.unlink(missing_ok=True)  # another rank may have removed it first

@@ -279,7 +279,10 @@ class ElasticJob:
         self.checkpoint_every = checkpoint_every
         self._job_meta = {"world": allreduce.world, "dataset_size": size, "batch_size": batch_size * self._parts,
                           "seed": seed, "stable": stable, "horizon": horizon, "diloco": diloco}
-        found = self._load_checkpoint(optimizer) if self.checkpoint_dir is not None else None
+        # A joiner (one process restarted while the others run) takes the group's state
+        # instead, and leaves the directory to the writer
+        found = self._load_checkpoint(optimizer) if self.checkpoint_dir is not None and not allreduce.joining \
+            else None
         self.opt: DistributedOptimizer | DiLoCo
         if diloco:
             self.opt = DiLoCo(model, optimizer, allreduce=allreduce, sync_every=diloco, compression=compression,
@@ -333,6 +336,8 @@ class ElasticJob:
         self.resumed_step: int | None = None  # ...and the training step count it was written at
         if self.checkpoint_dir is not None and not self.joining:  # a joiner takes the group's state instead
             self._agree(found)
+            # past the agreement no rank writes until this one has taken a step with them
+            ckpt_file.drop_partial(self.checkpoint_dir)
             if found is not None:
                 self._resume(found)
 
@@ -603,7 +608,6 @@ class ElasticJob:
         job, and put its model (and, data-parallel, optimizer state) in place, so the wrapper's
         start-up check finds every rank's model alike. A joiner's are replaced by the group's."""
         assert self.checkpoint_dir is not None
-        ckpt_file.drop_partial(self.checkpoint_dir)
         path = ckpt_file.latest(self.checkpoint_dir)
         if path is None:
             return None
