@@ -237,3 +237,25 @@ def test_ranks_that_had_left_before_the_checkpoint_are_taken_back_on_resume(tmp_
     for summaries, reports, _, _ in results:
         assert summaries == results[0][0]
         assert reports[0].contributors == (0, 1, 2)
+
+
+def test_a_job_that_had_taken_all_its_steps_takes_none_when_started_again(tmp_path: Path) -> None:
+    """epochs(steps=7): the job stops after 7 steps (one into epoch 1) and checkpoints there; started again with the
+    same limit it trains nothing more (its one epoch ends at once, audited as before)."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[int, list[StepReport], list[EpochSummary]]:
+        reports: list[StepReport] = []
+        job, model = make_job(ar, tmp_path, every=100, reports=reports)
+        out = []
+        for epoch in job.epochs(2, steps=7):
+            for x, y in epoch:
+                nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                job.step()
+            out.append(epoch.summary)
+        return job.training_steps, reports, out
+
+    for steps, reports, summaries in ok(run_ranks(3, body)):
+        assert (steps, len(reports)) == (7, 7)
+        assert [(s.epoch, s.complete, s.committed) for s in summaries] == [(0, True, SIZE), (1, False, 3 * BATCH)]
+    for steps, reports, summaries in ok(run_ranks(3, body)):
+        assert (steps, reports) == (7, [])
+        assert [(s.epoch, s.complete, s.committed) for s in summaries] == [(1, False, 3 * BATCH)]

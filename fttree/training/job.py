@@ -35,6 +35,13 @@ sampler's and the optimizer's; see fttree.data.sampler and fttree.training.elast
   a ConfigError (it would hang the group at the next audit); `audit=False` needs no flag and
   takes the counts from the sampler's shared history instead.
 
+Whole-job restart (`checkpoint_dir=DIR`): the lowest-ranked member writes the model, the
+optimizer state (DiLoCo: global parameters and both optimizers; each rank also writes its own
+inner optimizer), the step count and the epoch's sampler history every `checkpoint_every`
+training steps and at each epoch's end (fttree.training.checkpoint). A job whose every process
+died, started again, resumes from the newest file: the history's commits are not dealt again,
+later samples are, so the audits still say each sample once.
+
 Leaving an epoch early (`break`) ends the job: every member must leave after the same training
 step (decide on something every member sees alike: `job.training_steps`, a step's
 contributors), and with DiLoCo only at a round's end (`job.step()` returned True).
@@ -216,7 +223,9 @@ class ElasticJob:
     `__getitem__`), read through a DataLoader with `num_workers`, `pin_memory`,
     `prefetch_factor` and `collate_fn` (default torch's). `batch_size` counts one local step's
     samples on one rank. `allreduce`: a started FTTreeAllreduce (default: the fttree process
-    group's, else one from the environment). Every rank must pass the same settings."""
+    group's, else one from the environment). `checkpoint_dir`: write whole-job checkpoints there
+    every `checkpoint_every` training steps and at epoch ends, and resume from the newest one
+    found (see the module docstring). Every rank must pass the same settings."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
                  batch_size: int, allreduce: FTTreeAllreduce | None = None, diloco: int = 0,
@@ -370,6 +379,8 @@ class ElasticJob:
         if start is None:
             return  # the job stopped while this process waited
         number, resumed = start
+        if steps is not None and self.training_steps >= steps:
+            self._stopping = True  # a resumed job that had taken them all: its epoch ends at once
         while count is None or number < count:
             if not resumed:
                 self.sampler.set_epoch(number, self._next_members)
