@@ -22,6 +22,11 @@ change once per round (fttree.DiLoCo; --steps counts the local steps). A round i
 step then: the sampler deals H batches per worker per round, a round's samples are committed
 when its outer step completes, and fault windows count rounds.
 
+With --checkpoint-dir DIR the job writes a checkpoint every --checkpoint-every training steps
+and at each epoch's end; if every worker dies (killed, a power cut), the same command run again
+resumes from it, and each epoch's samples are still committed exactly once overall:
+    python examples/train_mlp.py -n 4 --epochs 3 --checkpoint-dir ckpt     # killed? run it again
+
 On several machines run one worker per machine yourself:
     FTTREE_RANK=r FTTREE_PEERS=peers.txt python examples/train_mlp.py --steps 50
 """
@@ -61,6 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--workers", type=int, default=3, help="local workers to start (default 3)")
     p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument("--epochs", type=int, default=0, metavar="E",
+                   help="train E whole epochs instead of --steps (each sample committed once per epoch)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write whole-job checkpoints to DIR, and resume from the newest one there if any "
+                        "(fttree: ElasticJob(checkpoint_dir=DIR))")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+                   help="with --checkpoint-dir: a checkpoint every K training steps, and at each epoch's end "
+                        "(default 10)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--comm", choices=["fttree", "gloo"], default="fttree",
                    help="fttree DistributedOptimizer (default) or torch DDP on gloo, for comparison")
@@ -118,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.slow_rank, args.slow_factor = parse_slow(p, args.slow)
     if args.straggler_policy is not None and args.comm != "fttree":
         p.error("--straggler-policy is fttree's (gloo waits for every rank)")
+    if args.epochs < 0 or args.checkpoint_every < 1:
+        p.error("--epochs must be >= 0 and --checkpoint-every >= 1")
+    if (args.checkpoint_dir is not None or args.epochs) and args.comm != "fttree":
+        p.error("--checkpoint-dir and --epochs are fttree.ElasticJob's (--comm fttree)")
     if is_worker():
         return args  # the group's size is the launcher's, checked there
     n = args.workers
@@ -127,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--restart {args.restart}: not a rank of {n} workers")
     if args.restart is not None and args.comm != "fttree":
         p.error("--restart needs --comm fttree: a gloo group cannot take a worker back")
+    if args.restart is not None and args.epochs:
+        p.error("--restart with --epochs: --restart runs past --steps until the restarted rank is back, but a job of "
+                "whole epochs may end before it is; use --steps")
     if args.restart is not None and args.overlap:
         p.error("--restart with --overlap: this example commits an overlapped round a round late and cannot tell "
                 "a restarted process when an epoch ends; use one or the other")
@@ -220,6 +240,8 @@ def train(args: argparse.Namespace) -> int:
         print(f"{world} workers ({args.comm}), {data.name}: {len(data.x_train)} train / {len(data.x_test)} test, "
               f"batch {BATCH} per worker, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     rounds = -(-args.steps // args.diloco) if args.diloco and args.comm == "fttree" else args.steps
+    if args.epochs and args.comm == "fttree":  # for the progress bar: the steps of that many epochs, all there
+        rounds = args.epochs * -(-len(data.x_train) // (world * BATCH * (args.diloco or 1)))
     progress = Progress(rounds, enabled=rank == 0, as_json=args.json)
     began = time.perf_counter()
 
@@ -254,6 +276,7 @@ def train(args: argparse.Namespace) -> int:
                                        "epochs": len(audits),
                                        "exactly_once": all(a.once for a in audits if a.complete),
                                        "last_contributors": list(last.contributors) if last else [],
+                                       "resumed_from_step": job.resumed_step,
                                        **({"outer_hidden": round(job.opt.stats.hidden, 3),
                                            "outer_waited_s": round(job.opt.stats.waited_s, 3),
                                            "outer_sync_s": round(job.opt.stats.sync_s, 3)}
@@ -300,7 +323,8 @@ def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.o
     return fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
                              overlap=args.overlap, compression=args.compression, bucket_mb=args.bucket_mb,
                              seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
-                             joins=args.restart is not None)  # --restart: a process comes back mid-job
+                             joins=args.restart is not None,  # --restart: a process comes back mid-job
+                             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
 
 
 def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress: Progress, recoveries: list[Any],
@@ -310,6 +334,8 @@ def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress
     reporting. Returns the epochs' summaries."""
     rank = job.rank
     rounds = -(-args.steps // (args.diloco or 1))  # training steps: DiLoCo rounds count as one
+    if args.epochs:
+        rounds = 1 << 62  # whole epochs: no step limit
     loss_fn = nn.CrossEntropyLoss()
     losses: list[float] = []
     hits, seen = [0, 0], [0, 0.0]  # hits/samples of the step's batches; notes seen, the last step's end
@@ -342,7 +368,8 @@ def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress
     job.step_listeners.append(on_step)
     missed[0] = job.joining  # a restarted process: the crash is behind it
     seen[1] = time.perf_counter()
-    for epoch in job.epochs(steps=None if args.restart is not None else rounds):
+    limit = None if args.restart is not None or args.epochs else rounds
+    for epoch in job.epochs(args.epochs or None, steps=limit):
         for x, y in epoch:
             began = time.perf_counter()
             if not hits[1]:  # a round's first batch: its time counts from here, not from the loader's fetch
@@ -355,8 +382,8 @@ def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress
             hits[0] += int((out.argmax(1) == y).sum())
             hits[1] += len(y)
             job.step()
-        if rank == 0 and not args.json:
-            print(epoch.summary, flush=True)
+        if rank == 0:  # before the epoch's checkpoint (written when the loop asks for the next epoch)
+            print(json.dumps({"epoch_audit": epoch.summary.to_dict()}) if args.json else epoch.summary, flush=True)
     return list(job.summaries)
 
 

@@ -49,8 +49,8 @@ def loop(job: fttree.ElasticJob, model: nn.Module, epochs: int) -> list[EpochSum
     return out
 
 
-def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ...]) -> None:
-    assert [s.epoch for s in summaries] == list(range(epochs))
+def assert_once(summaries: list[EpochSummary], epochs: int, ranks: tuple[int, ...], first: int = 0) -> None:
+    assert [s.epoch for s in summaries] == list(range(first, first + epochs))
     for s in summaries:
         assert s.complete, s
         assert s.once, s
@@ -232,8 +232,9 @@ def readme_loop() -> str:
     return "\n".join(line for line in lines if not line.startswith("ar = "))
 
 
-def test_the_readmes_loop_trains_every_sample_once() -> None:
+def test_the_readmes_loop_trains_every_sample_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     code = readme_loop()
+    monkeypatch.chdir(tmp_path)  # its checkpoint_dir="ckpt" is relative
 
     def body(rank: int, ar: FTTreeAllreduce) -> list[EpochSummary]:
         scope: dict[str, Any] = {"model": mlp(0), "dataset": Pairs(), "ar": ar}
@@ -244,3 +245,4 @@ def test_the_readmes_loop_trains_every_sample_once() -> None:
 
     for summaries in ok(run_ranks(3, body)):
         assert_once(summaries, 10, (0, 1, 2))
+    assert (tmp_path / "ckpt").is_dir()  # the finished job's checkpoints: started again, it has nothing left

@@ -35,6 +35,13 @@ sampler's and the optimizer's; see fttree.data.sampler and fttree.training.elast
   a ConfigError (it would hang the group at the next audit); `audit=False` needs no flag and
   takes the counts from the sampler's shared history instead.
 
+Whole-job restart (`checkpoint_dir=DIR`): the lowest-ranked member writes the model, the
+optimizer state (DiLoCo: global parameters and both optimizers; each rank also writes its own
+inner optimizer), the step count and the epoch's sampler history every `checkpoint_every`
+training steps and at each epoch's end (fttree.training.checkpoint). A job whose every process
+died, started again, resumes from the newest file: the history's commits are not dealt again,
+later samples are, so the audits still say each sample once.
+
 Leaving an epoch early (`break`) ends the job: every member must leave after the same training
 step (decide on something every member sees alike: `job.training_steps`, a step's
 contributors), and with DiLoCo only at a round's end (`job.step()` returned True).
@@ -45,6 +52,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,9 +64,11 @@ from ..api import FTTreeAllreduce
 from ..data.cache import CachedDataset
 from ..data.sampler import CollateOrNone, ElasticSampler, loader_horizon
 from ..errors import ConfigError
+from . import checkpoint as ckpt_file
 from .buckets import DEFAULT_BUCKET_MB
 from .diloco import DiLoCo
 from .optim import DistributedOptimizer, TrainingStep
+from .state import StateMismatch, capture, encode, load
 
 __all__ = ["ElasticJob", "Epoch", "EpochSummary", "StepReport"]
 
@@ -212,7 +223,9 @@ class ElasticJob:
     `__getitem__`), read through a DataLoader with `num_workers`, `pin_memory`,
     `prefetch_factor` and `collate_fn` (default torch's). `batch_size` counts one local step's
     samples on one rank. `allreduce`: a started FTTreeAllreduce (default: the fttree process
-    group's, else one from the environment). Every rank must pass the same settings."""
+    group's, else one from the environment). `checkpoint_dir`: write whole-job checkpoints there
+    every `checkpoint_every` training steps and at epoch ends, and resume from the newest one
+    found (see the module docstring). Every rank must pass the same settings."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
                  batch_size: int, allreduce: FTTreeAllreduce | None = None, diloco: int = 0,
@@ -220,7 +233,8 @@ class ElasticJob:
                  seed: int = 0, stable: bool = False, num_workers: int = 0, prefetch_factor: int | None = None,
                  pin_memory: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  joins: bool | None = None, audit: bool = True, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, on_step: Callable[[StepReport], None] | None = None) -> None:
+                 outer_momentum: float = 0.9, on_step: Callable[[StepReport], None] | None = None,
+                 checkpoint_dir: str | PathLike[str] | None = None, checkpoint_every: int = 100) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ElasticJob: model must be a torch.nn.Module, not {type(model).__name__}")
         if isinstance(optimizer, DistributedOptimizer | DiLoCo):
@@ -250,6 +264,11 @@ class ElasticJob:
             raise ConfigError("overlap=True overlaps DiLoCo's outer steps: it needs diloco=H (local steps per round)")
         if joins is None:
             joins = not overlap
+        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 1)
+        if checkpoint_dir is not None and overlap:
+            raise ConfigError("checkpoint_dir with overlap=True: an overlapped round's outer step is still in flight "
+                              "when the next round trains, so no step boundary holds a model that matches the "
+                              "committed samples; checkpoint without overlap")
         if joins and overlap:
             raise ConfigError("joins=True with overlap=True: an overlapped round is committed a round late, and a "
                               "joining process could not tell when an epoch ends; use one or the other")
@@ -261,6 +280,18 @@ class ElasticJob:
             raise ConfigError("ElasticJob: the FTTreeAllreduce is not started: call .start() first")
         self.model, self.dataset, self.allreduce = model, dataset, allreduce
         self.rank = allreduce.rank
+        self._parts = diloco or 1  # local steps per training step
+        self._lag = 1 if overlap else 0
+        stable = stable or isinstance(dataset, CachedDataset)
+        horizon = loader_horizon(num_workers, prefetch_factor) + self._lag
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self._job_meta = {"world": allreduce.world, "dataset_size": size, "batch_size": batch_size * self._parts,
+                          "seed": seed, "stable": stable, "horizon": horizon, "diloco": diloco}
+        # A joiner (one process restarted while the others run) takes the group's state
+        # instead, and leaves the directory to the writer
+        found = self._load_checkpoint(optimizer) if self.checkpoint_dir is not None and not allreduce.joining \
+            else None
         self.opt: DistributedOptimizer | DiLoCo
         if diloco:
             self.opt = DiLoCo(model, optimizer, allreduce=allreduce, sync_every=diloco, compression=compression,
@@ -274,12 +305,13 @@ class ElasticJob:
                               f"{' (overlap=True)' if overlap else ''}: it could not take part in the epoch audits; "
                               f"build every rank's ElasticJob with joins=True to take processes back")
         self.diloco, self.overlap, self.audit, self.joins = diloco, overlap, audit, joins
-        self._parts = diloco or 1  # local steps per training step
-        self._lag = 1 if overlap else 0
         self._flags = joins and audit  # one flag allreduce after every training step
-        self.sampler = ElasticSampler.follow(self.opt, size, batch_size * self._parts, seed=seed,
-                                             stable=stable or isinstance(dataset, CachedDataset),
-                                             horizon=loader_horizon(num_workers, prefetch_factor) + self._lag)
+        self.sampler = ElasticSampler.follow(self.opt, size, batch_size * self._parts, seed=seed, stable=stable,
+                                             horizon=horizon)
+        # Training steps taken before this process's optimizer counted its first: a resumed
+        # job's (its optimizer counts from 0 again), taken over by a joiner with the state.
+        self._base = 0
+        self.opt.register_state("elastic job", lambda: {"base": self._base}, self._set_base)
         self._rounds = _Rounds(self.sampler, self._parts)
         extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers and prefetch_factor else {}
         self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self._rounds, num_workers=num_workers,
@@ -307,13 +339,23 @@ class ElasticJob:
         self._max_steps: int | None = None  # epochs(steps=)
         self._stop = False  # stop() was called
         self._stopping = False  # the job ends after the training step just taken
+        self._resume_at: tuple[int, bool] | None = None  # a resumed job's epoch, and whether it is under way
+        self._next_members: tuple[int, ...] | None = None  # the view the next epoch starts with, if not the sampler's
+        self.resumed_from: Path | None = None  # the checkpoint this job resumed from
+        self.resumed_step: int | None = None  # ...and the training step count it was written at
+        if self.checkpoint_dir is not None and not self.joining:  # a joiner takes the group's state instead
+            self._agree(found)
+            # past the agreement no rank writes until this one has taken a step with them
+            ckpt_file.drop_partial(self.checkpoint_dir)
+            if found is not None:
+                self._resume(found)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     @property
     def training_steps(self) -> int:
         """The training step (DiLoCo: round) the next batch belongs to, alike on every member."""
-        return self._round
+        return self._round + self._base
 
     @property
     def last_step(self) -> TrainingStep | None:
@@ -333,13 +375,16 @@ class ElasticJob:
             raise ConfigError("ElasticJob.epochs() runs once per job")
         self._started = True
         self.opt.zero_grad()
-        start = self._join() if self.joining else (0, False)
+        start = self._join() if self.joining else self._resume_at or (0, False)
         if start is None:
             return  # the job stopped while this process waited
         number, resumed = start
+        if steps is not None and self.training_steps >= steps:
+            self._stopping = True  # a resumed job that had taken them all: its epoch ends at once
         while count is None or number < count:
             if not resumed:
-                self.sampler.set_epoch(number)
+                self.sampler.set_epoch(number, self._next_members)
+                self._next_members = None
             resumed = False
             epoch = self._current = Epoch(self, number)
             epoch._it = iter(self.loader)
@@ -347,6 +392,7 @@ class ElasticJob:
             yield epoch
             if epoch._summary is None:  # left without reading the summary: the epoch ends here
                 self._end_epoch(epoch, stop=True)
+            self._save(None if epoch.stopped else number + 1)
             if epoch.stopped:
                 return
             number += 1
@@ -433,7 +479,10 @@ class ElasticJob:
         self._round += 1
         self._commit_done(skipped)
         self._flag_due = self._flags
-        self._stopping = self._stop or (self._max_steps is not None and self._round >= self._max_steps)
+        self._stopping = self._stop or (self._max_steps is not None and self.training_steps >= self._max_steps)
+        if self.checkpoint_dir is not None and not self._lag and self.training_steps % self.checkpoint_every == 0 \
+                and not self._stopping:  # a stopping job writes at its epoch's end
+            self._save(None)
 
     def _settled(self) -> _Settled:
         opt = self.opt
@@ -460,7 +509,7 @@ class ElasticJob:
         self.sampler.commit_from(source)
         if not waiting:
             self._epoch_steps += 1
-        report = StepReport(step=done.step, epoch=epoch, contributors=done.contributors, late=done.late,
+        report = StepReport(step=done.step + self._base, epoch=epoch, contributors=done.contributors, late=done.late,
                             trained=len(samples) if counted else 0, skipped=skipped, waiting=waiting)
         for listener in self.step_listeners:
             listener(report)
@@ -563,10 +612,120 @@ class ElasticJob:
                             fetched=int(counts[n:].sum()), steps=self._epoch_steps,
                             fewest_contributors=self._epoch_fewest, late=dict(self._epoch_late))
 
+    # ---- whole-job checkpoints (fttree.training.checkpoint) -------------------------------------
+
+    def _load_checkpoint(self, optimizer: torch.optim.Optimizer) -> ckpt_file.Checkpoint | None:
+        """Before the optimizer is wrapped: read the newest checkpoint, refuse one of another
+        job, and put its model (and, data-parallel, optimizer state) in place, so the wrapper's
+        start-up check finds every rank's model alike. A joiner's are replaced by the group's."""
+        assert self.checkpoint_dir is not None
+        path = ckpt_file.latest(self.checkpoint_dir)
+        if path is None:
+            return None
+        found = ckpt_file.read(path)
+        ckpt_file.check_meta(found, self._job_meta)
+        try:
+            load(found.state, self.model, None if self._job_meta["diloco"] else optimizer)
+        except StateMismatch as exc:
+            raise ConfigError(f"checkpoint {path} does not fit this job's model or optimizer: {exc}") from exc
+        return found
+
+    def _agree(self, found: ckpt_file.Checkpoint | None) -> None:
+        """Every rank must resume from the same checkpoint (or none): one max-allreduce of its
+        digest, and of its negation, which equal each other only if every rank holds the same."""
+        tag = [0, 0] if found is None else [int.from_bytes(found.digest[k:k + 7], "big") for k in (0, 7)]
+        self.allreduce.mark_step(None)  # setup, not a training step: fault windows do not count it
+        got = self.allreduce.allreduce(np.array([*tag, *(-t for t in tag)], dtype=np.int64), reduce="max")
+        if int(got[0]) != -int(got[2]) or int(got[1]) != -int(got[3]):
+            where = "no checkpoint" if found is None else f"checkpoint {found.path.name}"
+            raise ConfigError(f"rank {self.rank} resumes from {where} in {self.checkpoint_dir}, but another rank "
+                              f"from another: every rank must see the same checkpoint directory (shared storage, "
+                              f"or the same files copied to every machine)")
+
+    def _resume(self, found: ckpt_file.Checkpoint) -> None:
+        """Take the checkpoint's position: the training step count, the epoch and its sampler
+        history (the commits before the checkpoint, which are not dealt again)."""
+        meta, extra = found.meta, found.state.extra
+        try:
+            step, epoch, started = int(meta["step"]), int(meta["epoch"]), bool(meta["started"])
+            job = extra["job"]
+            history, epoch_steps = job["history"], int(job["epoch_steps"])
+            if isinstance(self.opt, DiLoCo):
+                self.opt.load_state_dict(extra["diloco"])
+                self._load_own_inner(step)
+            else:
+                self.opt.step_count = found.state.step_count
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"checkpoint {found.path} lacks the job's position: {exc!r}") from exc
+        self._next_members = ckpt_file.resume_sampler(self.sampler, history if started else None, epoch,
+                                                      self.sampler.members)
+        self._base = step
+        self._resume_at = (epoch, True)
+        if started:
+            self._trained = self.sampler.committed(self.rank).tolist()  # counted in this epoch's audit
+            self._epoch_steps = epoch_steps
+        self.resumed_from, self.resumed_step = found.path, step
+
+    def _load_own_inner(self, step: int) -> None:
+        """DiLoCo: this rank's own inner optimizer state (its momentum grew on its own
+        batches), if it wrote its part of the checkpoint; else it keeps the writer's, which the
+        checkpoint holds (a kill can fall between the writer's file and another rank's part)."""
+        assert self.checkpoint_dir is not None
+        assert isinstance(self.opt, DiLoCo)
+        path = ckpt_file.own_path(self.checkpoint_dir, step, self.rank)
+        if not path.exists():
+            return
+        own = ckpt_file.read(path)
+        ckpt_file.check_meta(own, {**self._job_meta, "step": step, "rank": self.rank})
+        try:
+            self.opt.inner.load_state_dict(own.state.optimizer)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"checkpoint part {path} does not fit this rank's inner optimizer: {exc}") from exc
+
+    def _save(self, fresh_epoch: int | None) -> None:
+        """Write a checkpoint, on the lowest-ranked member only: after a training step
+        (`fresh_epoch` None: the epoch's history through it goes in) or at an epoch's end
+        (the next epoch, `fresh_epoch`, starts afresh from it). With DiLoCo every member
+        first writes its own part: its inner optimizer's state, which differs per rank."""
+        if self.checkpoint_dir is None or self.opt.syncing or not self.sampler.member:
+            return
+        if isinstance(self.opt, DiLoCo):
+            own = encode(capture({}, self.opt.inner, step_count=0))
+            part = {**self._job_meta, "step": self.training_steps, "rank": self.rank}
+            ckpt_file.write(self.checkpoint_dir, self.training_steps, part, own.data, rank=self.rank)
+        if self.rank != min(self.sampler.members):
+            return
+        started = fresh_epoch is None
+        job = {"history": self.sampler.history().to_dict() if started else None,
+               "epoch_steps": self._epoch_steps if started else 0}
+        extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"job": (lambda: job, _ignore)}
+        inner = None
+        if isinstance(self.opt, DiLoCo):
+            state = self.opt.state_dict()
+            extra["diloco"] = (lambda: state, _ignore)
+        else:
+            inner = self.opt.optimizer
+        snap = encode(capture(self.model, inner, extra=extra, step_count=self.opt.step_count
+                              if isinstance(self.opt, DistributedOptimizer) else 0))
+        meta = {**self._job_meta, "step": self.training_steps, "started": started,
+                "epoch": self.sampler.epoch if started else fresh_epoch}
+        ckpt_file.write(self.checkpoint_dir, self.training_steps, meta, snap.data)
+
+    def _set_base(self, value: Any) -> None:
+        """A joiner's `register_state` setter: the group's count of steps before its optimizer's."""
+        try:
+            self._base = int(value["base"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"rank {self.rank}: not an ElasticJob state: {value!r}") from exc
+
     def __repr__(self) -> str:
         kind = f"DiLoCo every {self.diloco}" if self.diloco else "data-parallel"
         return (f"ElasticJob(rank {self.rank}, {kind}, {len(self.dataset)} samples, "
                 f"batch {self.sampler.config.batch_size // self._parts})")
+
+
+def _ignore(_value: Any) -> None:
+    """The setter of state only written (a checkpoint's extra state is read by ElasticJob)."""
 
 
 def _default_allreduce() -> FTTreeAllreduce:

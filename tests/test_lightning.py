@@ -1,0 +1,81 @@
+"""Lightning on fttree in one line: `Trainer(strategy=DDPStrategy(process_group_backend="fttree"))`
+after `import fttree`, on CPU with Lightning's own launcher (devices=3 processes). The run's
+collectives go through fttree, every rank ends with the same parameters, and they match the
+same training on gloo. Skipped, with the reason, when `lightning` (the [lightning] extra) is
+not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="lightning is not installed (pip install 'fttree[lightning]')")
+
+SCRIPT = '''
+import json, sys
+import torch
+from torch import nn
+import lightning as L
+from lightning.pytorch.strategies import DDPStrategy
+import fttree  # registers the "fttree" torch.distributed backend
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)  # a Lightning collective of its own, on the same backend
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+backend = sys.argv[1]
+g = torch.Generator().manual_seed(3)
+data = torch.utils.data.TensorDataset(torch.randn(240, 12, generator=g), torch.randint(0, 4, (240,), generator=g))
+model = Model()
+trainer = L.Trainer(accelerator="cpu", devices=3, strategy=DDPStrategy(process_group_backend=backend),
+                    max_epochs=2, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                    enable_checkpointing=False)
+trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=10))
+steps = fttree.allreduce_of().step if backend == "fttree" else None
+with open(f"{backend}-{trainer.global_rank}.json", "w") as f:  # one file each: the ranks share stdout
+    json.dump({"rank": trainer.global_rank, "backend": torch.distributed.get_backend(), "fttree_steps": steps,
+               "params": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
+'''
+
+
+def run(tmp_path: Path, backend: str) -> dict[int, dict[str, object]]:
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=300,
+                          check=False, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob(f"{backend}-*.json"))]
+    return {int(r["rank"]): r for r in results}
+
+
+def test_lightning_trains_on_the_fttree_backend_as_on_gloo(tmp_path: Path) -> None:
+    import torch
+
+    ft = run(tmp_path, "fttree")
+    assert sorted(ft) == [0, 1, 2], ft.keys()
+    assert all(r["backend"] == "fttree" for r in ft.values())
+    assert all(isinstance(r["fttree_steps"], int) and r["fttree_steps"] >= 16 for r in ft.values()), \
+        [r["fttree_steps"] for r in ft.values()]  # 2 epochs x 8 steps of gradients went through the tree
+    assert ft[0]["params"] == ft[1]["params"] == ft[2]["params"]  # every rank alike, to the bit
+    gloo = run(tmp_path, "gloo")
+    for a, b in zip(ft[0]["params"], gloo[0]["params"], strict=True):  # type: ignore[call-overload]
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
