@@ -196,6 +196,8 @@ def test_misuse_is_named() -> None:
     ({"batch_size": True}, "batch_size must be an integer >= 1"),
     ({"batch_size": 4, "diloco": -1}, "diloco must be an integer >= 0"),
     ({"batch_size": 4, "overlap": True}, "needs diloco=H"),
+    ({"batch_size": 4, "compression": "sparse"}, "sends a share of DiLoCo's pseudo-gradients"),
+    ({"batch_size": 4, "compression": fttree.Sparse()}, "it needs diloco=H"),
     ({"batch_size": 4, "diloco": 2, "overlap": True, "joins": True}, "joins=True with overlap=True"),
     ({"batch_size": 4, "num_workers": -1}, "num_workers must be an integer >= 0"),
     ({"batch_size": 4, "prefetch_factor": 2}, "needs num_workers > 0"),

@@ -68,6 +68,7 @@ from . import checkpoint as ckpt_file
 from .buckets import DEFAULT_BUCKET_MB
 from .diloco import DiLoCo
 from .optim import DistributedOptimizer, TrainingStep
+from .sparse import Sparse
 from .state import StateMismatch, capture, encode, load
 
 __all__ = ["ElasticJob", "Epoch", "EpochSummary", "StepReport"]
@@ -229,7 +230,7 @@ class ElasticJob:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
                  batch_size: int, allreduce: FTTreeAllreduce | None = None, diloco: int = 0,
-                 overlap: bool = False, compression: str | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 overlap: bool = False, compression: str | Sparse | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  seed: int = 0, stable: bool = False, num_workers: int = 0, prefetch_factor: int | None = None,
                  pin_memory: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  joins: bool | None = None, audit: bool = True, outer_lr: float = 0.7,
@@ -262,6 +263,9 @@ class ElasticJob:
                                   f"prefetch with)")
         if overlap and not diloco:
             raise ConfigError("overlap=True overlaps DiLoCo's outer steps: it needs diloco=H (local steps per round)")
+        if (isinstance(compression, Sparse) or compression == "sparse") and not diloco:
+            raise ConfigError("compression='sparse' sends a share of DiLoCo's pseudo-gradients: it needs diloco=H; "
+                              "a data-parallel step takes 'bf16', 'fp16' or 'int8'")
         if joins is None:
             joins = not overlap
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 1)
@@ -297,6 +301,7 @@ class ElasticJob:
             self.opt = DiLoCo(model, optimizer, allreduce=allreduce, sync_every=diloco, compression=compression,
                               overlap=overlap, bucket_mb=bucket_mb, outer_lr=outer_lr, outer_momentum=outer_momentum)
         else:
+            assert not isinstance(compression, Sparse)  # refused above without diloco
             self.opt = DistributedOptimizer(optimizer, model, allreduce=allreduce, bucket_mb=bucket_mb,
                                             compression=compression)
         self.joining = self.opt.syncing  # this process joins a running job (restarted, or new)
