@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -77,6 +77,12 @@ def parse_peers(lines: list[str]) -> list[Address]:
             raise ConfigError(f"ranks {seen[addr]} and {rank} share the address {addr}: each rank needs its own")
         seen[addr] = rank
     return peers
+
+
+def reach_classes(addresses: Mapping[int, Address]) -> dict[int, str]:
+    """Each rank's reachability class for the trees (core/reach.py): "" for a public address,
+    its site for one behind a site, "-" for a rank nobody can dial."""
+    return {r: (UNLISTED if not a.listed else a.behind) for r, a in addresses.items() if r >= 0}
 
 
 def is_ip(host: str) -> bool:

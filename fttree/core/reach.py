@@ -1,0 +1,122 @@
+"""Reachability: which ranks can connect, and where the trees put the ranks few can reach.
+
+A rank is public (everybody can dial it), behind a site (its site-mates can dial it, the rest
+only reach it on connections it dials out), or reachable by nobody (`-`: net/address.py). Two
+ranks can connect when one can dial the other: any pair with a public rank, and the ranks of
+one site; every other pair needs a relay (net/relay.py), which costs a second hop through a
+public rank's uplink.
+
+So the view places its members (View, `reach`): the public ranks first. In tree 0's heap the
+first slots are the interior, so the public ranks take it as far as they go. The slots after
+them form subtrees hanging off public parents: a subtree of two or more slots (where there are
+too few public ranks for the interior) is filled by one site's ranks, who reach each other;
+single leaves take the rest, site-mates side by side as brothers, the `-` ranks where their
+parent is public (`_site_slots`). tests/test_nat_trees.py checks against every order of small
+jobs that wherever an order with the public ranks first puts no unreachable pair on a primary
+link, this one does not either.
+
+The rotated trees (trees.py) rotate only the public prefix of that order (`rotating`): a rotation
+of every slot would make each rank the interior of some tree, and a rank behind a NAT the parent
+of ranks it cannot reach, whose tensors then all pass a relay. Rotating the public ranks among
+themselves spreads the interior's work over them as the p trees spread it over everybody, and
+leaves the others leaves in every tree. The price: the public ranks do the interior's sending
+(up to 3N for an N-byte step, against 2N(p-1)/p when everybody rotates), which is the cost of
+ranks nobody can dial; the uplink shares (shares.py) apply only when everybody rotates.
+
+Every rank derives the same placement from the same peers file and the same members, so no
+message carries it; the view's members are agreed as always, and each rank places them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PUBLIC = ""  # the class of a rank everybody can dial
+NOBODY = "-"  # ... of a rank nobody can dial
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """Each rank's class: PUBLIC, NOBODY, or the name of its site. Ranks not listed (joiners
+    whose address the peers file does not hold) count as public."""
+
+    classes: tuple[tuple[int, str], ...] = ()
+
+    @classmethod
+    def of(cls, classes: Mapping[int, str]) -> Reach:
+        return cls(tuple(sorted((r, c) for r, c in classes.items() if c != PUBLIC)))
+
+    def __bool__(self) -> bool:
+        """Does anyone need placing (is any rank not public)?"""
+        return bool(self.classes)
+
+    def class_of(self, rank: int) -> str:
+        for r, c in self.classes:
+            if r == rank:
+                return c
+        return PUBLIC
+
+    def can_connect(self, a: int, b: int) -> bool:
+        ca, cb = self.class_of(a), self.class_of(b)
+        return ca == PUBLIC or cb == PUBLIC or (ca == cb != NOBODY)
+
+    def place(self, members: Sequence[int]) -> tuple[int, ...]:
+        """`members` in placement order (see the module's docstring and `_site_slots`). Within
+        a class the order given is kept, so placing twice changes nothing, and every rank
+        places the same members alike."""
+        if not self:
+            return tuple(members)
+        queues: dict[str, list[int]] = {}
+        for r in members:
+            queues.setdefault(self.class_of(r), []).append(r)
+        public = queues.pop(PUBLIC, [])
+        counts = {c: len(q) for c, q in queues.items()}
+        return (*public, *(queues[c].pop(0) for c in _site_slots(len(public), len(members), counts)))
+
+    def rotating(self, placed: Sequence[int]) -> int:
+        """How many leading slots of a placed order the rotated trees rotate: the public ranks'
+        (every slot where everybody is public; at least one)."""
+        if not self:
+            return len(placed)
+        return max(1, sum(1 for r in placed if self.class_of(r) == PUBLIC))
+
+
+EVERYONE = Reach()  # every rank public: no placing, every slot rotates
+
+
+def _site_slots(first: int, size: int, counts: Mapping[str, int]) -> list[str]:
+    """The class of each heap slot from `first` (the slots before hold the public ranks) to
+    `size`. The slots after the public ones form subtrees, each hanging off a public parent;
+    a subtree of two or more slots is all of one site where a site has ranks enough (its ranks
+    reach each other), the largest subtree first, each taking the site that fits it most
+    tightly; single slots (leaves under a public parent) take the rest, a site's rank beside
+    its site-mate where one is left (brothers reach each other), the `-` ranks last."""
+    left = dict(counts)
+    groups: dict[int, list[int]] = {}
+    for slot in range(first, size):
+        root = slot
+        while root and (root - 1) // 2 >= first:
+            root = (root - 1) // 2
+        groups.setdefault(root, []).append(slot)
+    out: dict[int, str] = {}
+    sites = sorted(c for c in left if c != NOBODY)
+    for _root, slots in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
+        if len(slots) < 2:
+            continue
+        fits = [c for c in sites if left[c] >= len(slots)]
+        if not fits:
+            continue
+        site = min(fits, key=lambda c: (left[c], c))
+        left[site] -= len(slots)
+        out.update(dict.fromkeys(slots, site))
+    for slot in range(first, size):  # singles, and subtrees no site could fill alone
+        if slot in out:
+            continue
+        near = [out.get(s) for s in ((slot - 1) // 2, slot - 1 if slot % 2 == 0 else -1)]
+        mate = next((c for c in near if c is not None and c != NOBODY and left.get(c)), None)
+        spare = [c for c in sites if left[c]]
+        pick = mate or (max(spare, key=lambda c: left[c]) if spare else NOBODY)  # (ties: the first by name)
+        left[pick] -= 1
+        out[slot] = pick
+    return [out[slot] for slot in range(first, size)]
