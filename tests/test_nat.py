@@ -9,10 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fttree import FTTreeAllreduce
-from fttree.errors import ConfigError, PeerError
+from fttree.errors import ConfigError, FTTreeError, PeerError
 from fttree.net import certs
 from fttree.net import handshake as hs
 from fttree.net.address import NOWHERE, Address, parse_address, parse_peers
@@ -272,3 +273,39 @@ def test_a_restarted_rank_nobody_can_dial_rejoins_and_takes_the_global_state(mon
 def test_joining_through_a_contact_from_behind_a_nat_is_refused_naming_the_way_that_works() -> None:
     with pytest.raises(ConfigError, match=r"join with every rank's address"):
         FTTreeAllreduce(4, {4: "-"}, join="127.0.0.2:29500", insecure=True)
+
+
+def test_when_the_relay_dies_its_pair_goes_through_another_and_only_the_dead_rank_leaves() -> None:
+    """Ranks 3 and 4 are `-` (brothers in the tree: their backup link is relayed). The rank
+    that relays between them is killed: the others' failure detector removes it alone, the
+    pair's frames take the next relay, and neither of the pair, whom nobody can dial, is
+    suspected: every later step is exact with the four survivors in the sum."""
+    with cluster(5, listed=unlisted(3, 4), insecure=True, timeout_s=0.3, step_timeout_s=20) as handles:
+        exact_steps(handles, 2)
+        assert handles[3].transport is not None
+        relay = handles[3].transport.status().link(4).relay
+        assert relay in (0, 1, 2)
+        handles[relay].crash("test: the relay dies")
+        survivors = [h for h in handles if h.rank != relay]
+        ranks = tuple(h.rank for h in survivors)
+        good, deadline, step = 0, time.monotonic() + 60, 100
+        while good < 3:
+            assert time.monotonic() < deadline, f"no 3 exact steps of {ranks} within 60 s"
+            step += 1
+            data = {h.rank: np.full(1000, float(step + h.rank), np.float32) for h in survivors}
+            futures = [(h, h.allreduce_async(data[h.rank])) for h in survivors]
+            outcomes = []
+            for h, fut in futures:
+                try:
+                    outcomes.append((h, fut.result(timeout=30)))
+                except FTTreeError:
+                    outcomes.append((h, None))
+            if all(out is not None and h.last is not None and h.last.contributors == ranks
+                   and np.array_equal(out, sum(data.values())) for h, out in outcomes):
+                good += 1
+        for h in survivors:
+            assert h.view.members is not None
+            assert sorted(h.view.members) == list(ranks), (h.rank, h.view)
+        after = handles[3].transport.status().link(4).relay
+        assert after in (0, 1, 2)
+        assert after != relay

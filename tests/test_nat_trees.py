@@ -36,7 +36,7 @@ def classes_ok(classes: tuple[str, ...]) -> bool:
 ISSUE = Reach.of({3: "site1", 4: "site1", 5: "site2", 6: "site2"})
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
+@pytest.mark.parametrize("family", ["single", "double"])
 def test_public_ranks_take_the_interior_and_the_sites_are_leaves_with_reachable_neighbours(family: str) -> None:
     view = View.initial(7, ISSUE)
     assert view.members[:3] == (0, 1, 2)
@@ -48,9 +48,33 @@ def test_public_ranks_take_the_interior_and_the_sites_are_leaves_with_reachable_
             assert nb.parent is not None
             for other in (nb.parent, nb.brother, nb.uncle):
                 assert other is None or ISSUE.can_connect(r, other), (family, tree.members, r, other)
-    assert len(trees(view, "rotated")) == 3  # the public ranks rotate among themselves
-    roots = {tree.root for tree in trees(view, "rotated")}
-    assert roots == {0, 1, 2}  # each public rank roots one tree: the interior's work is spread
+
+
+def sends_per_tree(view: View) -> dict[int, float]:
+    """Each rank's sends of one chunk, averaged over the rotated trees (a leaf 1, an interior
+    rank 1 + its children, the root its children)."""
+    sends = dict.fromkeys(view.members, 0)
+    for tree in trees(view, "rotated"):
+        for r in tree.members:
+            nb = tree.neighbours(r)
+            sends[r] += (nb.parent is not None) + len(nb.children)
+    return {r: n / view.size for r, n in sends.items()}
+
+
+def test_rotated_trees_keep_their_rotation_as_far_as_reachability_allows() -> None:
+    """The issue's layout: 7 rotated trees, no pair that cannot connect on a primary link of any,
+    every rank the root of one, and the busiest rank sends 2.29 chunks per chunk of the step
+    (16/7): 1.33x the 12/7 of everybody rotating freely, against 2.67 (1.56x) with the public
+    ranks alone in the interior (measured 121 ms against 78 ms, docs/nat.md)."""
+    view = View.initial(7, ISSUE)
+    rotated = trees(view, "rotated")
+    assert len(rotated) == 7
+    for tree in rotated:
+        assert all(ISSUE.can_connect(c, p) for c, p in primary_links(tree)), tree.members
+    assert sorted(tree.root for tree in rotated) == list(range(7))
+    sends = sends_per_tree(view)
+    assert max(sends.values()) == pytest.approx(16 / 7)
+    assert min(sends[r] for r in (3, 4, 5, 6)) > 1  # the sites take a share of the interior
 
 
 def test_the_classes_come_from_the_peers_file_and_agree_with_the_relays() -> None:

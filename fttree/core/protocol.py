@@ -665,7 +665,7 @@ class TreeMachine:
         else:
             rates = measured_rates([view.planned_uplink(r) for r in view.members])
             mine = view.uplink_of(self.rank) or self.cfg.uplink_bytes_per_s
-        if self.cfg.trees != "rotated" or rates is None or uniform(rates) or view.rotating < view.size:
+        if self.cfg.trees != "rotated" or rates is None or uniform(rates) or view.reach:
             # (the shares plan p trees that rotate everybody: reach.py)
             rates = None
         return rates, mine < self.cfg.bf16_uplinks_below
@@ -689,7 +689,7 @@ class TreeMachine:
         rates = self._rates_in(epoch)
         if rates is not None and chunks >= 2 and len(rates) >= 2:
             return tree_of_planned(plan(rates, chunks), chunk)
-        return tree_of(self.cfg.trees, chunk, chunks, self.view.size, self.view.rotating)
+        return tree_of(self.cfg.trees, chunk, chunks, self.view.size, self.view.turn(self.cfg.trees))
 
     def _t(self, op: _Op) -> _Tree:
         return self.trees[op.tree]

@@ -96,7 +96,7 @@ class View:
 
     def tree_count(self, family: str) -> int:
         """How many trees `family` builds over this view (trees.tree_count)."""
-        return tree_count(family, self.size, self.rotating)
+        return tree_count(family, self.size, self.turn(family))
 
     @property
     def size(self) -> int:
@@ -151,13 +151,40 @@ class View:
             return View(self.epoch, members, self.pace, uplinks, self.reach).tree(tree, family)
         found = self._trees.get((family, tree))
         if found is None:
-            check_tree(family, tree, self.size, self.rotating)
+            check_tree(family, tree, self.size, self.turn(family))
             found = object.__new__(View)
-            object.__setattr__(found, "reach", self.reach)
-            object.__setattr__(found, "rotating", self.rotating)
-            found._fill(self.epoch, self.pace, self.uplinks, self._order, self._slot, family, tree)
+            if family == "rotated" and self.reach:
+                self._arranged(found, tree)
+            else:
+                object.__setattr__(found, "reach", self.reach)
+                object.__setattr__(found, "rotating", self.rotating)
+                found._fill(self.epoch, self.pace, self.uplinks, self._order, self._slot, family, tree)
             self._trees[(family, tree)] = found
         return found
+
+    def _arranged(self, found: View, tree: int) -> None:
+        """Rotated tree `tree` where some members cannot be dialled: the view's order rotated
+        by `tree`, arranged so that every parent reaches its children (Reach.arrange), else the
+        public prefix rotated. An order of its own: O(p) for each tree asked (reach.py)."""
+        turn = self.rotating
+        rotated = self._order[tree:] + self._order[:tree]
+        public = [r for r in rotated if r in self._slot and self._slot[r] < turn]  # (the placed order's prefix)
+        lead = [public[(i + tree) % turn] for i in range(turn)]  # and the public ranks' turns rotate too
+        swap = dict(zip(public, lead, strict=True))
+        rotated = tuple(swap.get(r, r) for r in rotated)
+        fallback = self._order[tree % turn:turn] + self._order[:tree % turn] + self._order[turn:]
+        order = self.reach.arrange(rotated) or fallback
+        uplinks = tuple(self.uplink_of(r) for r in order) if self.uplinks else ()
+        object.__setattr__(found, "reach", self.reach)
+        object.__setattr__(found, "rotating", len(order))
+        found._fill(self.epoch, self.pace, uplinks, order, {r: s for s, r in enumerate(order)}, "single", 0)
+        object.__setattr__(found, "_trees", None)  # (a tree of it is built over its members)
+
+    def turn(self, family: str) -> int | None:
+        """The leading slots `family`'s trees permute (trees.py's `rotating`): the public members'
+        for the double tree; every slot for the rotated trees (where some members cannot be
+        dialled, each arranges its own order instead: `tree`)."""
+        return self.rotating if family == "double" else None
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
         """The next view: `dead` removed, each hole filled by the member in the last slot (a heap

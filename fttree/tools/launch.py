@@ -86,6 +86,16 @@ class LaunchResult:
         recs = self.counted(step) or self.records[step]
         return max(r.duration_s for r in recs.values())
 
+    def relayed_per_step(self) -> float:
+        """Envelope bytes sent and carried through relays per step, over all ranks, from step
+        1 (the first step's includes the start's membership frames) to each rank's last."""
+        steps = sorted(self.records)
+        if len(steps) < 2:
+            return 0.0
+        first, last = self.records[steps[0]], self.records[steps[-1]]
+        total = sum(rec.relayed_bytes - first[r].relayed_bytes for r, rec in last.items() if r in first)
+        return total / (len(steps) - 1)
+
     def all_exact(self) -> bool:
         """Every rank that counts reported every step, exactly."""
         for step in self.all_steps():
@@ -351,4 +361,8 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                  f"max {max(times) * 1000:.1f} ms; all exact: {'yes' if result.all_exact() else 'NO'}"
                  + ("" if result.agree() else "; RESULTS DIFFER between members")
                  + "".join(f"; rank {r} left out of the group in step {s}" for r, s in result.departures()[:5]))
+        relayed = result.relayed_per_step()
+        if relayed:
+            echo(f"relayed (ranks that cannot connect, net/relay.py): {relayed / 1e3:.1f} kB a step, sent and "
+                 f"carried, all ranks together (from step 1)")
     return result
