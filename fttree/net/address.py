@@ -5,7 +5,7 @@ listed as `-`: it listens nowhere, dials every rank it can, and they send to it 
 connections it opened (tcp.py). A rank that only the ranks of its own site can dial (behind
 the same NAT) is listed as `host:port behind SITE`: its site-mates dial it at host:port (an
 address of the site's own network), everyone else as for `-`. Two ranks neither of which can
-dial the other (two `-`, or two sites) cannot be connected yet: that needs a relay.
+dial the other (two `-`, or two sites) exchange frames through a rank both reach (relay.py).
 """
 
 from __future__ import annotations

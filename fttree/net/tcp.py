@@ -1039,8 +1039,8 @@ class TcpTransport:
 
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable. A peer that
-        cannot be dialled from here is waited for to dial in; a pair in which neither can dial
-        the other is named at once."""
+        cannot be dialled from here is waited for to dial in; one neither side can dial is
+        reached once one of its relays is (relay.py), and named at once if it has none."""
         stuck = [p for p in peers if self.relays.needed(p) and not self.relays.candidates(p)]
         if stuck:
             raise PeerError("; ".join(self.relays.why_not(p) for p in stuck), peers=tuple(stuck))

@@ -363,6 +363,6 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                  + "".join(f"; rank {r} left out of the group in step {s}" for r, s in result.departures()[:5]))
         relayed = result.relayed_per_step()
         if relayed:
-            echo(f"relayed (ranks that cannot connect, net/relay.py): {relayed / 1e3:.1f} kB a step, sent and "
+            echo(f"relayed (ranks that cannot connect, net/relay.py): {relayed:,.0f} bytes a step, sent and "
                  f"carried, all ranks together (from step 1)")
     return result
