@@ -8,13 +8,17 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
+from fttree.core.protocol import NoteKind
 from fttree.core.reach import NOBODY, PUBLIC, Reach
 from fttree.core.trees import TREE_FAMILIES
 from fttree.core.view import View
 from fttree.net.address import parse_peers, reach_classes
 from fttree.net.relay import connectable
+from fttree.net.steps import StepResult
+from fttree.testing.sim import SimNetwork
 
 
 def trees(view: View, family: str) -> list[View]:
@@ -34,6 +38,7 @@ def classes_ok(classes: tuple[str, ...]) -> bool:
 
 # the issue's layout: public 0, 1, 2; sites {3, 4} and {5, 6}
 ISSUE = Reach.of({3: "site1", 4: "site1", 5: "site2", 6: "site2"})
+SCATTERED = Reach.of({1: "site1", 2: "site1", 5: "site2", 6: "site2"})  # in rank order 5, 6 are 2's children
 
 
 @pytest.mark.parametrize("family", ["single", "double"])
@@ -161,3 +166,55 @@ def _subtree_slots(slot: int, size: int) -> list[int]:
         out += level
         level = [c for s in level for c in (2 * s + 1, 2 * s + 2)]
     return out
+
+
+# ---- in the simulator: a pair that cannot connect is a link that is always down ----------------
+
+
+def simulated_steps(reach: Reach, trees: str, steps: int = 3) -> SimNetwork:
+    """Seven ranks, steps of 16 chunks, each link between a pair that cannot connect down for
+    good (SimNetwork's `reach`): every step exact on every rank, everybody in the sum."""
+    net = SimNetwork(7, reach=reach, trees=trees, chunk_bytes=4096, timeout_policy="static", step_timeout_s=10.0)
+    for step in range(steps):
+        data = [np.full(16 * 1024, float(step * 10 + r), np.float32) for r in range(7)]
+        net.submit_all(step, data)
+        net.run()
+        for r in range(7):
+            out = net.outcome(r, step)
+            assert isinstance(out, StepResult), (r, step, out)
+            assert out.contributors == tuple(range(7)), (r, step, out.contributors)
+            assert np.array_equal(out.data, sum(data)), (r, step)
+    assert all(node.view.epoch == 0 for node in net.nodes)  # nobody suspected, nobody removed
+    return net
+
+
+@pytest.mark.parametrize("family", ["single", "double"])
+def test_in_the_simulator_trees_that_keep_sites_as_leaves_never_wait_on_a_pair_that_cannot_connect(
+        family: str) -> None:
+    """The issue's layout, and its sites on other ranks, the links between pairs that cannot
+    connect down for good: with the reachability in the view, no rank waits on a dead link (no
+    timeout, no recovery). The second layout's links down under trees that do not know them
+    (ranks 5 and 6 children of rank 2, of another site) cost timeouts and recoveries: the check
+    can fail."""
+    for reach in (ISSUE, SCATTERED):
+        placed = simulated_steps(reach, family)
+        assert not {NoteKind.TIMEOUT, NoteKind.RECOVERY} & {note.kind for _, note in placed.notes}, reach
+    blind = SimNetwork(7, trees=family, chunk_bytes=4096, timeout_policy="static", step_timeout_s=10.0)
+    for a, b in itertools.combinations(range(7), 2):
+        if not SCATTERED.can_connect(a, b):
+            blind.cut(a, b)
+    blind.submit_all(0, [np.full(16 * 1024, float(r), np.float32) for r in range(7)])
+    blind.run()
+    assert {NoteKind.TIMEOUT, NoteKind.RECOVERY} & {note.kind for _, note in blind.notes}
+
+
+def test_in_the_simulator_rotated_trees_wait_only_on_backup_links_a_relay_carries() -> None:
+    """Rotated trees arranged by reachability: every step exact with no view change, and the
+    only watches that expire are those of an uncle that cannot reach its nephew (the rotation
+    puts a site rank above the other site's pair in two of the seven trees): over TCP a relay
+    carries that backup link; the simulator has none, and the result goes around it."""
+    net = simulated_steps(ISSUE, "rotated")
+    for watcher, note in net.notes:
+        if note.kind in (NoteKind.TIMEOUT, NoteKind.RECOVERY):
+            assert note.peer is not None
+            assert not ISSUE.can_connect(watcher, note.peer), (watcher, note)

@@ -80,8 +80,9 @@ class Reach:
 
     def arrange(self, order: Sequence[int]) -> tuple[int, ...] | None:
         """A heap order close to `order` in which every parent reaches its children: slot by
-        slot, the first rank left in `order` that can connect with the slot's parent (for a
-        slot with children, a `-` rank only if nothing else can). So the ranks early in
+        slot, the first rank left in `order` that can connect with the slot's parent, and with
+        its brother and uncle where one can (for a slot with children, a `-` rank only if
+        nothing else can). So the ranks early in
         `order` still take the interior, as a rotated tree means them to. None where this
         finds no rank for some slot."""
         left = list(order)
@@ -92,6 +93,8 @@ class Reach:
             fits = [r for r in left if parent is None or self.can_connect(r, parent)]
             if 2 * slot + 1 < size:
                 fits = [r for r in fits if self.class_of(r) != NOBODY] or fits
+            backups = [out[s] for s in _backup_slots(slot)]  # brother and uncle, placed already
+            fits = [r for r in fits if all(self.can_connect(r, b) for b in backups)] or fits
             if not fits:
                 return None
             out.append(fits[0])
@@ -107,6 +110,15 @@ class Reach:
 
 
 EVERYONE = Reach()  # every rank public: no placing, every slot rotates
+
+
+def _backup_slots(slot: int) -> list[int]:
+    """The slots before `slot` that back it up: its left brother, and its uncle."""
+    out = [slot - 1] if slot and slot % 2 == 0 else []
+    parent = (slot - 1) // 2 if slot else 0
+    if parent:
+        out.append(parent + 1 if parent % 2 == 1 else parent - 1)
+    return [s for s in out if s < slot]
 
 
 def _site_slots(first: int, size: int, counts: Mapping[str, int]) -> list[str]:
