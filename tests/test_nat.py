@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from fttree import FTTreeAllreduce
+from fttree.core.messages import Kind, Message
 from fttree.errors import ConfigError, FTTreeError, PeerError
 from fttree.net import certs
 from fttree.net import handshake as hs
 from fttree.net.address import NOWHERE, Address, parse_address, parse_peers
+from fttree.net.relay import wrap
 from fttree.net.tcp import MEMBER_HOST_HANDSHAKES, PER_HOST_HANDSHAKES, TcpTransport
 
 from .conftest import cluster, local_peers, run_threads, start_all
@@ -309,3 +311,43 @@ def test_when_the_relay_dies_its_pair_goes_through_another_and_only_the_dead_ran
         after = handles[3].transport.status().link(4).relay
         assert after in (0, 1, 2)
         assert after != relay
+
+
+def test_an_envelope_from_an_outsider_is_refused_before_anything_is_relayed(tmp_path: Path) -> None:
+    """Ranks 2 and 3 are `-` and reach each other through a relay. An outsider who connects to
+    the relay and sends an envelope for rank 3 (instead of a HELLO, or after a HELLO with a
+    proof made with another key) is refused at the handshake: the relay forwards nothing, and
+    the steps stay exact."""
+    key = tmp_path / "job.key"
+    key.write_bytes(b"k" * 32)
+    with cluster(4, listed=unlisted(2, 3), auth_key_file=str(key), handshake_timeout_s=2.0, timeout_s=0.3,
+                 step_timeout_s=20) as handles:
+        exact_steps(handles, 2)
+        assert handles[2].transport is not None
+        relay = handles[2].transport.status().link(3).relay
+        status = handles[relay].transport.status()  # type: ignore[union-attr]
+        forwarded, refusals = status.relayed_forwarded_bytes, status.refusals
+        addr = handles[relay].peers[relay]
+        forged = Message(kind=Kind.DATA_REDUCE, src=2, step=5, origin=2, target=3, dtype="<f4", numel=4,
+                         payload=bytes(16))
+        envelope = b"".join(bytes(b) for b in wrap(forged, 2, 3).bufs())
+        with connect(addr.host, addr.port) as sock:  # an envelope instead of a HELLO
+            sock.sendall(envelope)
+            assert closed_by_peer(sock)
+        with connect(addr.host, addr.port) as sock:  # a HELLO, a proof made with another key, an envelope
+            hello = hs.Hello(src=2, dst=relay, world=4, channel=hs.CONTROL, address="-",
+                             job=handles[0].credentials.job, nonce=hs.new_nonce())
+            sock.sendall(hs.encode(hello))
+            head = read_frame_head(sock)
+            assert head is not None
+            challenge = hs.decode(head)
+            assert isinstance(challenge, hs.Challenge)
+            sock.sendall(hs.encode(hs.Proof(src=2, mac=hs.dial_mac(b"x" * 32, hello, challenge.nonce))) + envelope)
+            assert closed_by_peer(sock)
+        exact_steps(handles, 2)
+        after = handles[relay].transport.status()  # type: ignore[union-attr]
+        assert after.refusals >= refusals + 2
+        received = handles[3].transport.status().relayed_received_bytes  # type: ignore[union-attr]
+        assert received > 0  # (the pair's own frames still pass)
+        assert after.relayed_forwarded_bytes > forwarded  # the pair's frames of the steps since
+        assert all(h.last is not None and h.last.contributors == (0, 1, 2, 3) for h in handles)
