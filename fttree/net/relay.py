@@ -13,8 +13,9 @@ forwards only an envelope whose origin is the rank whose connection it came on, 
 frame says it is from that rank, and whose destination is a rank of the job it has a
 connection with itself (one hop, never two: an envelope cannot loop). The destination takes
 an envelope only for itself, only from a rank it cannot connect with directly (a member cannot
-pass its frames off as relayed from a rank with a link of its own), and checks the inner frame
-as any frame. What a relay holds is bounded: an envelope for a destination that has
+pass its frames off as relayed from a rank with a link of its own; others are dropped, counted,
+and the relay's connection kept, as an address book may lag behind a join), and checks the
+inner frame as any frame. What a relay holds is bounded: an envelope for a destination that has
 RELAY_BACKLOG_BYTES or more not yet acknowledged is dropped (counted), and the protocol
 recovers it as any lost frame, around the link.
 
@@ -173,8 +174,10 @@ class Relays:
         if dst == host.rank:
             addr = host.addresses.get(origin)
             if origin == src or not host.knows(origin) or addr is None or connectable(host.me, addr):
-                raise FrameError(f"rank {src} relayed a frame from rank {origin}, which is not a rank this one "
-                                 f"can only reach through a relay")
+                # dropped, not a closed connection: a member's address book may lag behind a join
+                self._drop(f"rank {src} relayed a frame from rank {origin}, which is not a rank this one can only "
+                           f"reach through a relay")
+                return
             self.counters.received_frames += 1
             self.counters.received_bytes += size
             host.deliver(origin, inner_head, payload)
