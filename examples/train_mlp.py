@@ -67,9 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", default="", help='fttree fault schedule, e.g. "cut 1-0 @5..10"')
     p.add_argument("--timeout", type=float, default=0.5, help="fttree backup-link timeout in seconds (default 0.5)")
     p.add_argument("--step-timeout", type=float, default=30.0, help="fttree gives up on a step after this (s)")
-    p.add_argument("--compression", choices=["bf16", "fp16", "int8"], default=None,
+    p.add_argument("--compression", choices=["bf16", "fp16", "int8", "sparse"], default=None,
                    help="fttree wire compression of the gradients, or with --diloco of the pseudo-gradients "
-                        "(float32 sums at every hop; default none)")
+                        "(float32 sums at every hop; default none; sparse: --diloco only, fttree.Sparse's "
+                        "defaults)")
     p.add_argument("--diloco", type=int, default=0, metavar="H",
                    help="fttree.DiLoCo: H local steps per averaged outer step (default 0: data-parallel)")
     p.add_argument("--hidden", type=int, default=512, help="hidden units of the MLP (default 512, the thesis's)")

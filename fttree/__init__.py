@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .training.diloco import DiLoCo
     from .training.job import ElasticJob, EpochSummary
     from .training.optim import DistributedOptimizer, attach, broadcast_parameters, synchronize
+    from .training.sparse import Sparse
     from .training.state import sync_state
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ _LAZY = {
     "StepResult": "fttree.net.node",
     "DistributedOptimizer": "fttree.training.optim",
     "DiLoCo": "fttree.training.diloco",
+    "Sparse": "fttree.training.sparse",
     "ElasticJob": "fttree.training.job",
     "EpochSummary": "fttree.training.job",
     "attach": "fttree.training.optim",
@@ -86,6 +88,7 @@ __all__ = [
     "GroupLeft",
     "PeerError",
     "ProtocolError",
+    "Sparse",
     "StepAborted",
     "StepResult",
     "StepRetry",

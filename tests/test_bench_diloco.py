@@ -49,6 +49,8 @@ def test_the_configurations_and_the_dry_run() -> None:
     labels = [c.label for c in configs(30)]
     assert labels[:2] == ["gloo DDP", "fttree DDP"]
     assert "fttree DiLoCo H=128 int8" in labels
+    assert "fttree DiLoCo H=32 sparse" in labels
+    assert "fttree DiLoCo H=32 sparse, rank 3 killed in round 2 and restarted" in labels
     assert all(c.local_steps >= 4 * int(c.args[1]) for c in configs(30) if "--diloco" in c.args)
     out = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "10mbit", "--dry-run"])
     assert out.exit_code == 0, out.output

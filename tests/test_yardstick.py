@@ -33,16 +33,30 @@ def test_the_ratio_is_the_median_of_the_pairs_ratios() -> None:
 
 def test_each_worker_counts_its_cpu_from_its_first_submit_to_its_last(tmp_path: Path) -> None:
     """The sitecustomize both commits' workers load: it wraps FTTreeAllreduce.submit_array
-    when fttree.api is imported and writes 'seconds calls-1' at exit."""
+    when fttree.api is imported and writes 'seconds calls-1 loop_seconds' at exit, the last
+    being the CPU time of the object's event-loop thread (`_thread`) over the same span."""
     fake = tmp_path / "fake"
     (fake / "fttree").mkdir(parents=True)
     (fake / "fttree" / "__init__.py").write_text("")
     (fake / "fttree" / "api.py").write_text(
-        "class FTTreeAllreduce:\n    def submit_array(self, n):\n        return sum(range(n))\n")
-    script = "from fttree.api import FTTreeAllreduce as A\na = A()\nfor _ in range(5): a.submit_array(200000)\n"
+        "import queue, threading\n"
+        "class FTTreeAllreduce:\n"
+        "    def __init__(self):\n"
+        "        self._jobs, self._done = queue.Queue(), queue.Queue()\n"
+        "        self._thread = threading.Thread(target=self._run_loop, daemon=True)\n"
+        "        self._thread.start()\n"
+        "    def _run_loop(self):\n"
+        "        while True:\n"
+        "            self._done.put(sum(range(self._jobs.get())))\n"
+        "    def submit_array(self, n):\n"
+        "        self._jobs.put(n)\n"
+        "        return self._done.get(timeout=60)\n")
+    script = "from fttree.api import FTTreeAllreduce as A\na = A()\nfor _ in range(5): a.submit_array(400000)\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(SITE), str(fake))), FTTREE_YARDSTICK_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60, cwd=tmp_path)
     (written,) = tmp_path.glob("cpu-*")
-    seconds, calls = written.read_text().split()
+    seconds, calls, loop_seconds = written.read_text().split()
     assert int(calls) == 4  # the steps between the first submit and the last
     assert float(seconds) > 0
+    # the sums of submits 1 to 4 ran on the thread within the span (the 5th after its mark)
+    assert 0 < float(loop_seconds) <= float(seconds)

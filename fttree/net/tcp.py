@@ -101,6 +101,7 @@ CONTROL, BULK = hs.CONTROL, hs.BULK  # the two connections to a peer (_OutLink),
 CONTROL_MAX_PAYLOAD = 16 * 1024  # larger payloads take the bulk connection (16 KiB: 0.13 s at 1 Mbit/s)
 SLICE_BYTES = 64 * 1024  # a bulk frame is written in pieces of up to this, as the budget allows
 MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each may have this in flight
+COUNTERS_FRESH_S = 1.0  # TCP_INFO this recent serves what changes slowly (retransmit_s)
 SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
 PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
@@ -200,6 +201,8 @@ class _Channel:
         self.clean_at = -float("inf")  # when `clean` was last brought up to date
         self.fast_rto = False  # the connection's least retransmission timeout is FAST_RTO_MIN_S
         self.lost_at = -float("inf")  # when frames were last lost with a broken connection
+        self._read_at = -float("inf")  # when `_counters` was read (counters()): one read per look
+        self._counters: TcpCounters | None = None
         name = f"fttree-link-{self.peer}" + ("-bulk" if bulk else "")
         self.task = asyncio.get_running_loop().create_task(self._run(), name=name)
 
@@ -217,7 +220,7 @@ class _Channel:
         """Bytes handed to the connection and not acknowledged by the peer (the event loop's
         buffer and the kernel's); updates the acknowledgement progress on the way."""
         writer = self.writer
-        if writer is None:
+        if writer is None or self.written == self.acked:  # all acknowledged at the last look, nothing since
             return 0
         buffered = writer.transport.get_write_buffer_size()
         in_kernel = None if self.sock is None else unacked_bytes(self.sock)
@@ -229,6 +232,16 @@ class _Channel:
             self.progress_at = self.t.clock()
             self.stalled = False
         return buffered + in_kernel
+
+    def counters(self, now: float) -> TcpCounters | None:
+        """The connection's TCP_INFO as of the look at `now`: read once however many rules ask."""
+        if self._read_at != now:
+            self._read_at, self._counters = now, None if self.sock is None else tcp_counters(self.sock)
+        return self._counters
+
+    def recent_counters(self, now: float) -> TcpCounters | None:
+        """The connection's TCP_INFO as read at most COUNTERS_FRESH_S before `now`."""
+        return self._counters if now - self._read_at <= COUNTERS_FRESH_S else self.counters(now)
 
     def pending(self) -> int:
         """Bytes for the peer not yet acknowledged: queued, mid-frame, or on the connection."""
@@ -351,6 +364,7 @@ class _Channel:
         self.writer = conn
         self.unreachable = False
         self.written = self.acked = 0
+        self._read_at = -float("inf")
         self.clean, self.clean_at, self.fast_rto = False, -float("inf"), False  # a new connection's own history
         if self.sock is not None:
             self.follow_rtt(tcp_counters(self.sock))  # the handshake's round trip
@@ -618,7 +632,7 @@ class _Channel:
         idle = self.written == self.acked
         if idle and self.progress_at <= self.clean_at:
             return False
-        counters = tcp_counters(self.sock)
+        counters = self.counters(now)
         self.follow_rtt(counters)
         if counters is not None and self.progress_at > self.clean_at:
             # bytes were acknowledged since the last look (the sampler looks every 50 ms while
@@ -772,11 +786,15 @@ class TcpTransport:
         self._busy_bulk = 1  # bulk channels with bytes to send or in flight, at the last sample
         self._sampler: asyncio.Task[None] | None = None
         self._work = asyncio.Event()  # set while anything is queued or unacknowledged
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one this transport runs on (clock)
         self.relays = Relays(self)  # frames to and for ranks this one cannot connect with (relay.py)
 
     def clock(self) -> float:
         """The event loop's clock: what LinkState.lost_at and the stall times are measured on."""
-        return asyncio.get_running_loop().time()
+        loop = self._loop
+        if loop is None:  # (asyncio.get_running_loop asks the system for the process id each call)
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     # ---- the uplink: acknowledgements, stalls, the in-flight budget (uplink.py) -------------------
 
@@ -829,7 +847,7 @@ class TcpTransport:
             queued = False
             for ch, out in zip(channels, pending, strict=True):
                 if out and ch.sock is not None:
-                    counters = tcp_counters(ch.sock)
+                    counters = ch.counters(now)
                     if counters is not None and counters.min_rtt_s:
                         self.meter.saw_rtt(counters.min_rtt_s)
                         queued = queued or (ch.bulk and queue_formed(counters))
@@ -855,10 +873,13 @@ class TcpTransport:
 
     def retransmit_s(self, peer: int) -> float:
         """TCP's retransmission timeout to `peer` once a connection to it has lost packets (a
-        link that never lost one waits for no retransmission); 0.0 before."""
+        link that never lost one waits for no retransmission); 0.0 before. Asked after every
+        step for every neighbour: it takes the figures the sampler read lately (COUNTERS_FRESH_S),
+        as reading them all again cost more than the rest of a small step's bookkeeping."""
         link = self._out.get(peer)
-        counters = [c for ch in ([] if link is None else link.channels) if ch.sock is not None
-                    for c in [tcp_counters(ch.sock)] if c is not None]
+        now = self.clock()
+        counters = [c for ch in (() if link is None else link.channels) for c in [ch.recent_counters(now)]
+                    if c is not None]
         if not any(c.total_retrans for c in counters):
             return 0.0
         return max(retransmit_timeout_s(c) for c in counters)

@@ -39,6 +39,7 @@ class Sample:
     median_ms: float
     cpu_ms_per_step: float
     wall_s: float
+    loop_cpu_ms_per_step: float = 0.0  # of the allreduce's event-loop threads alone
 
 
 def parse_launch(output: str) -> tuple[int, int, float]:
@@ -63,9 +64,11 @@ def run_once(source: Path, args: Sequence[str], timeout_s: float) -> Sample:
         counts = [line.split() for f in Path(cpu_dir).glob("cpu-*") for line in f.read_text().splitlines()]
     if len(counts) < workers:
         raise ValueError(f"{len(counts)} of {workers} workers reported their CPU time")
-    cpu_s = sum(float(seconds) for seconds, _calls in counts)
-    steps = statistics.median(int(calls) for _seconds, calls in counts)
-    return Sample(median_ms=median, cpu_ms_per_step=cpu_s * 1000 / max(steps, 1), wall_s=wall)
+    cpu_s = sum(float(row[0]) for row in counts)
+    loop_s = sum(float(row[2]) for row in counts if len(row) > 2)
+    steps = max(statistics.median(int(row[1]) for row in counts), 1)
+    return Sample(median_ms=median, cpu_ms_per_step=cpu_s * 1000 / steps, wall_s=wall,
+                  loop_cpu_ms_per_step=loop_s * 1000 / steps)
 
 
 def _env(source: Path, cpu_dir: str) -> dict[str, str]:
@@ -121,7 +124,10 @@ def yardstick(reference: str, pairs: int, timeout_s: float, launch_args: tuple[s
             ours.append(a)
             theirs.append(b)
             click.echo(f"pair {i + 1}: step {a.median_ms:.1f} / {b.median_ms:.1f} ms, "
-                       f"cpu {a.cpu_ms_per_step:.1f} / {b.cpu_ms_per_step:.1f} ms a step")
+                       f"cpu {a.cpu_ms_per_step:.1f} / {b.cpu_ms_per_step:.1f} ms a step, "
+                       f"event-loop threads {a.loop_cpu_ms_per_step:.1f} / {b.loop_cpu_ms_per_step:.1f}")
     click.echo(ratio_line("median step (ms)", [s.median_ms for s in ours], [s.median_ms for s in theirs]))
     click.echo(ratio_line("cpu per step, all ranks (ms)", [s.cpu_ms_per_step for s in ours],
                           [s.cpu_ms_per_step for s in theirs]))
+    click.echo(ratio_line("event-loop threads' cpu per step, all ranks (ms)",
+                          [s.loop_cpu_ms_per_step for s in ours], [s.loop_cpu_ms_per_step for s in theirs]))

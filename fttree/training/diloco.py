@@ -27,6 +27,11 @@ the new global parameters plus its progress since. The global parameters stay al
 worker; a worker's model is the global parameters only after `flush()`. `stats` says how long
 the caller waited for outer steps and how long they took.
 
+With `compression="sparse"` (or `fttree.Sparse(...)`) a worker sends only a share of the
+coordinates, the same ones on every worker, at 2-4 bits, and its model keeps the progress it
+has not sent (fttree.training.sparse): the global parameters stay alike on every worker, the
+model is each worker's own.
+
 Buffers (batch-norm statistics) are each worker's own, measured on its own data, as
 DistributedDataParallel keeps them with broadcast_buffers=False; a joiner starts from its
 donor's. The inner optimizer's state (Adam's moments) is each worker's own too and is kept
@@ -50,6 +55,7 @@ from ..core.config import COMPRESSIONS
 from ..errors import ConfigError
 from .buckets import DEFAULT_BUCKET_MB
 from .optim import DistributedOptimizer, GradientSync, TrainingStep
+from .sparse import Sparse, SparseCodec, SparseOuter
 
 
 @dataclass
@@ -71,7 +77,7 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  allreduce: FTTreeAllreduce, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: str | None = None, overlap: bool = False,
+                 nesterov: bool = True, compression: str | Sparse | None = None, overlap: bool = False,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         if sync_every < 1:
             raise ConfigError(f"sync_every must be at least 1 inner step, got {sync_every}")
@@ -79,8 +85,10 @@ class DiLoCo:
             raise ConfigError(f"outer_lr must be positive, got {outer_lr}")
         if not 0 <= outer_momentum < 1 or (nesterov and outer_momentum == 0):
             raise ConfigError(f"outer_momentum must be in [0, 1) (and above 0 with nesterov), got {outer_momentum}")
-        if compression not in COMPRESSIONS:
-            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        sparse = Sparse() if compression == "sparse" else compression if isinstance(compression, Sparse) else None
+        if sparse is None and compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {(*COMPRESSIONS, 'sparse')} or a fttree.Sparse, "
+                              f"got {compression!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         self.model = model
@@ -95,8 +103,17 @@ class DiLoCo:
         outer = torch.optim.SGD([g for _, g in self._global], lr=outer_lr, momentum=outer_momentum,
                                 nesterov=nesterov)
         # Rank 0's parameters become everyone's start (a joiner takes them with the state).
-        self.outer = DistributedOptimizer(outer, named_parameters=self._global, allreduce=allreduce,
-                                          bucket_mb=bucket_mb, broadcast=True, compression=compression)
+        self._sparse: SparseOuter | None = None
+        self.outer: DistributedOptimizer
+        if sparse is not None:
+            codec = SparseCodec(sparse, self._global, allreduce.world)
+            self._sparse = SparseOuter(outer, named_globals=self._global, codec=codec, allreduce=allreduce,
+                                       bucket_mb=bucket_mb)
+            self.outer = self._sparse
+        else:
+            assert not isinstance(compression, Sparse)
+            self.outer = DistributedOptimizer(outer, named_parameters=self._global, allreduce=allreduce,
+                                              bucket_mb=bucket_mb, broadcast=True, compression=compression)
         self.outer.register_state("diloco buffers", self._buffers, self._load_buffers)
         self.inner_steps = 0  # inner steps taken here (a joiner counts from its own start)
         self.outer_steps = 0  # outer steps this worker took part in
@@ -118,7 +135,8 @@ class DiLoCo:
 
     def step(self, closure: Callable[[], Any] | None = None, *, contribute: bool = True) -> Any:
         """One inner step; every `sync_every`-th also runs the outer step before it returns (then
-        the model's parameters are the new global parameters, alike on every worker).
+        the model's parameters are the new global parameters, alike on every worker; with sparse
+        compression less this worker's progress not yet sent).
         `contribute=False`: this worker has no batch for this inner step (its sampler ran dry):
         no inner update; a round without any batch takes part in the outer step counted in no
         average."""
@@ -152,7 +170,12 @@ class DiLoCo:
 
     def _sync(self, contribute: bool) -> None:
         """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient."""
+        if self._sparse is not None:  # the wire carries the sparse message, not the pseudo-gradient
+            self._sparse.encode([g.grad for _, g in self._global if g.grad is not None] if contribute else None,
+                                accumulate=self.overlap)
         self.outer.synchronize(contribute)
+        if self._sparse is not None:
+            self._sparse.settle()
         self.outer.step(contribute=contribute)
         self.outer_steps += 1
         self.stats.outer_steps += 1
@@ -160,6 +183,8 @@ class DiLoCo:
             self._settled = self.outer.last_step
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
+            if self._sparse is not None:
+                self._sparse.codec.reset()  # the accumulator is this worker's own: it starts empty
         self._was_syncing = self.outer.syncing
 
     def _outer_step_overlapped(self, contribute: bool) -> None:
@@ -168,9 +193,10 @@ class DiLoCo:
                                                                              strict=True)]
         if self._in_flight is not None:  # the previous round's outer step: wait, then go on from it
             self._finish_in_flight()
-            with torch.no_grad():
-                for (_, g), (_, p), d in zip(self._global, self._local, progress, strict=True):
-                    p.copy_(g.detach() + d)
+            with torch.no_grad():  # sparse: the model also keeps what it has not sent
+                kept = self._sparse.codec.residuals() if self._sparse is not None else [None] * len(self._global)
+                for (_, g), (_, p), d, r in zip(self._global, self._local, progress, kept, strict=True):
+                    p.copy_(g.detach() + d if r is None else g.detach() - r + d)
         with torch.no_grad():
             for (_, g), d in zip(self._global, progress, strict=True):
                 g.grad = -d if contribute else torch.zeros_like(g)
@@ -203,8 +229,9 @@ class DiLoCo:
 
     def flush(self) -> None:
         """overlap=True: wait for the outer step in flight and go on from the global parameters
-        it made (the model is then exactly them, as without overlap). A no-op otherwise, and
-        when nothing is in flight."""
+        it made (the model is then exactly them, as without overlap; with sparse compression
+        less this worker's progress not yet sent). A no-op otherwise, and when nothing is in
+        flight."""
         if self._in_flight is None:
             return
         self._finish_in_flight()
@@ -213,8 +240,10 @@ class DiLoCo:
 
     def _to_model(self) -> None:
         with torch.no_grad():
-            for (_, g), (_, p) in zip(self._global, self._local, strict=True):
-                p.copy_(g)
+            # sparse: the model keeps its progress not yet sent (the global parameters stay alike)
+            kept = self._sparse.codec.residuals() if self._sparse is not None else [None] * len(self._global)
+            for (_, g), (_, p), r in zip(self._global, self._local, kept, strict=True):
+                p.copy_(g if r is None else g - r)
                 g.grad = None
 
     # ---- what the sampler and a joiner need (ElasticSampler.follow(opt), commit_from(opt)) --
@@ -282,6 +311,9 @@ class DiLoCo:
         self.outer.load_state_dict(state["outer"])
         self.inner.load_state_dict(state["inner"])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        if self._sparse is not None:  # a checkpoint holds no accumulator or scales: both start over, alike
+            self._sparse.codec.reset()
+            self._sparse.codec.rms.zero_()
         self._to_model()
 
     def __repr__(self) -> str:
