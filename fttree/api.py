@@ -25,12 +25,13 @@ from .core.buffers import BufferPool
 from .core.config import COMPRESSIONS, NONFINITE_POLICIES, Config
 from .core.dtypes import STEP_DTYPES, step_dtype
 from .core.faults import FaultKind, FaultSchedule
+from .core.reach import Reach
 from .core.reduce_ops import check_reduce, fill_identity
 from .core.timeouts import SLACK
 from .core.topology import check_rank
 from .core.view import View
 from .errors import ConfigError, FTTreeError, PeerError, StepAborted
-from .net.address import Address, parse_address, parse_peers
+from .net.address import Address, parse_address, parse_peers, reach_classes
 from .net.credentials import Credentials, Tls, check_exposure, http_token
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
@@ -255,7 +256,8 @@ class FTTreeAllreduce:
                            max_pending_handshakes=cfg.max_pending_handshakes,
                            receive_pool_bytes=cfg.receive_pool_bytes)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
-        self.node = Node(self.rank, View.initial(self.world), cfg, self.transport, scheduler, join=self.join,
+        reach = Reach.of(reach_classes(self._known))  # the trees place ranks behind NATs as leaves (core/reach.py)
+        self.node = Node(self.rank, View.initial(self.world, reach), cfg, self.transport, scheduler, join=self.join,
                          contact=self.contact)
         self.session = session = Session(self.node)
         self.monitor = Monitor(self.node, world=self.world)

@@ -45,8 +45,7 @@ def test_sites_are_checked_before_anything_is_built() -> None:
         parse_sites(["3", "3,4"], 5)
     with pytest.raises(ConfigError, match="at least one must be public"):
         parse_sites(["0,1"], 2)
-    with pytest.raises(ConfigError, match="relaying between them is not built yet"):
-        parse_sites(["3", "4"], 5)
+    assert parse_sites(["3", "4"], 5) == [[3], [4]]  # two sites: their ranks meet through a relay
 
 
 # One listener per given address and one dial per (from-rank, to-address): "ok" or the error.
@@ -133,6 +132,37 @@ def test_ranks_behind_a_nat_train_exactly_with_the_public_ones(world: int, site:
             assert rec.exact, f"rank {rank} step {step}\n{report}"
             assert list(rec.ranks) == list(range(world)), f"rank {rank} step {step}\n{report}"
             assert rec.epoch == 0, f"rank {rank} step {step}: a view change\n{report}"
+    assert not [n for n in our_networks() if n.startswith("fttreenat")], "a NAT network was left behind"
+
+
+@pytest.mark.usefixtures("root")
+@pytest.mark.parametrize(("sites", "relayed"), [([[3, 4], [5, 6]], False), ([[1, 2], [3, 4], [5, 6]], True)],
+                         ids=["public-0-1-2-sites-3-4-and-5-6", "public-0-only-three-sites"])
+def test_ranks_behind_different_nats_train_exactly_through_relays(sites: list[list[int]], relayed: bool,
+                                                                  key: Path, tmp_path: Path) -> None:
+    """Seven ranks, the sites' ranks unable to reach another site's: every step exact on every
+    rank with everybody in the sum, in view 0. With three public ranks the trees keep every
+    pair that cannot connect off the primary links, and almost nothing is relayed; with one,
+    the relay (rank 0) carries tensors, and the launch says how much."""
+    steps = 6
+    args = ["--steps", str(steps), "--size", str(MLP), "--auth-key-file", str(key), "--no-http",
+            "--step-timeout", "30"]
+    lines: list[str] = []
+    result = launch_behind_nat(sites, 7, args, steps=steps, launch_dir=tmp_path / "launch", deadline_s=240,
+                               echo=lines.append)
+    report = "\n".join(lines)
+    assert result.ok, report
+    assert result.all_exact(), report
+    for step in range(steps):
+        for rank, rec in result.records[step].items():
+            assert list(rec.ranks) == list(range(7)), f"rank {rank} step {step}\n{report}"
+            assert rec.epoch == 0, f"rank {rank} step {step}: a view change\n{report}"
+    per_step = result.relayed_per_step()
+    if relayed:
+        assert per_step > MLP * 4, report  # tensors pass the relay
+        assert any("relayed" in line for line in lines), report
+    else:
+        assert per_step < 64 * 1024, report  # backup-link metadata only
     assert not [n for n in our_networks() if n.startswith("fttreenat")], "a NAT network was left behind"
 
 

@@ -223,12 +223,14 @@ class FaultSchedule:
     """Decides, frame by frame, what the in-process fault layer does to traffic of a step."""
 
     def __init__(self, rules: list[FaultRule] | str | None = None, *, world: int | None = None,
-                 seed: int = 0, simulated: bool = False) -> None:
+                 seed: int = 0, simulated: bool = False, launcher: bool = False) -> None:
         """`simulated`: the schedule drives a simulation, which alone may start processes
         (restart, join) and make a training loop leave; elsewhere those are refused, naming
-        what to do instead."""
+        what to do instead. `launcher`: `fttree launch`, which restarts a rank it killed."""
         self.rules = parse(rules) if isinstance(rules, str) or rules is None else list(rules)
         for rule in self.rules:
+            if rule.kind is FaultKind.RESTART and launcher:
+                continue
             if rule.kind in SIMULATED_KINDS and not simulated:
                 raise ConfigError(f"fault {str(rule)!r} {SIMULATED_KINDS[rule.kind]}; only the simulator does "
                                   "it itself (fttree.testing.simulate)")

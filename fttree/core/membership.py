@@ -1042,7 +1042,7 @@ class Membership:
             return
         try:
             plan = unflatten_plan(value.plan)
-            view = View(value.epoch, value.members, value.pace, value.uplinks)
+            view = View(value.epoch, value.members, value.pace, value.uplinks, previous.reach)
         except ValueError:
             return  # a broken value: the change will time out and run again
         user_step = value.user_step

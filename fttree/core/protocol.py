@@ -68,7 +68,7 @@ from .shares import measured_rates, plan, tree_of_planned, uniform
 from .stragglers import CLOSE_AHEAD_STEPS, ZERO_DTYPES, close_at, data_dtype, identity_zeros
 from .timeouts import SLACK, Phase, TimeoutPolicy
 from .topology import Neighbours
-from .trees import tree_count, tree_of
+from .trees import tree_of
 from .view import View
 
 # Sum buffers the machine tracks for reuse (buffers.py): one per op this rank adds into, held
@@ -653,7 +653,7 @@ class TreeMachine:
     def _build_trees(self, view: View) -> tuple[_Tree, ...]:
         self._rates, self._bf16_up = self._follow_uplinks(view)
         family = self.cfg.trees
-        return tuple(_Tree.build(family, t, view, self.rank) for t in range(tree_count(family, view.size)))
+        return tuple(_Tree.build(family, t, view, self.rank) for t in range(view.tree_count(family)))
 
     def _follow_uplinks(self, view: View) -> tuple[tuple[float, ...] | None, bool]:
         """The members' uplinks the shares follow in `view` (None: even shares), and whether
@@ -665,7 +665,8 @@ class TreeMachine:
         else:
             rates = measured_rates([view.planned_uplink(r) for r in view.members])
             mine = view.uplink_of(self.rank) or self.cfg.uplink_bytes_per_s
-        if self.cfg.trees != "rotated" or rates is None or uniform(rates):
+        if self.cfg.trees != "rotated" or rates is None or uniform(rates) or view.reach:
+            # (the shares plan p trees that rotate everybody: reach.py)
             rates = None
         return rates, mine < self.cfg.bf16_uplinks_below
 
@@ -688,7 +689,7 @@ class TreeMachine:
         rates = self._rates_in(epoch)
         if rates is not None and chunks >= 2 and len(rates) >= 2:
             return tree_of_planned(plan(rates, chunks), chunk)
-        return tree_of(self.cfg.trees, chunk, chunks, self.view.size)
+        return tree_of(self.cfg.trees, chunk, chunks, self.view.size, self.view.turn(self.cfg.trees))
 
     def _t(self, op: _Op) -> _Tree:
         return self.trees[op.tree]

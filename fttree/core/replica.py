@@ -479,7 +479,8 @@ class Replica:
         if phase is Phase.ASKING and msg.answer == Answer.ADMITTED and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
-            self.admitted(View(msg.epoch, msg.members, msg.pace, msg.uplinks), msg.step, msg.user_step)
+            self.admitted(View(msg.epoch, msg.members, msg.pace, msg.uplinks, self.view.reach), msg.step,
+                          msg.user_step)
             self.life.on(Life.ADMITTED)
             for r in msg.members:
                 self.admission.incarnations.setdefault(r, 0)

@@ -18,6 +18,10 @@ the same epoch. A tree's order is a permutation of the view's slots that is O(1)
 (trees.base_slot), so a tree's view shares the member order and slot index of the view it came
 from and computes a rank's slot, neighbours and subtree when asked: the default family's p
 trees cost O(p) per worker, not p orders and p indexes of p members each (docs/scale.md).
+
+Where some members cannot be dialled (behind NATs), the view holds each rank's reachability
+(`reach`, from the peers file that every rank holds alike: reach.py) and places its members
+so that the public ones take the interior; the rotated trees rotate those only (`rotating`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from . import topology as topo
+from .reach import EVERYONE, Reach
 from .topology import Neighbours
-from .trees import base_slot, base_spans, check_tree, tree_order, tree_slot
+from .trees import base_slot, base_spans, check_tree, tree_count, tree_order, tree_slot
 
 
 @dataclass(frozen=True, slots=True, init=False, repr=False, eq=False, match_args=False)
@@ -46,8 +51,11 @@ class View:
     _tree: int
     _neighbours: dict[int, Neighbours]  # View.neighbours of the ranks asked (a worker asks of a few per tree)
     _trees: dict[tuple[str, int], View] | None  # View.tree, kept by tree 0 only
+    reach: Reach  # who can connect with whom; the members are placed by it (reach.py)
+    rotating: int  # the leading slots the rotated trees rotate (the public members'; all without reach)
 
-    def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0, uplinks: tuple[int, ...] = ()) -> None:
+    def __init__(self, epoch: int, members: tuple[int, ...], pace: int = 0, uplinks: tuple[int, ...] = (),
+                 reach: Reach = EVERYONE) -> None:
         if pace < 0:
             raise ConfigError(f"view {epoch} pace must not be negative, got {pace}")
         if not members:
@@ -57,6 +65,14 @@ class View:
         if uplinks and (len(uplinks) != len(members) or min(uplinks) < 0):
             raise ConfigError(f"view {epoch} uplinks {list(uplinks)} must be one rate >= 0 per member "
                               f"({len(members)})")
+        if reach:  # the public members first (reach.py); the uplinks follow their members
+            placed = reach.place(members)
+            if uplinks:
+                rate = dict(zip(members, uplinks, strict=True))
+                uplinks = tuple(rate[r] for r in placed)
+            members = placed
+        object.__setattr__(self, "reach", reach)
+        object.__setattr__(self, "rotating", reach.rotating(members))
         self._fill(epoch, pace, tuple(uplinks) if any(uplinks) else (), members,
                    {rank: slot for slot, rank in enumerate(members)}, "single", 0)
 
@@ -71,12 +87,16 @@ class View:
     @property
     def members(self) -> tuple[int, ...]:
         """members[slot] = rank; slot 0 is the root. Computed for a tree other than 0 (O(p))."""
-        return tree_order(self._family, self._tree, self._order)
+        return tree_order(self._family, self._tree, self._order, self.rotating)
 
     @classmethod
-    def initial(cls, world: int) -> View:
+    def initial(cls, world: int, reach: Reach = EVERYONE) -> View:
         topo.check_rank(0, world)
-        return cls(0, tuple(range(world)))
+        return cls(0, tuple(range(world)), reach=reach)
+
+    def tree_count(self, family: str) -> int:
+        """How many trees `family` builds over this view (trees.tree_count)."""
+        return tree_count(family, self.size, self.turn(family))
 
     @property
     def size(self) -> int:
@@ -88,7 +108,7 @@ class View:
 
     def _at(self, slot: int) -> int:
         """The rank in slot `slot` of this view's heap."""
-        return self._order[base_slot(self._family, self._tree, slot, len(self._order))]
+        return self._order[base_slot(self._family, self._tree, slot, len(self._order), self.rotating)]
 
     def __contains__(self, rank: object) -> bool:
         return rank in self._slot
@@ -97,7 +117,7 @@ class View:
         slot = self._slot.get(rank)
         if slot is None:
             raise ConfigError(f"rank {rank} is not a member of view {self.epoch} ({list(self.members)})")
-        return tree_slot(self._family, self._tree, slot, len(self._order))
+        return tree_slot(self._family, self._tree, slot, len(self._order), self.rotating)
 
     def neighbours(self, rank: int) -> Neighbours:
         """Parent, children, brother, uncle and nephews of `rank`, as ranks, kept once asked: the
@@ -128,14 +148,43 @@ class View:
         if self._trees is None:  # a tree of a tree: over this one's order, which is computed
             members = self.members
             uplinks = tuple(self.uplink_of(r) for r in members) if self.uplinks else ()
-            return View(self.epoch, members, self.pace, uplinks).tree(tree, family)
+            return View(self.epoch, members, self.pace, uplinks, self.reach).tree(tree, family)
         found = self._trees.get((family, tree))
         if found is None:
-            check_tree(family, tree, self.size)
+            check_tree(family, tree, self.size, self.turn(family))
             found = object.__new__(View)
-            found._fill(self.epoch, self.pace, self.uplinks, self._order, self._slot, family, tree)
+            if family == "rotated" and self.reach:
+                self._arranged(found, tree)
+            else:
+                object.__setattr__(found, "reach", self.reach)
+                object.__setattr__(found, "rotating", self.rotating)
+                found._fill(self.epoch, self.pace, self.uplinks, self._order, self._slot, family, tree)
             self._trees[(family, tree)] = found
         return found
+
+    def _arranged(self, found: View, tree: int) -> None:
+        """Rotated tree `tree` where some members cannot be dialled: the view's order rotated
+        by `tree`, arranged so that every parent reaches its children (Reach.arrange), else the
+        public prefix rotated. An order of its own: O(p) for each tree asked (reach.py)."""
+        turn = self.rotating
+        rotated = self._order[tree:] + self._order[:tree]
+        public = [r for r in rotated if r in self._slot and self._slot[r] < turn]  # (the placed order's prefix)
+        lead = [public[(i + tree) % turn] for i in range(turn)]  # and the public ranks' turns rotate too
+        swap = dict(zip(public, lead, strict=True))
+        rotated = tuple(swap.get(r, r) for r in rotated)
+        fallback = self._order[tree % turn:turn] + self._order[:tree % turn] + self._order[turn:]
+        order = self.reach.arrange(rotated) or fallback
+        uplinks = tuple(self.uplink_of(r) for r in order) if self.uplinks else ()
+        object.__setattr__(found, "reach", self.reach)
+        object.__setattr__(found, "rotating", len(order))
+        found._fill(self.epoch, self.pace, uplinks, order, {r: s for s, r in enumerate(order)}, "single", 0)
+        object.__setattr__(found, "_trees", None)  # (a tree of it is built over its members)
+
+    def turn(self, family: str) -> int | None:
+        """The leading slots `family`'s trees permute (trees.py's `rotating`): the public members'
+        for the double tree; every slot for the rotated trees (where some members cannot be
+        dialled, each arranges its own order instead: `tree`)."""
+        return self.rotating if family == "double" else None
 
     def without(self, dead: Iterable[int], epoch: int) -> View:
         """The next view: `dead` removed, each hole filled by the member in the last slot (a heap
@@ -150,7 +199,8 @@ class View:
                     members[slot] = last
                 continue  # the member moved here may be gone too
             slot += 1
-        return View(epoch, tuple(members), self.pace, tuple(self.uplink_of(r) for r in members) if self.uplinks else ())
+        return View(epoch, tuple(members), self.pace, tuple(self.uplink_of(r) for r in members) if self.uplinks else (),
+                    self.reach)
 
     def uplink_of(self, rank: int) -> int:
         """`rank`'s measured uplink as the view holds it, bytes per second (0: not known)."""
@@ -168,7 +218,7 @@ class View:
         """Every rank in the subtree rooted at `rank`, itself included."""
         size, order = self.size, self._order
         return frozenset(r for span in topo.subtree_spans(self.slot_of(rank), size)
-                         for part in base_spans(self._family, self._tree, span, size)
+                         for part in base_spans(self._family, self._tree, span, size, self.rotating)
                          for r in order[part.start:part.stop])
 
     def __eq__(self, other: object) -> bool:

@@ -5,14 +5,14 @@ listed as `-`: it listens nowhere, dials every rank it can, and they send to it 
 connections it opened (tcp.py). A rank that only the ranks of its own site can dial (behind
 the same NAT) is listed as `host:port behind SITE`: its site-mates dial it at host:port (an
 address of the site's own network), everyone else as for `-`. Two ranks neither of which can
-dial the other (two `-`, or two sites) cannot be connected yet: that needs a relay.
+dial the other (two `-`, or two sites) exchange frames through a rank both reach (relay.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -77,6 +77,12 @@ def parse_peers(lines: list[str]) -> list[Address]:
             raise ConfigError(f"ranks {seen[addr]} and {rank} share the address {addr}: each rank needs its own")
         seen[addr] = rank
     return peers
+
+
+def reach_classes(addresses: Mapping[int, Address]) -> dict[int, str]:
+    """Each rank's reachability class for the trees (core/reach.py): "" for a public address,
+    its site for one behind a site, "-" for a rank nobody can dial."""
+    return {r: (UNLISTED if not a.listed else a.behind) for r, a in addresses.items() if r >= 0}
 
 
 def is_ip(host: str) -> bool:

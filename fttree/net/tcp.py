@@ -16,7 +16,9 @@ send; the dialled rank never dials back: once such a connection has proven the k
 (handshake.py), its own channel of that kind to the dialler writes on it (`_Channel.adopt`), with
 the same budget, stall detection and acknowledgement counters as a connection it dialled, and
 the dialler reads frames on it (`_Channel._receive`). A pair neither of which can dial the other
-is refused by name at the start (no relay yet).
+exchanges its frames through a relay, a rank both can reach (relay.py); the hooks here are
+`send`, `deliver`, `link_state` and `wait_for_peers`, and a channel writes an envelope
+(relay.Relayed) as it would a frame.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
+from .relay import Relayed, Relays, is_envelope
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import (
     FAST_RTO_MIN_S,
@@ -293,10 +296,10 @@ class _Channel:
         """The frame's buffers, counted as sent; none, counted as dropped, if its op has
         finished here (a frame queued meanwhile, or sent late by the fault layer's delay)."""
         stats = self.t.stats[self.peer]
-        if self.t.events.is_stale(msg):
+        if self.t.is_stale(msg):
             stats.stale_dropped += 1
             return []
-        bufs = encode(msg)
+        bufs = msg.bufs() if isinstance(msg, Relayed) else encode(msg)
         stats.frames_sent += 1
         stats.bytes_sent += sum(len(buf) for buf in bufs)
         return bufs
@@ -484,7 +487,7 @@ class _Channel:
         self.connected.clear()
 
     def _drop_stale(self) -> None:
-        kept = deque(m for m in self.queue if not self.t.events.is_stale(m))
+        kept = deque(m for m in self.queue if not self.t.is_stale(m))
         self.t.stats[self.peer].stale_dropped += len(self.queue) - len(kept)
         self.queue = kept
         self.queued_bytes = sum(len(m.payload) for m in kept if m.payload is not None)
@@ -784,6 +787,7 @@ class TcpTransport:
         self._sampler: asyncio.Task[None] | None = None
         self._work = asyncio.Event()  # set while anything is queued or unacknowledged
         self._loop: asyncio.AbstractEventLoop | None = None  # the one this transport runs on (clock)
+        self.relays = Relays(self)  # frames to and for ranks this one cannot connect with (relay.py)
 
     def clock(self) -> float:
         """The event loop's clock: what LinkState.lost_at and the stall times are measured on."""
@@ -881,7 +885,7 @@ class TcpTransport:
         return max(retransmit_timeout_s(c) for c in counters)
 
     def link_state(self, peer: int) -> LinkState:
-        link = self._out.get(peer)
+        link = self._out.get(self._relay_for(peer))
         return LinkState() if link is None else link.state()
 
     def bind(self, events: TransportEvents) -> None:
@@ -894,6 +898,9 @@ class TcpTransport:
         return self._events
 
     async def start(self) -> None:
+        stuck = [p for p in self.addresses if self.relays.needed(p) and not self.relays.candidates(p)]
+        if stuck:  # no frame could ever pass between them: named now, not at a deadline
+            raise PeerError("; ".join(self.relays.why_not(p) for p in stuck), peers=tuple(stuck))
         if not self.me.listed:  # nobody can dial this rank: it listens nowhere and dials every rank it can
             _LIVE.add(self)
             for peer in list(self.addresses):
@@ -930,12 +937,18 @@ class TcpTransport:
         if addr is None or addr.dialable_from(self.me):
             return ""
         if not self.me.dialable_from(addr):
-            return (f"rank {self.rank} ({self.me}) and rank {peer} ({addr}) cannot connect: neither can dial the "
-                    f"other, and relays between NATs are not built yet")
+            relay = self.relays.via(peer)
+            if relay is None:
+                return self.relays.why_not(peer)
+            return f"rank {self.rank} ({self.me}) and rank {peer} ({addr}) cannot connect: relayed through rank {relay}"
         return f"rank {peer} ({addr}) cannot be dialled from here: waiting for it to dial in"
 
     def deliver(self, src: int, head: bytes, payload: bytearray | memoryview | None) -> None:
-        """A whole frame from `src` on one of its proven connections (either direction)."""
+        """A whole frame from `src` on one of its proven connections (either direction), or
+        relayed for `src` (relay.py)."""
+        if is_envelope(head):
+            self.relays.receive(src, head, payload)
+            return
         msg = decode_header(head, payload)
         if msg.src != src:
             raise FrameError(f"frame says it is from rank {msg.src} on rank {src}'s connection")
@@ -983,15 +996,44 @@ class TcpTransport:
         return link
 
     def send(self, dst: int, msg: Frame) -> None:
-        """Queue a frame for `dst`; never blocks."""
+        """Queue a frame for `dst`; never blocks. A rank this one cannot connect with gets it
+        through a relay."""
+        if self.relays.needed(dst):
+            self.relays.send(dst, msg)
+            return
         self._link(dst).push(msg)
+
+    # ---- what the relays need (relay.RelayHost) ---------------------------------------------
+
+    def push(self, dst: int, msg: Frame) -> None:
+        """Queue `msg` on the connections to `dst` itself (an envelope for a relay, or from one)."""
+        self._link(dst).push(msg)
+
+    def link_up(self, peer: int) -> bool:
+        """Is the control connection to `peer` up and not stalled?"""
+        link = self._out.get(peer)
+        return link is not None and link.control.writer is not None and not link.control.stalled
+
+    def is_stale(self, msg: Frame) -> bool:
+        """May a queued frame go unsent? An envelope of this rank's own frame if the frame may;
+        one carried for others never (the relay's node knows nothing of their steps)."""
+        if isinstance(msg, Relayed):
+            return msg.inner is not None and self.events.is_stale(msg.inner)
+        return self.events.is_stale(msg)
+
+    def _relay_for(self, peer: int) -> int:
+        """The rank whose connection carries frames to `peer` (itself, unless it needs a relay)."""
+        if not self.relays.needed(peer):
+            return peer
+        relay = self.relays.via(peer)
+        return peer if relay is None else relay
 
     def backlog_bytes(self, dst: int | None = None) -> int:
         """Bytes queued or on a connection and not yet acknowledged by the peer (of every link:
         those whose connection stalled excepted, as they hold nothing else up)."""
         if dst is None:
             return sum(ch.pending() for link in self._out.values() for ch in link.channels if not ch.stalled)
-        link = self._out.get(dst)
+        link = self._out.get(self._relay_for(dst))
         return 0 if link is None else link.backlog_bytes()
 
     def link_health(self, peer: int) -> LinkHealth:
@@ -1007,23 +1049,28 @@ class TcpTransport:
                 peer=peer, connected=None if out is None else writer is not None,
                 frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
-                adopted=st.adopted, errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer)))
+                adopted=st.adopted, errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer),
+                relay=self._relay_for(peer) if self.relays.needed(peer) else -1))
+        relayed = self.relays.counters
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
                                frame_errors=self.frame_errors, last_frame_error=self.last_frame_error,
-                               refusals=self.refusals)
+                               refusals=self.refusals, relayed_sent_bytes=relayed.sent_bytes,
+                               relayed_forwarded_bytes=relayed.forwarded_bytes,
+                               relayed_received_bytes=relayed.received_bytes, relay_drops=relayed.dropped)
 
     async def wait_for_peers(self, peers: Sequence[int], deadline_s: float) -> None:
         """Connect to each peer, or raise PeerError naming those still unreachable. A peer that
-        cannot be dialled from here is waited for to dial in; a pair in which neither can dial
-        the other is named at once."""
-        stuck = [p for p in peers if (a := self.addresses.get(p)) is not None and not a.dialable_from(self.me)
-                 and not self.me.dialable_from(a)]
+        cannot be dialled from here is waited for to dial in; one neither side can dial is
+        reached once one of its relays is (relay.py), and named at once if it has none."""
+        stuck = [p for p in peers if self.relays.needed(p) and not self.relays.candidates(p)]
         if stuck:
-            raise PeerError("; ".join(self.undialable(p) for p in stuck) + " (issue 40: a relay through a reachable "
-                            "member is to come; until then give one of each such pair an address the other can dial)",
-                            peers=tuple(stuck))
-        links = {p: self._link(p) for p in peers}
-        waits = {p: asyncio.ensure_future(link.connected.wait()) for p, link in links.items()}
+            raise PeerError("; ".join(self.relays.why_not(p) for p in stuck), peers=tuple(stuck))
+        links = {p: self._link(p) for p in peers if not self.relays.needed(p)}
+        waits: dict[int, asyncio.Future[Any]] = {p: asyncio.ensure_future(link.connected.wait())
+                                                 for p, link in links.items()}
+        # a rank reached through a relay: connected once any of its relays is
+        waits.update((p, asyncio.ensure_future(self._any_connected(self.relays.candidates(p))))
+                     for p in peers if self.relays.needed(p))
         if not waits:
             return
         _done, pending = await asyncio.wait(waits.values(), timeout=deadline_s)
@@ -1031,10 +1078,25 @@ class TcpTransport:
             fut.cancel()
         missing = [p for p, fut in waits.items() if fut in pending]
         if missing:
-            detail = "; ".join(f"rank {p} at {self.addresses[p]} ({self.stats[p].last_error or 'no answer'})"
+            detail = "; ".join(self._relays_missing(p) if self.relays.needed(p) else
+                               f"rank {p} at {self.addresses[p]} ({self.stats[p].last_error or 'no answer'})"
                                for p in missing)
             raise PeerError(f"rank {self.rank} could not reach peers within {deadline_s:g} s: {detail}",
                             peers=tuple(missing))
+
+    async def _any_connected(self, relays: Sequence[int]) -> None:
+        """Until one of `relays` is connected (a rank reached through them can be sent to)."""
+        waits = [asyncio.ensure_future(self._link(r).connected.wait()) for r in relays]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _relays_missing(self, peer: int) -> str:
+        relays = self.relays.candidates(peer)
+        why = "; ".join(f"rank {r}: {self.stats[r].last_error or 'no answer'}" for r in relays if r in self.stats)
+        return f"rank {peer} at {self.addresses[peer]} through a relay (none of ranks {list(relays)} connected: {why})"
 
     async def close(self, flush_s: float = 2.0, *, abort: bool = False) -> None:
         """Stop, first giving what is queued or unacknowledged time to reach the peers (a peer

@@ -54,6 +54,7 @@ class LinkStatus:
     errors: int = 0  # connections that broke and were redialled
     last_error: str = ""
     rtt_s: float | None = None  # the kernel's smoothed round-trip time, where there is one
+    relay: int = -1  # the rank that relays frames to this peer (they cannot connect: relay.py); -1: direct
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +66,12 @@ class TransportStatus:
     refusals: int = 0  # connections refused at the handshake (another job, no key, a wrong rank)
     last_frame_error: str = ""
     faults: str = ""  # the in-process fault schedule in force ("" for none)
+    # through relays (relay.py), in bytes of envelopes: this rank's frames sent through one,
+    # those it carried for two other ranks, those it received through one; envelopes dropped
+    relayed_sent_bytes: int = 0
+    relayed_forwarded_bytes: int = 0
+    relayed_received_bytes: int = 0
+    relay_drops: int = 0
 
     def link(self, peer: int) -> LinkStatus:
         for status in self.links:

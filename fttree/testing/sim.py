@@ -25,6 +25,7 @@ from ..core.config import Config
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..core.lifecycle import Phase
 from ..core.protocol import Note, TreeMachine
+from ..core.reach import EVERYONE, Reach
 from ..core.view import View
 from ..errors import ConfigError, PeerError
 from ..net.faulty import FaultyTransport
@@ -66,8 +67,13 @@ class SimNetwork:
     def __init__(self, world: int, *, config: Config | None = None, latency_s: float = 0.001,
                  jitter_s: float = 0.0, duplicate_p: float = 0.0, seed: int = 0, wire: bool = True,
                  faults: FaultSchedule | str | None = None, uplink: float | Mapping[int, float] | None = None,
-                 loss: float = 0.0, fifo: bool = False, **settings: Any) -> None:
+                 loss: float = 0.0, fifo: bool = False, reach: Reach = EVERYONE, **settings: Any) -> None:
+        """`reach`: which ranks can connect (core/reach.py). The views place the members by it,
+        as workers do from their peers file, and a pair that cannot connect is a link that is
+        always down here (the simulator has no relays: what a relay carries over TCP, the
+        protocol carries around the link here)."""
         self.world = world
+        self.reach = reach
         self.config = Config.build(config, **settings)
         self.clock = SimClock()
         self.wire: MemoryNetwork | ShapedNetwork
@@ -79,7 +85,7 @@ class SimNetwork:
                                       seed=seed, wire=wire, fifo=fifo)
         self.faults = (faults if isinstance(faults, FaultSchedule)
                        else FaultSchedule(faults, world=world, seed=seed, simulated=True))
-        view = View.initial(world)
+        view = View.initial(world, reach)
         self.nodes: list[Node] = []
         self.notes: list[tuple[int, Note]] = []
         self.results: dict[tuple[int, int], Outcome] = {}
@@ -97,6 +103,9 @@ class SimNetwork:
         self.leaves = {r.a: r.first_step or 0 for r in self.faults.node_faults() if r.kind is FaultKind.LEAVE}
         # (rank, its new process, None or the error that kept it out) once a restart or join is settled
         self.process_listeners: list[Callable[[int, Node, PeerError | None], None]] = []
+        for a, b in itertools.combinations(range(world), 2):
+            if not reach.can_connect(a, b):
+                self.cut(a, b)
         end = self.config.startup_timeout_s
         for rank in range(world):  # the first start: each asks the others whether a group runs
             node = self._new_process(rank, view)
@@ -157,7 +166,7 @@ class SimNetwork:
         admitted; `on_admitted(node, None)` once it is in the group, or with the error that
         kept it out. Nothing of it is left out: the same Node code as over TCP, on timers."""
         joining = rank >= self.world
-        node = self._new_process(rank, View.initial(max(self.world, rank + 1)), join=joining)
+        node = self._new_process(rank, View.initial(max(self.world, rank + 1), self.reach), join=joining)
         end = self.clock.now() + self.config.startup_timeout_s
         found = functools.partial(self._answered, node, end, on_admitted, True)
         if joining:

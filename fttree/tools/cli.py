@@ -278,7 +278,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     from .nodefaults import link_schedule_text, node_faults
 
     try:
-        schedule = FaultSchedule(faults, world=world)  # fail fast on a bad schedule, before spawning
+        schedule = FaultSchedule(faults, world=world, launcher=True)  # fail fast on a bad schedule, before spawning
         node_faults(schedule, steps)
     except FTTreeError as exc:
         raise click.BadParameter(str(exc), param_hint="--faults") from None

@@ -57,9 +57,17 @@ class StepRecord:
     digest: str = ""  # crc32 of the result: equal on every worker of a step, or something is wrong
     error_kind: str = ""  # the exception's class: StepAborted, GroupLeft, StepRetry, ...
     retries: int = 0  # times the step was run again after a StepRetry (on_node_failure="rollback")
+    relayed_bytes: int = 0  # envelope bytes this rank sent or carried through relays so far (net/relay.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def relayed_bytes(ar: FTTreeAllreduce) -> int:
+    """What this rank sent and carried through relays so far (read off the counters: building
+    the transport's status after every step costs more than a small step's send)."""
+    relays = getattr(getattr(ar.transport, "inner", None), "relays", None)
+    return 0 if relays is None else int(relays.counters.sent_bytes + relays.counters.forwarded_bytes)
 
 
 class StepNotes:
@@ -123,5 +131,5 @@ def run_steps(ar: FTTreeAllreduce, steps: int, size: int,
             exact = bool(np.array_equal(res.data, sum_of(ranks, step, size)))
             yield StepRecord(rank=ar.rank, step=step, duration_s=duration, exact=exact, contributors=len(ranks),
                              events=notes.pop(step), ranks=ranks, epoch=res.epoch, members=list(ar.view.members),
-                             digest=digest(res.data), retries=retries)
+                             digest=digest(res.data), retries=retries, relayed_bytes=relayed_bytes(ar))
             break

@@ -3,6 +3,7 @@ demo job; their per-step JSON lines are gathered into one table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -85,6 +86,28 @@ class LaunchResult:
         """Slowest counted worker's time for a step: when the step was done everywhere it counts."""
         recs = self.counted(step) or self.records[step]
         return max(r.duration_s for r in recs.values())
+
+    def back_at(self, rank: int) -> int | None:
+        """The first step after `rank` was killed whose sum (as the others report it) has it
+        among the contributors again: a restarted rank rejoined there."""
+        out = self.struck_at(rank)
+        if out is None:
+            return None
+        for step in sorted(s for s in self.records if s > out):
+            others = [rec for r, rec in self.records[step].items() if r != rank and not rec.error]
+            if others and all(rank in rec.ranks for rec in others):
+                return step
+        return None
+
+    def relayed_per_step(self) -> float:
+        """Envelope bytes sent and carried through relays per step, over all ranks, from step
+        1 (the first step's includes the start's membership frames) to each rank's last."""
+        steps = sorted(self.records)
+        if len(steps) < 2:
+            return 0.0
+        first, last = self.records[steps[0]], self.records[steps[-1]]
+        total = sum(rec.relayed_bytes - first[r].relayed_bytes for r, rec in last.items() if r in first)
+        return total / (len(steps) - 1)
 
     def all_exact(self) -> bool:
         """Every rank that counts reported every step, exactly."""
@@ -195,7 +218,8 @@ class _Table:
     def _line(self, step: int, note: str = "") -> None:
         recs = {r: rec for r, rec in self.result.records[step].items() if r in self._waiting_for(step)} \
             or self.result.records[step]
-        struck = [f"rank {f.rank} {'killed' if f.kind is FaultKind.CRASH else 'stopped'} ({f.rule})"
+        done = {FaultKind.CRASH: "killed", FaultKind.HANG: "stopped", FaultKind.RESTART: "restarted"}
+        struck = [f"rank {f.rank} {done.get(f.kind, f.kind.value)} ({f.rule})"
                   for f in self.result.node_faults if f.first == step]
         self.echo(format_step(step, recs, self.result.world, previous_epoch=self.epoch, struck=struck) + note)
         self.epoch = max([self.epoch, *(r.epoch for r in recs.values() if not r.error)])
@@ -271,10 +295,14 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
     peers_file.write_text("\n".join(peers) + "\n")
     echo(f"launching {n} workers ({peers[0]} .. {peers[-1]}), peers in {peers_file}")
     for f in driver.faults:
+        if f.kind is FaultKind.RESTART:
+            echo(f"node fault: {f.rule}: a new process of rank {f.rank} once the others finished step {f.first - 1}")
+            continue
         echo(f"node fault: {f.rule}: {f.signal_name} of rank {f.rank}'s process when it reaches step {f.first}"
              + (f", SIGCONT once the others finished step {f.last}" if f.kind is FaultKind.HANG else ""))
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     procs: dict[int, subprocess.Popen[str]] = {}
+    old_procs: list[subprocess.Popen[str]] = []  # processes a restart replaced (ended with the others)
     result = LaunchResult(world=n, steps=steps, node_faults=list(driver.faults), rules=list(schedule.rules))
     stderr_lines: dict[int, list[str]] = defaultdict(list)
     table = _Table(result, driver, echo)
@@ -283,28 +311,45 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.put((rank, line))
-        lines.put((rank, None))
+        lines.put((-1 - proc.pid, None))  # this process's output ended (a rank may have had two)
 
     def pump_err(rank: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stderr is not None
-        with open(workdir / f"worker-{rank}.log", "w") as log:
+        name = f"worker-{rank}-restarted.log" if rank in restarted else f"worker-{rank}.log"
+        with open(workdir / name, "w") as log:
             for line in proc.stderr:
                 log.write(line)
                 stderr_lines[rank].append(line.rstrip())
                 del stderr_lines[rank][:-20]
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    open_streams: set[int] = set()  # pids whose output is still open
+    restarted: set[int] = set()
+
+    def start(rank: int, gates: bool = True) -> subprocess.Popen[str]:
+        """Start rank `rank`'s worker; a restart's new process (gates=False) finds the running
+        group by itself and joins it, through its NAT where it is behind one."""
+        cmd = [*prefix, *(rank_prefix(rank) if rank_prefix is not None else ()),
+               *worker_command(rank, peers_file, [*worker_args, *(driver.worker_args(rank) if gates else [])],
+                               verbose)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        open_streams.add(proc.pid)
+        threading.Thread(target=pump, args=(rank, proc), daemon=True).start()
+        threading.Thread(target=pump_err, args=(rank, proc), daemon=True).start()
+        return proc
+
+    def restart(rank: int) -> subprocess.Popen[str]:
+        restarted.add(rank)
+        old_procs.append(procs[rank])
+        procs[rank] = start(rank, gates=False)
+        return procs[rank]
+
+    driver.spawn = restart
     try:
         for rank in range(n):
-            cmd = [*prefix, *(rank_prefix(rank) if rank_prefix is not None else ()),
-                   *worker_command(rank, peers_file, [*worker_args, *driver.worker_args(rank)], verbose)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True)
-            procs[rank] = proc
-            threading.Thread(target=pump, args=(rank, proc), daemon=True).start()
-            threading.Thread(target=pump_err, args=(rank, proc), daemon=True).start()
+            procs[rank] = start(rank)
         driver.start(procs)
-        open_streams = set(procs)
         end = time.monotonic() + deadline_s
         while open_streams:
             if time.monotonic() > end:
@@ -316,7 +361,7 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                 table.flush()
                 continue
             if line is None:
-                open_streams.discard(rank)
+                open_streams.discard(-1 - rank)
                 continue
             try:
                 rec = StepRecord(**json.loads(line))
@@ -329,7 +374,7 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
         table.finish()
     finally:
         driver.close()  # continue stopped victims first: a stopped process cannot even handle SIGTERM
-        for proc in procs.values():
+        for proc in [*procs.values(), *old_procs]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         for rank, proc in procs.items():
@@ -338,9 +383,16 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 result.exit_codes[rank] = proc.wait()
+        for proc in old_procs:  # killed by fault injection: reaped here
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
     if driver.error is not None:
         echo(f"node fault injection failed: {driver.error}")
     result.fates = {r: fate for r in range(n) if (fate := driver.fate(r)) is not None}
+    for rank in sorted(restarted):
+        back = result.back_at(rank)
+        echo(f"rank {rank} restarted: " + (f"among the contributors again from step {back}" if back is not None
+                                           else "never among the contributors again"))
     _explain_exits(result, stderr_lines, echo)
     if result.records:
         survivors = result.survivors
@@ -351,4 +403,8 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                  f"max {max(times) * 1000:.1f} ms; all exact: {'yes' if result.all_exact() else 'NO'}"
                  + ("" if result.agree() else "; RESULTS DIFFER between members")
                  + "".join(f"; rank {r} left out of the group in step {s}" for r, s in result.departures()[:5]))
+        relayed = result.relayed_per_step()
+        if relayed:
+            echo(f"relayed (ranks that cannot connect, net/relay.py): {relayed:,.0f} bytes a step, sent and "
+                 f"carried, all ranks together (from step 1)")
     return result

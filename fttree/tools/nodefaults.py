@@ -95,22 +95,32 @@ class NodeFault:
     have finished step `last`."""
 
     rank: int
-    kind: FaultKind  # CRASH or HANG
+    kind: FaultKind  # CRASH, HANG, or RESTART (a new process of a rank killed before)
     first: int
     last: int
     rule: str
 
     @property
     def signal_name(self) -> str:
+        if self.kind is FaultKind.RESTART:
+            return "a new process"
         return "SIGKILL" if self.kind is FaultKind.CRASH else "SIGSTOP"
 
 
 def node_faults(schedule: FaultSchedule, steps: int) -> list[NodeFault]:
     """The schedule's crash and hang rules as faults to carry out in a run of `steps` steps."""
     out: list[NodeFault] = []
+    restarts: list[NodeFault] = []
     seen: dict[int, str] = {}
     for rule in schedule.node_faults():
         assert rule.first_step is not None  # the parser insists on @S for node faults
+        if rule.kind is FaultKind.RESTART:
+            if rule.first_step >= steps:
+                raise ConfigError(f"fault {str(rule)!r} starts at step {rule.first_step}, but the run has only "
+                                  f"{steps} steps (0..{steps - 1})")
+            restarts.append(NodeFault(rank=rule.a, kind=rule.kind, first=rule.first_step, last=rule.first_step,
+                                      rule=str(rule)))
+            continue
         if rule.a in seen:
             raise ConfigError(f"faults {seen[rule.a]!r} and {str(rule)!r} both strike rank {rule.a}: a process can "
                               f"be killed or stopped once per run")
@@ -121,12 +131,20 @@ def node_faults(schedule: FaultSchedule, steps: int) -> list[NodeFault]:
         last = rule.first_step if rule.kind is FaultKind.CRASH else min(
             steps - 1, rule.last_step if rule.last_step is not None else steps - 1)
         out.append(NodeFault(rank=rule.a, kind=rule.kind, first=rule.first_step, last=last, rule=str(rule)))
-    return sorted(out, key=lambda f: (f.first, f.rank))
+    if len({f.rank for f in restarts}) < len(restarts):
+        raise ConfigError("a rank is restarted once per run")
+    for f in restarts:  # (the crash may come after the restart in the schedule's text)
+        crash = next((c for c in out if c.rank == f.rank and c.kind is FaultKind.CRASH), None)
+        if crash is None or crash.first >= f.first:
+            raise ConfigError(f"fault {f.rule!r} restarts rank {f.rank}, which no earlier crash kills (write "
+                              f"'crash {f.rank} @S; restart {f.rank} @T' with S < T)")
+    return sorted(out + restarts, key=lambda f: (f.first, f.rank))
 
 
 def link_rules(schedule: FaultSchedule) -> list[FaultRule]:
-    """The rules the workers' in-process fault layer (or the firewall) applies: all but crash and hang."""
-    kinds = {FaultKind.CRASH, FaultKind.HANG}
+    """The rules the workers' in-process fault layer (or the firewall) applies: all but crash, hang
+    and restart."""
+    kinds = {FaultKind.CRASH, FaultKind.HANG, FaultKind.RESTART}
     return [r for r in schedule.rules if r.kind not in kinds]
 
 
@@ -168,13 +186,15 @@ class NodeFaultDriver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fttree-node-faults", daemon=True)
+        # starts a new process of a rank (a restart), set by the launcher that starts the workers
+        self.spawn: Callable[[int], subprocess.Popen[str]] | None = None
         self._closed = False
 
     def __bool__(self) -> bool:
         return bool(self.faults)
 
     def gate_steps(self, rank: int) -> list[int]:
-        return [f.first for f in self.faults if f.rank == rank]
+        return [f.first for f in self.faults if f.rank == rank and f.kind is not FaultKind.RESTART]
 
     def worker_args(self, rank: int) -> list[str]:
         """The gate flags of one worker (none for a rank no fault strikes)."""
@@ -197,9 +217,10 @@ class NodeFaultDriver:
             self._reported.setdefault(step, set()).add(rank)
 
     def absent(self, step: int) -> set[int]:
-        """Ranks that will not report `step` in time: killed at or before it, or hung from it on
-        (a hung rank reports its steps only when continued, after the others)."""
-        return {f.rank for f in self.faults if f.first <= step}
+        """Ranks that will not report `step` in time: killed at or before it (a restarted one
+        reports the steps after it is admitted, not counted), or hung from it on (a hung rank
+        reports its steps only when continued, after the others)."""
+        return {f.rank for f in self.faults if f.first <= step and f.kind is not FaultKind.RESTART}
 
     def gone_now(self) -> set[int]:
         """Ranks dead or stopped right now (nobody should wait for them at a gate)."""
@@ -214,6 +235,8 @@ class NodeFaultDriver:
         if fired is None:
             return None
         f = fired.fault
+        if f.kind is FaultKind.RESTART:
+            return f"killed and restarted by fault injection ({f.rule}): pid {fired.pid} started before step {f.first}"
         if f.kind is FaultKind.CRASH:
             return f"killed by fault injection ({f.rule}): SIGKILL of pid {fired.pid} before step {f.first}"
         resumed = (f"SIGCONT after the others finished step {f.last}" if fired.resumed_at is not None
@@ -226,7 +249,8 @@ class NodeFaultDriver:
         """Ranks whose reports the victim's signal waits for: all but the victim and the ranks
         already killed or stopped (they report nothing)."""
         gone = {r for r, fired in self.fired.items() if fired.fault.kind is FaultKind.CRASH or fired.resumed_at is None}
-        return set(range(self.world)) - gone - {victim}
+        restarted = {f.rank for f in self.faults if f.kind is FaultKind.RESTART}  # reports only once admitted
+        return set(range(self.world)) - gone - restarted - {victim}
 
     def _reported_by(self, step: int, ranks: Iterable[int]) -> bool:
         return step < 0 or set(ranks) <= self._reported.get(step, set())
@@ -243,7 +267,10 @@ class NodeFaultDriver:
         try:
             while (pending or self._stopped_hangs()) and not self._stop.wait(GATE_POLL_S):
                 for f in list(pending):
-                    if not (self.gate_dir / f"{NODE_TAG}ready-{f.first}-{f.rank}").exists():
+                    if f.kind is FaultKind.RESTART:  # its process is dead: no gate, only the others' steps
+                        if f.rank not in self.fired:
+                            continue
+                    elif not (self.gate_dir / f"{NODE_TAG}ready-{f.first}-{f.rank}").exists():
                         continue
                     with self._lock:
                         if not self._reported_by(f.first - 1, self._live_others(f.rank)):
@@ -266,6 +293,16 @@ class NodeFaultDriver:
                     if fired.fault.kind is FaultKind.HANG and fired.resumed_at is None]
 
     def _fire(self, f: NodeFault) -> None:
+        if f.kind is FaultKind.RESTART:
+            if self.spawn is None:
+                raise RealFaultError(f"{f.rule}: this launcher cannot start processes")
+            proc = self.spawn(f.rank)
+            with self._lock:
+                self._procs[f.rank] = proc
+                self.fired[f.rank] = Fired(fault=f, pid=proc.pid, at=time.monotonic())
+            self.echo(f"fault injection: restarted rank {f.rank} (pid {proc.pid}) after the others finished step "
+                      f"{f.first - 1} ({f.rule})")
+            return
         if f.kind is FaultKind.CRASH:
             pid = self._signal(f.rank, signal.SIGKILL)
         else:
