@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,26 +151,29 @@ def test_the_checks_keep_a_window_not_every_step() -> None:
 
 
 def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
-    """5 workers (a small MLP), 20 s fault-free and 20 s under a fault every 2 s of stops,
-    stragglers, and (as root) cuts and loss bursts: the run passes every check (same digests,
-    same contributors, every epoch once, no hang, flat RSS) and its last line is the goodput.
-    Kills and leaves are left out here: their joins meet a known audit fault (see
-    docs/chaos.md). Deadlines are the command's own, every wait naming what it waited for; the
-    test's is a backstop."""
+    """5 workers (a small MLP), 20 s fault-free and 20 s under a fault every 2 s: stragglers,
+    and as root cuts and loss bursts of random links. The run passes every check (same digests,
+    same contributors, every epoch once, no hang, flat RSS), its last line is the goodput, and
+    the records show the faults were felt. Kills, long stops and leaves are left out: a rank
+    that dies between its last committed step and the epoch audit is missing from that audit
+    (docs/chaos.md, "Known faults it finds"), which would fail this test by chance. Deadlines
+    are the command's own, every wait naming what it waited for; the test's is a backstop."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     keep = tmp_path / "records"
     proc = subprocess.run([sys.executable, "-m", "fttree", "chaos", "-n", "5", "--duration", "20",
-                           "--fault-every", "2", "--seed", "4", "--hidden", "32", "--kinds", "stop,straggler,cut,loss",
+                           "--fault-every", "2", "--seed", "4", "--hidden", "32", "--kinds", "straggler,cut,loss",
                            "--keep", str(keep)],
                           env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("goodput "), out
-    assert float(last.split()[1]) > 0, out
-    steps = [json.loads(line) for path in sorted((keep / "chaos").glob("rank-*-*.jsonl"))
-             for line in path.read_text().splitlines()]
-    stopped = [r for r in steps if r["kind"] == "step" and len(r["contributors"]) < 5]
-    assert {r["kind"] for r in steps} >= {"start", "step", "epoch", "end"}
-    assert "stop " in out, out  # the schedule fired
-    assert stopped or "detected 0/" not in out, out  # a fault that went unseen left no step without it
+    assert 0 < float(last.split()[1]) < 2, out
+    records = [json.loads(line) for path in sorted((keep / "chaos").glob("rank-*-*.jsonl"))
+               for line in path.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert {r["rank"] for r in steps} == set(range(5))
+    assert any(r["kind"] == "epoch" and r["once"] for r in records)
+    fired = re.search(r"straggler +x(\d+) +detected (\d+)/(\d+)", out)  # the schedule fired; each is accounted
+    assert fired, out
+    assert fired[1] == fired[3], out

@@ -46,6 +46,7 @@ from .chaos_worker import EXIT_EVICTED, STOP_FILE
 
 POLL_S = 0.05  # how often the runner reads the records and the children's exits (files and pids: no event)
 STRAGGLE_S = (0.4, 0.4)  # a straggler's SIGSTOP bursts: stopped, then running, seconds
+DETECT_GRACE_S = 2.0  # a link or stop fault is detected by a step at most this long after its end
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Measure:
     fault: cs.Fault
     t_fault: float
     t_back: float | None = None  # kill/leave: when the new process started
+    t_end: float | None = None  # when the runner ended the fault
     detected_s: float | None = None
     healed_s: float | None = None
 
@@ -211,6 +213,8 @@ class Run:
         t, f = rec["t"], m.fault
         if t <= m.t_fault:
             return
+        if m.t_end is not None and t > m.t_end + DETECT_GRACE_S and f.kind not in cs.REJOINS:
+            return  # a step this late would be another fault's doing
         contributors, late = set(rec["contributors"]), set(rec["late"])
         if m.detected_s is None:
             victims = set(f.ranks)
@@ -283,9 +287,12 @@ class Run:
                 self.cluster.signal(r, signal.SIGUSR1)
         self.active.append((time.monotonic() + f.hold_s, f, m))
         self.s.echo(f"  {f}")
+        with open(self.folder / "faults.jsonl", "a") as log:
+            log.write(json.dumps({"t": m.t_fault, **f.to_dict()}) + "\n")
 
     def end(self, f: cs.Fault, m: Measure) -> None:
         r = f.ranks[0]
+        m.t_end = time.time()
         match f.kind:
             case cs.KILL:
                 self.cluster.start(r, join=True)
@@ -436,9 +443,10 @@ def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> fl
         det = [m.detected_s for m in ms if m.detected_s is not None]
         heal = [m.healed_s for m in ms if m.healed_s is not None]
         echo(f"  {kind:9s} x{len(ms):<3d} detected {len(det)}/{len(ms)}" + _stats(det)
-             + (f"; healed {len(heal)}/{len(ms)}" + _stats(heal) if kind in cs.REJOINS else ""))
+             + (f"; healed {len(heal)}/{len(ms)}" + _stats(heal) if kind in cs.REJOINS else "")
+             + (f"; evicted and restarted {len(heal)}, healed" + _stats(heal) if kind == cs.STOP and heal else ""))
     for m in chaos.measures:
-        if m.fault.kind in cs.REJOINS:
+        if m.fault.kind in cs.REJOINS or m.healed_s is not None:
             echo(f"  heal {m.fault}: " + ("-" if m.healed_s is None else f"{m.healed_s:.2f} s"))
     return goodput
 
