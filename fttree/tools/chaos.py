@@ -361,6 +361,13 @@ class Run:
                 self._overdue_heals()
                 time.sleep(POLL_S)
             return self._finish(t0, duration_s)
+        except ChaosFailure:
+            for m in self.measures:  # what was measured before the failure is still worth seeing
+                if m.healed_s is not None or m.detected_s is not None:
+                    s.echo(f"  before the failure: {m.fault}: detected "
+                           + ("-" if m.detected_s is None else f"{m.detected_s:.2f} s")
+                           + ("" if m.healed_s is None else f", healed {m.healed_s:.2f} s"))
+            raise
         finally:
             self.cluster.close()
 
