@@ -396,6 +396,7 @@ _PLUGIN_COMMANDS = {
     "status": "fttree.status.cli",
     "netem": "fttree.tools.realfaults",
     "yardstick": "fttree.tools.yardstick",
+    "chaos": "fttree.tools.chaos",
 }
 
 

@@ -1,0 +1,179 @@
+"""`fttree chaos`: the schedule (seeded, reproducible, never below a majority), the checks (each
+wrong result fails loudly with its reason), and a short seeded chaos run of real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fttree.errors import ConfigError
+from fttree.tools import chaos_schedule as cs
+from fttree.tools.chaos_checks import ChaosFailure, Checks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---- the schedule ---------------------------------------------------------------------------
+
+
+def disturbed_at(faults: list[cs.Fault], t: float, heal: float) -> set[int]:
+    return {r for f in faults if f.at_s <= t < f.busy_until(heal) for r in f.ranks}
+
+
+def test_the_schedule_is_seeded_and_mixes_every_kind() -> None:
+    a = cs.draw(7, 3600, 5, seed=11)
+    assert a == cs.draw(7, 3600, 5, seed=11)
+    assert a != cs.draw(7, 3600, 5, seed=12)
+    assert {f.kind for f in a} == set(cs.KINDS)
+    assert all(0 <= f.at_s < 3600 for f in a)
+    assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+    for f in a:
+        low, high = cs.HOLD_S[f.kind]
+        assert low <= f.hold_s <= high
+        assert len(f.ranks) == (2 if f.kind in cs.LINK_KINDS else 1)
+        assert len(set(f.ranks)) == len(f.ranks)
+        assert (f.percent in cs.LOSS_PERCENTS) == (f.kind == cs.LOSS)
+
+
+@pytest.mark.parametrize("world", [3, 5, 7, 8])
+def test_the_schedule_never_disturbs_a_majority(world: int) -> None:
+    """At every fault's start (where the disturbed set grows), the untouched ranks are a majority
+    of the world, and no rank is hit twice at once; the rate makes faults overlap often."""
+    heal = 10.0
+    kinds = cs.KINDS if world >= 5 else (cs.KILL, cs.STOP, cs.LEAVE)
+    faults = cs.draw(world, 2000, 1.0, seed=world, kinds=kinds, heal_allowance_s=heal)
+    most = 0
+    for f in faults:
+        before = disturbed_at([g for g in faults if g is not f], f.at_s, heal)
+        assert not set(f.ranks) & before, f
+        now = before | set(f.ranks)
+        most = max(most, len(now))
+        assert 2 * (world - len(now)) > world, (f, now)
+    assert most == cs.max_disturbed(world)  # the rule binds: the schedule went up to it
+
+
+def test_the_rule_at_run_time() -> None:
+    assert cs.allowed(set(), (0,), 7)
+    assert cs.allowed({1, 2}, (0,), 7)
+    assert not cs.allowed({1, 2, 3}, (0,), 7)
+    assert not cs.allowed({1}, (1,), 7)
+    assert not cs.allowed({1, 2}, (3, 4), 7)
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda: cs.draw(2, 10, 1, 0), "at least 3 workers"),
+    (lambda: cs.draw(4, 10, 1, 0), "at least 5 workers"),
+    (lambda: cs.draw(7, 0, 1, 0), "must be > 0"),
+    (lambda: cs.draw(7, 10, float("nan"), 0), "must be > 0"),
+    (lambda: cs.parse_kinds("kill,explode"), "explode"),
+    (lambda: cs.parse_kinds(" , "), "comma-separated"),
+])
+def test_bad_schedules_are_refused_by_name(call: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        call()
+
+
+# ---- the checks -----------------------------------------------------------------------------
+
+
+def step(rank: int, n: int, contributors: tuple[int, ...] = (0, 1, 2), digest: str = "aa", **kw: Any) -> dict[str, Any]:
+    rec = {"kind": "step", "rank": rank, "pid": 100 + rank, "t": 1000.0 + n, "step": n, "epoch": 0,
+           "contributors": list(contributors), "late": [], "trained": 10, "waiting": False, "skipped": False,
+           "digest": digest, "rss": 100 << 20, "notes": []}
+    return {**rec, **kw}
+
+
+def epoch(rank: int, number: int, **kw: Any) -> dict[str, Any]:
+    rec = {"kind": "epoch", "rank": rank, "pid": 100 + rank, "t": 0.0, "epoch": number, "complete": True,
+           "samples": 30, "committed": 30, "distinct": 30, "repeated": 0, "missing": 0, "once": True}
+    return {**rec, **kw}
+
+
+def test_agreeing_records_pass_and_count_the_samples() -> None:
+    c = Checks()
+    for n in range(3):
+        for r in range(3):
+            c.feed(step(r, n, digest=f"d{n}"))
+    for r in range(3):
+        c.feed(epoch(r, 0))
+    assert c.committed_between(1000, 1002) == 60  # steps 0 and 1, three ranks of 10
+    assert c.epochs_once == 1
+
+
+@pytest.mark.parametrize(("records", "says"), [
+    ([step(0, 5, digest="aa"), step(1, 5, digest="bb")], "wrong sum: after step 5 rank 0 holds parameters aa"),
+    ([step(0, 5), step(1, 5, contributors=(0, 1))], "wrong contributors: step 5 has contributors"),
+    ([step(2, 5, skipped=True)], "lists rank 2, which reported it as skipped"),
+    ([step(0, 5, contributors=(0, 1), trained=0), step(2, 5, contributors=(0, 1), skipped=True, trained=0),
+      step(1, 5, contributors=(0, 1, 2))], "step 5 has contributors"),
+    ([step(2, 5, contributors=(0, 1))], "rank 2 trained 10 samples in step 5 but is not among"),
+    ([epoch(0, 3, committed=31, repeated=1, once=False)], "epoch 3 finished but not exactly once.*1 samples "
+                                                          "committed twice"),
+    ([epoch(0, 3, committed=29, distinct=29, missing=1, once=False)], "epoch 3 finished.*1 missing"),
+    ([epoch(0, 3, complete=False, once=False, committed=12, distinct=11, repeated=1, missing=19)],
+     "stopped early.*1 samples twice"),
+    ([epoch(0, 3), epoch(1, 3, committed=29, distinct=29, missing=1, complete=False, once=False)],
+     "epoch 3: rank 0 audited"),
+])
+def test_each_wrong_result_fails_loudly(records: list[dict[str, Any]], says: str) -> None:
+    c = Checks()
+    for rec in records[:-1]:
+        c.feed(rec)  # each alone is right
+    with pytest.raises(ChaosFailure, match=says):
+        c.feed(records[-1])
+
+
+def test_memory_growth_fails_and_a_flat_process_passes() -> None:
+    c = Checks(warm_steps=5, rss_limit_bytes=10 << 20)
+    for n in range(50):
+        c.feed(step(0, n, rss=(100 << 20) + (n % 3 << 20)))  # a few MiB of noise: flat
+    for n in range(15):
+        c.feed(step(1, n, rss=(100 << 20) + (n << 20)))  # 1 MiB a step: 104 MiB after 5 steps, 114 after 15
+    with pytest.raises(ChaosFailure, match=r"memory growth: process 101 grew from 104 MiB \(first 5 steps\) to 115"):
+        c.feed(step(1, 15, rss=115 << 20))
+
+
+def test_the_checks_keep_a_window_not_every_step() -> None:
+    c = Checks()
+    for n in range(2000):
+        c.feed(step(0, n, digest=str(n)))
+    assert len(c.digests) <= 300
+    assert len(c.contributors) <= 300
+
+
+# ---- a short chaos run of real processes ----------------------------------------------------
+
+
+def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
+    """5 workers (a small MLP), 20 s fault-free and 20 s under a fault every 2 s: stragglers,
+    and as root cuts and loss bursts of random links. The run passes every check (same digests,
+    same contributors, every epoch once, no hang, flat RSS), its last line is the goodput, and
+    the records show the faults were felt. Kills, long stops and leaves are left out: a rank
+    that dies between its last committed step and the epoch audit is missing from that audit
+    (docs/chaos.md, "Known faults it finds"), which would fail this test by chance. Deadlines
+    are the command's own, every wait naming what it waited for; the test's is a backstop."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    keep = tmp_path / "records"
+    proc = subprocess.run([sys.executable, "-m", "fttree", "chaos", "-n", "5", "--duration", "20",
+                           "--fault-every", "2", "--seed", "4", "--hidden", "32", "--kinds", "straggler,cut,loss",
+                           "--keep", str(keep)],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("goodput "), out
+    assert 0 < float(last.split()[1]) < 2, out
+    records = [json.loads(line) for path in sorted((keep / "chaos").glob("rank-*-*.jsonl"))
+               for line in path.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert {r["rank"] for r in steps} == set(range(5))
+    assert any(r["kind"] == "epoch" and r["once"] for r in records)
+    fired = re.search(r"straggler +x(\d+) +detected (\d+)/(\d+)", out)  # the schedule fired; each is accounted
+    assert fired, out
+    assert fired[1] == fired[3], out
