@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,40 @@ def test_a_rank_that_leaves_mid_epoch_leaves_its_samples_to_the_others() -> None
     assert first.moved > 0
     assert second.once, second
     assert (second.departed, second.answered) == ((), (0, 1)), second
+
+
+def test_a_rank_lost_between_its_last_step_and_the_audit_is_counted_from_the_history() -> None:
+    """Rank 2 takes part in every step of epoch 0 and dies before its audit: the audit's sum
+    lacks its counts, and it has not departed (no committed step changed the members). What
+    it committed comes from the history every member holds; the audit used to miss it and
+    say 1/3 of the epoch was never trained (found by `fttree chaos`)."""
+    steps = -(-SIZE // (3 * BATCH))  # the epoch's training steps
+    all_stepped = threading.Barrier(3)
+
+    def body(rank: int, ar: FTTreeAllreduce) -> list[EpochSummary] | None:
+        model = mlp(0)
+        job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(), batch_size=BATCH,
+                                allreduce=ar, joins=False, bucket_mb=0.0005)
+        summaries = []
+        for epoch in job.epochs(2):
+            for x, y in epoch:
+                nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                job.step()
+                if job.training_steps == steps:
+                    all_stepped.wait(timeout=60)  # every rank holds the epoch's last result
+                    if rank == 2:
+                        ar.crash("killed after the epoch's last step")
+                        return None
+            summaries.append(epoch.summary)
+        return summaries
+
+    results = ok(run_ranks(3, body, node_deadline_s=1.0))
+    first, second = results[0]
+    assert results[1][0] == first
+    assert (first.departed, first.answered) == ((), (0, 1)), first
+    assert first.once, first
+    assert first.committed == SIZE, first
+    assert second.once, second
 
 
 @pytest.mark.parametrize("how", ["break", "steps", "stop"])

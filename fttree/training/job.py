@@ -586,9 +586,12 @@ class ElasticJob:
 
     def _audit(self, number: int) -> EpochSummary:
         """How often each sample was committed, over all ranks: one allreduce of a count per
-        sample (and each rank's cache fetches). Ranks that left the view cannot answer: what
-        they committed comes from the survivors' samplers (every member computes the same
-        history), added once, by the lowest member."""
+        sample (and each rank's cache fetches). Ranks that cannot answer (they left the view,
+        or a member lost between its last commit and the audit, or late to it) are counted from
+        the history every member computes alike, by every rank after the sum. Adding them
+        before it, by the lowest member, lost them when that member was the one lost, and a
+        member lost after the epoch's last step was counted by nobody (`fttree chaos` found
+        a third of an epoch "missing" that way)."""
         sampler, n, world = self.sampler, len(self.dataset), self.allreduce.world
         fetched_now = self._fetches()
         fetched, self._fetched_at = fetched_now - self._fetched_at, fetched_now
@@ -597,13 +600,13 @@ class ElasticJob:
         answered: tuple[int, ...] = ()
         if self.audit:
             np.add.at(counts, np.asarray(self._trained, dtype=np.int64), 1)
-            if self.rank == min(sampler.members):
-                for r in departed:
-                    np.add.at(counts, sampler.committed(r), 1)
             counts[n + self.rank] = fetched
-            counts = self._audit_allreduce(counts)
+            counts = np.array(self._audit_allreduce(counts))
             last = self.allreduce.last
             answered = tuple(last.contributors) if last is not None else ()
+            # a departed rank's answer, if any, is a restarted process's nothing (_join)
+            for r in sorted(set(departed) | (set(sampler.members) - set(answered))):
+                np.add.at(counts, sampler.committed(r), 1)
         else:  # the shared history's account: every member computes the same
             for r in sorted(set(sampler.history().members) | set(sampler.members)):
                 np.add.at(counts, sampler.committed(r), 1)
