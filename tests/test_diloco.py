@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import fttree
 from fttree.errors import ConfigError, GroupLeft
+from fttree.training.sparse import Sparse
 from tests.conftest import cluster, local_peers, run_threads
 
 SETTINGS = dict(timeout_s=0.2, step_timeout_s=10.0)
@@ -50,10 +52,11 @@ class Run:
 
 
 def train(rank: int, peers: list[str], run: Run, *, rounds: int, join: bool = False, crash_in: int | None = None,
-          compression: str | None = None, joiner_rounds: int = 0) -> None:
+          compression: str | Sparse | None = None, joiner_rounds: int = 0,
+          after_round: Callable[[fttree.DiLoCo, int, bool], None] | None = None) -> None:
     """`rounds` outer steps; with `joiner_rounds`, go on until a joiner has held the global
     parameters for that many (every worker learns it from the same allreduce, so all stop at
-    the same outer step)."""
+    the same outer step). `after_round(opt, round, was_syncing)` records more after each."""
     ar = fttree.FTTreeAllreduce(rank, peers, join=join, **SETTINGS).start()  # type: ignore[arg-type]
     try:
         model = make_model()
@@ -67,6 +70,7 @@ def train(rank: int, peers: list[str], run: Run, *, rounds: int, join: bool = Fa
         synced_rounds = 0
         while opt.sync.rounds < rounds or synced_rounds < joiner_rounds:
             r = opt.sync.rounds
+            was_syncing = opt.syncing
             for i in range(H):
                 if crash_in is not None and r == crash_in and i == H // 2:
                     ar.crash(f"test: rank {rank} killed in its local steps of round {r}")
@@ -79,6 +83,8 @@ def train(rank: int, peers: list[str], run: Run, *, rounds: int, join: bool = Fa
                 run.synced_from = r if run.synced_from is None else run.synced_from
                 run.model[r] = digest(list(model.parameters()))
                 run.global_[r] = digest([g for _, g in opt.global_parameters])
+            if after_round is not None:
+                after_round(opt, r, was_syncing)
             run.contributors[r] = opt.last_step.contributors
             if joiner_rounds:
                 flag = torch.tensor([1.0 if join and not opt.syncing else 0.0])

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import fttree
-from fttree.errors import ConfigError, FTTreeError, GroupLeft
+from fttree.errors import ConfigError, FTTreeError
 from fttree.training.sparse import Sparse, SparseCodec, field_bits, pack, unpack
 from tests.conftest import cluster, local_peers, run_threads
 from tests.test_diloco import SETTINGS, H, Run, batch, digest, make_model
+from tests.test_diloco import train as dense_train
 
 RULES = ("random", "momentum")
 
@@ -156,50 +157,19 @@ class SparseRun(Run):
 
 def train(rank: int, peers: list[str], run: SparseRun, *, rounds: int, compression: Sparse, join: bool = False,
           crash_in: int | None = None, joiner_rounds: int = 0, acc_at_sync: list[float] | None = None) -> None:
-    """As tests/test_diloco.py's train, sparse; `acc_at_sync` gets the accumulator's norm when
-    a joiner's state arrives."""
-    ar = fttree.FTTreeAllreduce(rank, peers, join=join, **SETTINGS).start()  # type: ignore[arg-type]
-    try:
-        model = make_model()
-        if join:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
-        opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
-                            compression=compression)
-        assert opt._sparse is not None
-        opt.sync.next_round()
-        synced_rounds = 0
-        while opt.sync.rounds < rounds or synced_rounds < joiner_rounds:
-            r = opt.sync.rounds
-            was_syncing = opt.syncing
-            for i in range(H):
-                if crash_in is not None and r == crash_in and i == H // 2:
-                    ar.crash(f"test: rank {rank} killed in its local steps of round {r}")
-                x, y = batch(rank, r * H + i)
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            assert opt.last_step is not None
-            if was_syncing and not opt.syncing and acc_at_sync is not None:
-                acc_at_sync.append(float(opt._sparse.codec.acc.norm()))
-            if not opt.syncing:
-                run.synced_from = r if run.synced_from is None else run.synced_from
-                run.model[r] = digest(list(model.parameters()))
-                run.global_[r] = digest([g for _, g in opt.global_parameters])
-                kept = opt._sparse.codec.residuals()
-                run.kept[r] = digest([g - k for (_, g), k in zip(opt.global_parameters, kept, strict=True)])
-            run.contributors[r] = opt.last_step.contributors
-            if joiner_rounds:
-                flag = torch.tensor([1.0 if join and not opt.syncing else 0.0])
-                synced_rounds += float(ar.allreduce(flag)[0]) >= 1
-    except GroupLeft as exc:
-        if crash_in is None:
-            run.error = exc
-    except BaseException as exc:  # reported by the test
-        run.error = exc
-    finally:
-        ar.close()
+    """tests/test_diloco.py's train, sparse: it also records the global parameters less the
+    accumulator, and `acc_at_sync` gets the accumulator's norm when a joiner's state arrives."""
+    def after_round(opt: fttree.DiLoCo, r: int, was_syncing: bool) -> None:
+        sparse = opt._sparse
+        assert sparse is not None
+        if was_syncing and not opt.syncing and acc_at_sync is not None:
+            acc_at_sync.append(float(sparse.codec.acc.norm()))
+        if not opt.syncing:
+            kept = sparse.codec.residuals()
+            run.kept[r] = digest([g - k for (_, g), k in zip(opt.global_parameters, kept, strict=True)])
+
+    dense_train(rank, peers, run, rounds=rounds, join=join, crash_in=crash_in, compression=compression,
+                joiner_rounds=joiner_rounds, after_round=after_round)
 
 
 @pytest.mark.parametrize("rule", RULES)
