@@ -539,8 +539,8 @@ class ElasticJob:
             audited = False
             if self._flags:
                 ends, stop = self._flag(False, False)
-                if ends:  # an epoch ended while this process waited: its part in the audit is nothing
-                    self._audit_allreduce(np.zeros(len(self.dataset) + self.allreduce.world, dtype=np.int32))
+                if ends:  # an epoch ended while this process waited: it answers that audit here
+                    self._audit_allreduce(self._waiting_answer())
                     audited = True
                 if stop:
                     return None
@@ -551,6 +551,17 @@ class ElasticJob:
             return self.sampler.epoch + 1, False
         self._trained = self.sampler.committed(self.rank).tolist()  # what its earlier process committed
         return self.sampler.epoch, True
+
+    def _waiting_answer(self) -> npt.NDArray[np.int32]:
+        """A joiner's counts for an audit it meets while it waits. Not yet a member: nothing
+        (every rank adds its rank's earlier process from the history, as a departed rank's).
+        Made a member by the step just committed, the epoch's last: the others now take its
+        answer instead of the history, so it answers what its rank committed in the epoch,
+        its earlier process's samples. Answering nothing there lost them (`fttree chaos`)."""
+        counts = np.zeros(len(self.dataset) + self.allreduce.world, dtype=np.int32)
+        if self.sampler.member:
+            np.add.at(counts, self.sampler.committed(self.rank), 1)
+        return counts
 
     # ---- the end of an epoch -----------------------------------------------------------------
 
