@@ -685,6 +685,35 @@ class ElasticSampler:
             for step, contributors, members, contributed in records:
                 self._commit_record(("training step", step), contributors, members, contributed)
 
+    def resume(self, history: EpochHistory, members: Iterable[int]) -> bool:
+        """Take over a checkpoint's epoch on a member whose process restarted with the whole
+        job: replay `history` through its last committed step, and, where the job's processes
+        (`members`) differ from its view, commit the next step with no contributors and
+        `members` as the view, so returning ranks take their share from then on as joiners do
+        (that step's batches are dealt again). Every rank must call it alike. The step numbers
+        of the restarted optimizer start again at 0, so `commit_from` accepts them all after it.
+
+        Returns False when the epoch has no step left to take `members` in: the next epoch
+        must then start with them (`set_epoch`)."""
+        if not isinstance(history, EpochHistory):
+            raise ConfigError(f"resume takes an EpochHistory, got {type(history).__name__}")
+        if history.config != self.config:
+            raise ConfigError(f"the history's sampler config {history.config} differs from this sampler's "
+                              f"{self.config}")
+        plan = _replayed(history)
+        wanted = _members(members, "members")
+        taken = True
+        if plan.members != wanted:
+            if plan.last_commit + 1 < plan.steps:
+                plan.commit(plan.last_commit + 1, (), wanted)
+            else:
+                taken = False
+        with self._lock:
+            self._epoch_plan = plan
+            self._waiting = None
+            self._source_step = ("training step", -1)
+        return taken
+
     def _require_member(self, where: str) -> None:
         if self.rank not in self._plan.members:
             raise ConfigError(f"rank {self.rank} is not in {where}")

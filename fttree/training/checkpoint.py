@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data.sampler import ElasticSampler, EpochHistory, _members, _replayed
+from ..data.sampler import ElasticSampler, EpochHistory
 from ..errors import ConfigError
 from .state import StateError, TrainingState, decode, new_hasher
 
@@ -180,17 +180,6 @@ def resume_sampler(sampler: ElasticSampler, history: dict[str, Any] | None, epoc
         raise ConfigError(f"the checkpoint's sampler history is not one: {exc}") from exc
     if past.config != sampler.config:
         raise ConfigError(f"the checkpoint's sampler config {past.config} differs from this job's {sampler.config}")
-    plan = _replayed(past)
-    members = _members(members, "members")
-    later = None
-    if plan.members != members:
-        if plan.last_commit + 1 < plan.steps:
-            plan.commit(plan.last_commit + 1, (), members)
-        else:
-            later = members
-    # The sampler's own fields: it has no public way to take a history on a member (a joiner's
-    # arrives through register_state), and the step numbers of this process's optimizer start
-    # at 0 again, so commit_from must accept them all.
-    sampler._epoch_plan = plan
-    sampler._source_step = ("training step", -1)
-    return later
+    if sampler.resume(past, members):
+        return None
+    return tuple(members)
