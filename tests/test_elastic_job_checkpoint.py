@@ -30,19 +30,21 @@ class Killed(Exception):
 
 
 def make_job(ar: FTTreeAllreduce, directory: Path, *, diloco: int = 0, size: int = SIZE, every: int = 2,
-             model: nn.Module | None = None, reports: list[StepReport] | None = None) -> tuple[Any, nn.Module]:
+             model: nn.Module | None = None, reports: list[StepReport] | None = None,
+             schedule: bool = False) -> tuple[Any, nn.Module]:
     model = mlp(0) if model is None else model
-    job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM), Pairs(size),
-                            batch_size=BATCH, allreduce=ar, diloco=diloco, bucket_mb=0.0005,
-                            checkpoint_dir=directory, checkpoint_every=every,
-                            on_step=None if reports is None else reports.append)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM)
+    job = fttree.ElasticJob(model, opt, Pairs(size), batch_size=BATCH, allreduce=ar, diloco=diloco,
+                            bucket_mb=0.0005, checkpoint_dir=directory, checkpoint_every=every,
+                            on_step=None if reports is None else reports.append,
+                            scheduler=torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if schedule else None)
     return job, model
 
 
-def killed_at(directory: Path, step: int, diloco: int = 0) -> list[Any]:
+def killed_at(directory: Path, step: int, diloco: int = 0, schedule: bool = False) -> list[Any]:
     """Run a group until training step `step` is committed, then stop every rank dead."""
     def body(rank: int, ar: FTTreeAllreduce) -> list[EpochSummary]:
-        job, model = make_job(ar, directory, diloco=diloco)
+        job, model = make_job(ar, directory, diloco=diloco, schedule=schedule)
 
         def die(report: StepReport) -> None:
             if report.step == step:
@@ -54,12 +56,12 @@ def killed_at(directory: Path, step: int, diloco: int = 0) -> list[Any]:
     return run_ranks(3, body)
 
 
-def resumed(directory: Path, epochs: int = 2, diloco: int = 0
+def resumed(directory: Path, epochs: int = 2, diloco: int = 0, schedule: bool = False
             ) -> list[tuple[list[EpochSummary], list[StepReport], Path | None, list[torch.Tensor]]]:
     def body(rank: int, ar: FTTreeAllreduce) -> tuple[list[EpochSummary], list[StepReport], Path | None,
                                                        list[torch.Tensor]]:
         reports: list[StepReport] = []
-        job, model = make_job(ar, directory, diloco=diloco, reports=reports)
+        job, model = make_job(ar, directory, diloco=diloco, reports=reports, schedule=schedule)
         return loop(job, model, epochs), reports, job.resumed_from, [p.detach().clone() for p in model.parameters()]
 
     return ok(run_ranks(3, body))
@@ -188,20 +190,21 @@ def test_checkpoint_settings_are_checked() -> None:
         assert "checkpoint_dir with overlap=True" in str(errors[1])
 
 
-@pytest.mark.parametrize("diloco", [0, 2])
-def test_a_resumed_job_ends_with_the_parameters_of_one_never_stopped(tmp_path: Path, diloco: int) -> None:
+@pytest.mark.parametrize(("diloco", "schedule"), [(0, False), (2, False), (0, True)])
+def test_a_resumed_job_ends_with_the_parameters_of_one_never_stopped(tmp_path: Path, diloco: int,
+                                                                     schedule: bool) -> None:
     """The checkpoint holds everything training depends on: the optimizer's momentum (with
-    DiLoCo the outer momentum, the global parameters and the inner optimizer too) and the
-    sampler's position. A job stopped dead after step 4 and resumed from its checkpoint ends
-    with the same parameter bits as one that ran straight through."""
+    DiLoCo the outer momentum, the global parameters and the inner optimizer too), the LR
+    scheduler's position and the sampler's. A job stopped dead after step 4 and resumed from its
+    checkpoint ends with the same parameter bits as one that ran straight through."""
     def straight(rank: int, ar: FTTreeAllreduce) -> list[torch.Tensor]:
-        job, model = make_job(ar, tmp_path / "straight", diloco=diloco)
+        job, model = make_job(ar, tmp_path / "straight", diloco=diloco, schedule=schedule)
         loop(job, model, 2)
         return [p.detach().clone() for p in model.parameters()]
 
     expected = ok(run_ranks(3, straight))[0]
-    killed_at(tmp_path / "cut", 4, diloco)
-    for _, _, path, params in resumed(tmp_path / "cut", diloco=diloco):
+    killed_at(tmp_path / "cut", 4, diloco, schedule)
+    for _, _, path, params in resumed(tmp_path / "cut", diloco=diloco, schedule=schedule):
         assert path is not None
         for a, b in zip(expected, params, strict=True):
             assert torch.equal(a, b)
@@ -259,3 +262,40 @@ def test_a_job_that_had_taken_all_its_steps_takes_none_when_started_again(tmp_pa
     for steps, reports, summaries in ok(run_ranks(3, body)):
         assert (steps, reports) == (7, [])
         assert [(s.epoch, s.complete, s.committed) for s in summaries] == [(1, False, 3 * BATCH)]
+
+
+def test_scheduler_settings_are_checked() -> None:
+    def body(rank: int, ar: FTTreeAllreduce) -> list[Exception]:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        other = torch.optim.SGD(mlp(1).parameters(), lr=0.1)
+        out: list[Exception] = []
+        for kw in ({"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)},
+                   {"scheduler": torch.optim.lr_scheduler.StepLR(other, 3)},
+                   {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3), "diloco": 2},
+                   {"scheduler": "cosine"}):
+            try:
+                fttree.ElasticJob(model, opt, Pairs(), batch_size=BATCH, allreduce=ar, **kw)  # type: ignore[arg-type]
+            except (ConfigError, TypeError) as exc:
+                out.append(exc)
+        return out
+
+    for errors in ok(run_ranks(1, body)):
+        assert len(errors) == 4
+        assert "ReduceLROnPlateau" in str(errors[0])
+        assert "another optimizer" in str(errors[1])
+        assert "diloco" in str(errors[2])
+        assert "must be an LR scheduler" in str(errors[3])
+
+
+def test_a_checkpoint_without_the_jobs_scheduler_is_refused(tmp_path: Path) -> None:
+    """A job given scheduler= that finds a checkpoint written without one (or the other way
+    round) says so instead of resuming with the LR at its start."""
+    killed_at(tmp_path, 4)
+
+    def body(rank: int, ar: FTTreeAllreduce) -> Any:
+        return make_job(ar, tmp_path, schedule=True)
+
+    for err in run_ranks(3, body):
+        assert isinstance(err, ConfigError)
+        assert "scheduler" in str(err)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,32 +23,42 @@ KILLED_AT = 3  # the training step the victim's first process dies at
 SIZE = 3 * BATCH * 150  # an epoch of 150 steps: the restart is over long before it ends
 
 
-def job_of(ar: FTTreeAllreduce, on_step: list[StepReport] | None = None) -> tuple[fttree.ElasticJob, nn.Module]:
+def job_of(ar: FTTreeAllreduce, on_step: list[StepReport] | None = None,
+           schedule: bool = False) -> tuple[fttree.ElasticJob, nn.Module]:
     model = mlp(0)
-    job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(SIZE), batch_size=BATCH,
-                            allreduce=ar, bucket_mb=0.0005,
-                            on_step=None if on_step is None else on_step.append)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = fttree.ElasticJob(model, opt, Pairs(SIZE), batch_size=BATCH, allreduce=ar, bucket_mb=0.0005,
+                            on_step=None if on_step is None else on_step.append,
+                            scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.7) if schedule else None)
     return job, model
 
 
-def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audited_with_its_commits() -> None:
+@pytest.mark.parametrize("schedule", [False, True])
+def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audited_with_its_commits(
+        schedule: bool) -> None:
     """Rank 2 dies at step 3 and is restarted at once; the members end the epoch (job.stop())
     at the very step its new process is first counted, so it becomes a member while it still
     waits in epochs(), and answers that audit there. It used to answer nothing, as a rank that
     is not a member does, while the others counted its answer instead of the history: the
     samples its first process committed were missing from the epoch (`fttree chaos` saw
-    "epoch 139: 200 missing" once)."""
+    "epoch 139: 200 missing" once). With an LR scheduler the restarted process takes the
+    group's schedule with the state: it ends with the members' LR and parameter bits."""
     peers = local_peers(3)
     killed = threading.Event()
     reports: dict[str, list[StepReport]] = {"0": [], "1": [], "2 first": [], "2 again": []}
     summaries: dict[int, list[EpochSummary]] = {}
     errors: list[BaseException] = []
+    ends: dict[int, tuple[list[float], list[torch.Tensor]]] = {}
+
+    def end_of(rank: int, job: fttree.ElasticJob, model: nn.Module) -> None:
+        lr = job.scheduler.get_last_lr() if schedule else [g["lr"] for g in job.opt.param_groups]
+        ends[rank] = (lr, [p.detach().clone() for p in model.parameters()])
 
     def member(rank: int) -> None:
         try:
             ar = FTTreeAllreduce(rank, peers, **SETTINGS).start()  # type: ignore[arg-type]
             try:
-                job, model = job_of(ar, reports[str(rank)])
+                job, model = job_of(ar, reports[str(rank)], schedule)
                 gone = False
 
                 def stop_when_back(report: StepReport) -> None:
@@ -62,6 +73,7 @@ def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audit
                         nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                         job.step()
                 summaries[rank] = job.summaries
+                end_of(rank, job, model)
             finally:
                 ar.close()
         except BaseException as exc:
@@ -70,14 +82,14 @@ def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audit
     def first_victim() -> None:
         try:
             ar = FTTreeAllreduce(2, peers, **SETTINGS).start()  # type: ignore[arg-type]
-            job, model = job_of(ar, reports["2 first"])
+            job, model = job_of(ar, reports["2 first"], schedule)
             for epoch in job.epochs(1):
                 for x, y in epoch:
                     nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                     job.step()
                     if job.training_steps == KILLED_AT:
-                        killed.set()
                         ar.crash(f"test: rank 2 killed at training step {KILLED_AT}")
+                        killed.set()  # after the crash closed its listener: the new process binds its port
                         return
         except BaseException as exc:
             errors.append(exc)
@@ -87,11 +99,12 @@ def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audit
             assert killed.wait(60), "rank 2's first process never reached its last step"
             ar = FTTreeAllreduce(2, peers, join=True, **SETTINGS).start()  # type: ignore[arg-type]
             try:
-                job, model = job_of(ar, reports["2 again"])
+                job, model = job_of(ar, reports["2 again"], schedule)
                 for epoch in job.epochs(1):
                     for x, y in epoch:
                         nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                         job.step()
+                end_of(2, job, model)
             finally:
                 ar.close()
         except BaseException as exc:
@@ -106,3 +119,10 @@ def test_a_restarted_rank_that_becomes_a_member_at_the_epochs_last_step_is_audit
     trained = sum(r.trained for rs in reports.values() for r in rs)
     assert sum(r.trained for r in reports["2 first"]) == KILLED_AT * BATCH
     assert (first.committed, first.distinct, first.repeated) == (trained, trained, 0), first
+    lr, params = ends[0]
+    if schedule:
+        assert lr[0] < 0.1, f"the schedule never moved the LR: {lr}"
+    for rank in (1, 2):
+        assert ends[rank][0] == lr, f"rank {rank}'s LR {ends[rank][0]} differs from rank 0's {lr}"
+        for a, b in zip(params, ends[rank][1], strict=True):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank 0's"

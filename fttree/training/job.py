@@ -37,7 +37,8 @@ sampler's and the optimizer's; see fttree.data.sampler and fttree.training.elast
 
 Whole-job restart (`checkpoint_dir=DIR`): the lowest-ranked member writes the model, the
 optimizer state (DiLoCo: global parameters and both optimizers; each rank also writes its own
-inner optimizer), the step count and the epoch's sampler history every `checkpoint_every`
+inner optimizer), the LR scheduler's state (`scheduler=`), the step count and the epoch's
+sampler history every `checkpoint_every`
 training steps and at each epoch's end (fttree.training.checkpoint). A job whose every process
 died, started again, resumes from the newest file: the history's commits are not dealt again,
 later samples are, so the audits still say each sample once.
@@ -226,7 +227,11 @@ class ElasticJob:
     samples on one rank. `allreduce`: a started FTTreeAllreduce (default: the fttree process
     group's, else one from the environment). `checkpoint_dir`: write whole-job checkpoints there
     every `checkpoint_every` training steps and at epoch ends, and resume from the newest one
-    found (see the module docstring). Every rank must pass the same settings."""
+    found (see the module docstring). `scheduler`: an LR scheduler of `optimizer` that the job
+    steps after every optimizer step (empty turns too, so every rank's LR is alike), checkpoints
+    and hands to joiners with the state; data-parallel only. Not in the checkpoint: RNG states
+    (dropout masks after a resume differ from an uninterrupted run's). Every rank must pass the
+    same settings."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
                  batch_size: int, allreduce: FTTreeAllreduce | None = None, diloco: int = 0,
@@ -235,7 +240,8 @@ class ElasticJob:
                  pin_memory: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  joins: bool | None = None, audit: bool = True, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, on_step: Callable[[StepReport], None] | None = None,
-                 checkpoint_dir: str | PathLike[str] | None = None, checkpoint_every: int = 100) -> None:
+                 checkpoint_dir: str | PathLike[str] | None = None, checkpoint_every: int = 100,
+                 scheduler: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ElasticJob: model must be a torch.nn.Module, not {type(model).__name__}")
         if isinstance(optimizer, DistributedOptimizer | DiLoCo):
@@ -268,6 +274,7 @@ class ElasticJob:
                               "a data-parallel step takes 'bf16', 'fp16' or 'int8'")
         if joins is None:
             joins = not overlap
+        _check_scheduler(scheduler, optimizer, diloco)
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 1)
         if checkpoint_dir is not None and overlap:
             raise ConfigError("checkpoint_dir with overlap=True: an overlapped round's outer step is still in flight "
@@ -283,6 +290,7 @@ class ElasticJob:
         if allreduce.node is None:
             raise ConfigError("ElasticJob: the FTTreeAllreduce is not started: call .start() first")
         self.model, self.dataset, self.allreduce = model, dataset, allreduce
+        self.scheduler = scheduler
         self.rank = allreduce.rank
         self._parts = diloco or 1  # local steps per training step
         self._lag = 1 if overlap else 0
@@ -304,6 +312,8 @@ class ElasticJob:
             assert not isinstance(compression, Sparse)  # refused above without diloco
             self.opt = DistributedOptimizer(optimizer, model, allreduce=allreduce, bucket_mb=bucket_mb,
                                             compression=compression)
+            if scheduler is not None:
+                self.opt.register_scheduler(scheduler)  # a joiner takes it over with the state
         self.joining = self.opt.syncing  # this process joins a running job (restarted, or new)
         if self.joining and not joins:
             raise ConfigError(f"rank {self.rank} joins a running job, but the job was built with joins=False"
@@ -417,7 +427,7 @@ class ElasticJob:
         if part is None:
             raise ConfigError("ElasticJob.step() without a batch: call it once after each batch the epoch gives")
         self._pending = None
-        self.opt.step()
+        self._opt_step(True)
         self.opt.zero_grad()
         self._round_samples.extend(part.indices)
         self._part_no += 1
@@ -473,8 +483,17 @@ class ElasticJob:
 
     def _empty_local_step(self) -> None:
         self.opt.zero_grad()
-        self.opt.step(contribute=False)
+        self._opt_step(False)
         self._part_no += 1
+
+    def _opt_step(self, contribute: bool) -> None:
+        """The optimizer's step, then the LR scheduler's: once per optimizer step on every
+        rank, empty turns included, so every rank's LR is alike. A joiner's scheduler comes
+        with the group's state: it steps from the step that brought it (the replayed ones
+        stepped it already), not while it waits (torch would warn of a step with no update)."""
+        self.opt.step(contribute=contribute)
+        if self.scheduler is not None and not self.opt.syncing:
+            self.scheduler.step()
 
     def _round_done(self) -> None:
         """A training step's local steps are all taken: remember its samples, commit what finished."""
@@ -534,7 +553,7 @@ class ElasticJob:
         while not self.sampler.member:
             for _ in range(self._parts):
                 self.opt.zero_grad()
-                self.opt.step(contribute=False)
+                self._opt_step(False)
             self._commit_done(waiting=True)
             audited = False
             if self._flags:
@@ -644,7 +663,7 @@ class ElasticJob:
         found = ckpt_file.read(path)
         ckpt_file.check_meta(found, self._job_meta)
         try:
-            load(found.state, self.model, None if self._job_meta["diloco"] else optimizer)
+            load(found.state, self.model, None if self._job_meta["diloco"] else optimizer, self.scheduler)
         except StateMismatch as exc:
             raise ConfigError(f"checkpoint {path} does not fit this job's model or optimizer: {exc}") from exc
         return found
@@ -724,7 +743,7 @@ class ElasticJob:
             extra["diloco"] = (lambda: state, _ignore)
         else:
             inner = self.opt.optimizer
-        snap = encode(capture(self.model, inner, extra=extra, step_count=self.opt.step_count
+        snap = encode(capture(self.model, inner, self.scheduler, extra=extra, step_count=self.opt.step_count
                               if isinstance(self.opt, DistributedOptimizer) else 0))
         meta = {**self._job_meta, "step": self.training_steps, "started": started,
                 "epoch": self.sampler.epoch if started else fresh_epoch}
@@ -741,6 +760,25 @@ class ElasticJob:
         kind = f"DiLoCo every {self.diloco}" if self.diloco else "data-parallel"
         return (f"ElasticJob(rank {self.rank}, {kind}, {len(self.dataset)} samples, "
                 f"batch {self.sampler.config.batch_size // self._parts})")
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, diloco: int) -> None:
+    """The job steps the scheduler after every optimizer step, so it must be one that takes
+    no metric, of this job's optimizer; DiLoCo's inner schedule is not part of its state yet."""
+    if scheduler is None:
+        return
+    if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        raise TypeError(f"ElasticJob: scheduler must be an LR scheduler (step, state_dict, load_state_dict), "
+                        f"not {type(scheduler).__name__}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError("ElasticJob: ReduceLROnPlateau steps on a metric the job does not see; pass a scheduler "
+                          "stepped by count (StepLR, OneCycleLR, LambdaLR, ...), or step it yourself without "
+                          "scheduler= (it is then not checkpointed nor handed to joiners)")
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ConfigError("ElasticJob: the scheduler belongs to another optimizer than the job's")
+    if diloco:
+        raise ConfigError("ElasticJob: scheduler= with diloco=H is not supported yet (the inner optimizers' "
+                          "schedules are not part of DiLoCo's state); set the inner LR yourself per round")
 
 
 def _ignore(_value: Any) -> None:
