@@ -189,6 +189,16 @@ class EpochHistory:
     commits: tuple[Commit, ...] = ()
     through: int = -1
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank that was a member at some step of the epoch so far: the start members,
+        and those each commit took in, a joiner that left again before the epoch ended too."""
+        seen = set(self.members)
+        for k in self.commits:
+            seen.update(k.members)
+            seen.update(k.contributors)
+        return tuple(sorted(seen))
+
     def to_dict(self) -> dict[str, Any]:
         c = self.config
         return {

@@ -625,7 +625,9 @@ class ElasticJob:
         sampler, n, world = self.sampler, len(self.dataset), self.allreduce.world
         fetched_now = self._fetches()
         fetched, self._fetched_at = fetched_now - self._fetched_at, fetched_now
-        departed = tuple(sorted(set(sampler.history().members) - set(sampler.members)))
+        # every rank that was a member at some step: one that joined and left inside the epoch
+        # is in neither its start members nor its last view (`fttree chaos` lost one so)
+        departed = tuple(sorted(set(sampler.history().ranks) - set(sampler.members)))
         counts = np.zeros(n + world, dtype=np.int32)
         answered: tuple[int, ...] = ()
         if self.audit:
@@ -638,7 +640,7 @@ class ElasticJob:
             for r in sorted(set(departed) | (set(sampler.members) - set(answered))):
                 np.add.at(counts, sampler.committed(r), 1)
         else:  # the shared history's account: every member computes the same
-            for r in sorted(set(sampler.history().members) | set(sampler.members)):
+            for r in sorted(set(sampler.history().ranks) | set(sampler.members)):
                 np.add.at(counts, sampler.committed(r), 1)
             counts[n + self.rank] = fetched
         per_sample, complete = counts[:n], sampler.finished
