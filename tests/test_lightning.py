@@ -1,8 +1,8 @@
-"""Lightning on fttree in one line: `Trainer(strategy=DDPStrategy(process_group_backend="fttree"))`
-after `import fttree`, on CPU with Lightning's own launcher (devices=3 processes). The run's
-collectives go through fttree, every rank ends with the same parameters, and they match the
-same training on gloo. Skipped, with the reason, when `lightning` (the [lightning] extra) is
-not installed."""
+"""Lightning on fttree in one line: `Trainer(strategy=FTTreeStrategy())`, on CPU with
+Lightning's own launcher (devices=3 processes). The run's collectives go through fttree, every
+rank ends with the same parameters, and they match the same training on gloo; after a worker
+died, the survivors go on and each step's gradient is their mean. Skipped, with the reason,
+when `lightning` (the [lightning] extra) is not installed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("lightning", reason="lightning is not installed (pip install 'fttree[lightning]')")
 
 SCRIPT = '''
-import json, sys
+import json, os, sys
 import torch
 from torch import nn
 import lightning as L
@@ -32,6 +32,8 @@ class Model(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
     def training_step(self, batch, i):
+        if DIE and self.global_rank == 2 and self.current_epoch == 0 and i == 3:
+            os._exit(0)  # a worker dies mid-epoch, as a killed process does
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("loss", loss, sync_dist=True)  # a Lightning collective of its own, on the same backend
@@ -41,27 +43,34 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-backend = sys.argv[1]
+backend, DIE = sys.argv[1], sys.argv[2:] == ["die"]
 g = torch.Generator().manual_seed(3)
 data = torch.utils.data.TensorDataset(torch.randn(240, 12, generator=g), torch.randint(0, 4, (240,), generator=g))
 model = Model()
-trainer = L.Trainer(accelerator="cpu", devices=3, strategy=DDPStrategy(process_group_backend=backend),
+if backend == "fttree":  # its comm hook divides each gradient sum by the ranks it holds
+    from fttree.training.lightning import FTTreeStrategy
+    strategy = FTTreeStrategy()
+else:
+    strategy = DDPStrategy(process_group_backend=backend)
+trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy,
                     max_epochs=2, enable_progress_bar=False, enable_model_summary=False, logger=False,
                     enable_checkpointing=False)
 trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=10))
 steps = fttree.allreduce_of().step if backend == "fttree" else None
+partial = torch.distributed.group.WORLD.partial_sums if backend == "fttree" else None
 with open(f"{backend}-{trainer.global_rank}.json", "w") as f:  # one file each: the ranks share stdout
     json.dump({"rank": trainer.global_rank, "backend": torch.distributed.get_backend(), "fttree_steps": steps,
+               "partial_sums": partial,
                "params": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
 '''
 
 
-def run(tmp_path: Path, backend: str) -> dict[int, dict[str, object]]:
+def run(tmp_path: Path, backend: str, *extra: str) -> dict[int, dict[str, object]]:
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=300,
-                          check=False, cwd=tmp_path, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FTTREE_TIMEOUT": "0.2"}
+    proc = subprocess.run([sys.executable, str(script), backend, *extra], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob(f"{backend}-*.json"))]
     return {int(r["rank"]): r for r in results}
@@ -79,3 +88,35 @@ def test_lightning_trains_on_the_fttree_backend_as_on_gloo(tmp_path: Path) -> No
     gloo = run(tmp_path, "gloo")
     for a, b in zip(ft[0]["params"], gloo[0]["params"], strict=True):  # type: ignore[call-overload]
         assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+
+
+def test_lightning_goes_on_after_a_worker_died_with_the_survivors_mean(tmp_path: Path) -> None:
+    """Rank 2 exits at its 4th batch. Lightning's other two processes finish both epochs; each
+    later step's gradient is the mean over the two survivors' batches (fttree.comm_hook divides
+    by the contributors), as one process training on their batches computes it."""
+    import torch
+    from torch import nn
+
+    ft = run(tmp_path, "fttree", "die")
+    assert sorted(ft) == [0, 1], ft.keys()
+    assert ft[0]["params"] == ft[1]["params"]
+    # no sum over fewer ranks than the world was divided by the world: gradients went through
+    # the hook, logged means through AVG
+    assert ft[0]["partial_sums"] == ft[1]["partial_sums"] == 0
+    # Lightning's DistributedSampler shuffles (seed 0, set_epoch): rank r's batch k is
+    # samples perm[r::3][10 k : 10 k + 10]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(240, 12, generator=g), torch.randint(0, 4, (240,), generator=g)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        perm = torch.randperm(240, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for k in range(8):
+            ranks = (0, 1, 2) if epoch == 0 and k < 3 else (0, 1)
+            rows = torch.tensor([perm[r::3][10 * k + j] for r in ranks for j in range(10)])
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[rows]), y[rows]).backward()
+            opt.step()
+    for a, b in zip(ft[0]["params"], net.parameters(), strict=True):  # type: ignore[call-overload]
+        assert torch.allclose(torch.tensor(a).view(b.shape), b.detach(), rtol=1e-5, atol=1e-6)

@@ -27,7 +27,9 @@ store, which is torchrun's trust boundary already).
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -45,6 +47,8 @@ from ..net.node import StepResult
 from ..net.rendezvous import exchange, job_key, local_host, pick_port
 from .buckets import blank, copy_divided, digest, wire_dtype
 from .ddp import pending_future
+
+log = logging.getLogger("fttree.training.backend")
 
 __all__ = ["BACKEND", "FTTreeProcessGroup", "FTTreeWork", "allreduce_of", "register"]
 
@@ -144,6 +148,26 @@ class FTTreeProcessGroup(dist.ProcessGroup):
             raise ConfigError(f"allreduce handle is rank {allreduce.rank} of {allreduce.world}, "
                               f"the group wants rank {rank} of {world_size}")
         self.allreduce_handle = allreduce
+        # float SUM reductions whose result lacked some ranks (a rank died or was left out): code
+        # that divides a sum by the world size for a mean (DDP's default reducer, Lightning's
+        # sync_dist) then gets too small a one
+        self.partial_sums = 0
+        self._count_lock = threading.Lock()
+
+    def _partial_sum(self, what: str, contributors: Sequence[int]) -> None:
+        """Count a SUM that holds fewer ranks than the group's; warn once, naming the remedy."""
+        with self._count_lock:
+            self.partial_sums += 1
+            first = self.partial_sums == 1
+        if first:
+            missing = sorted(set(range(self.size())) - set(contributors))
+            log.warning("fttree rank %d: %s held %d of %d ranks (ranks %s missing). Code that divides a sum "
+                        "by the world size %d for a mean gets too small a one: DDP's default reducer (register "
+                        "fttree.comm_hook, which divides by the contributors: ddp.register_comm_hook(None, "
+                        "fttree.comm_hook); in Lightning fttree.training.lightning.FTTreeStrategy()), a metric's "
+                        "mean (use ReduceOp.AVG). Counted in the "
+                        "process group's partial_sums; further ones are not logged", self.rank(), what,
+                        len(contributors), self.size(), missing, self.size())
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -193,6 +217,9 @@ class FTTreeProcessGroup(dist.ProcessGroup):
 
         def finish(res: StepResult) -> None:
             _unpack(res.data, tensors, len(res.contributors) if name == "AVG" else 1)
+            if name == "SUM" and what != "barrier" and len(res.contributors) < self.size() \
+                    and all(t.is_floating_point() for t in tensors):
+                self._partial_sum(f"{what} (SUM)", res.contributors)
 
         return self._run(f"{what} ({name}) of {flat.size} x {flat.dtype}", flat, sig, tensors, finish, reduce=reduce)
 

@@ -69,12 +69,20 @@ def pending_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[An
     return inner, inner.then(_raise_if_error)
 
 
-def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average one DDP gradient bucket over all workers with fttree."""
+def comm_hook(state: FTTreeAllreduce | HookState | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP gradient bucket over the workers that contributed to it, with fttree.
+    `state` None: the handle of the default process group, which must be the "fttree"
+    backend's (DDP on that backend divides by the world size without this hook, a too small
+    average once a rank has died)."""
     hs = state if isinstance(state, HookState) else None
     ar = hs.allreduce if hs is not None else state
+    if ar is None:
+        from .backend import allreduce_of  # the backend imports this module
+
+        ar = allreduce_of()
     if not isinstance(ar, FTTreeAllreduce):
-        raise TypeError(f"fttree.comm_hook needs an FTTreeAllreduce or HookState as state, not {type(state).__name__}")
+        raise TypeError(f"fttree.comm_hook needs an FTTreeAllreduce, a HookState or None as state, not "
+                        f"{type(state).__name__}")
     average = hs.average if hs is not None else True
     buffer = bucket.buffer()
     inner, outer = pending_future()
@@ -117,5 +125,5 @@ def comm_hook(state: FTTreeAllreduce | HookState, bucket: GradBucket) -> torch.f
 
 # DDP compares the hook's annotations with the real classes; under `from __future__ import
 # annotations` they would be strings and register_comm_hook would refuse the hook.
-comm_hook.__annotations__.update(bucket=GradBucket, state=FTTreeAllreduce | HookState,
+comm_hook.__annotations__.update(bucket=GradBucket, state=FTTreeAllreduce | HookState | None,
                                  **{"return": torch.futures.Future[torch.Tensor]})
