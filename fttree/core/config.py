@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from .messages import DEFAULT_MAX_PAYLOAD_BYTES
 from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
 from .trees import check_family
 
@@ -106,7 +107,7 @@ class Config:
     # each rank sends the ring's 2N(p-1)/p), "double" (the double binary tree, 2N) or "single"
     # (3N on interior ranks); a one-chunk step always runs on tree 0
     trees: str = "rotated"
-    max_payload_bytes: int = 256 * 1024 * 1024  # a frame announcing more is refused (at least chunk_bytes)
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # a frame announcing more is refused (at least chunk_bytes)
     # a contribution holding NaN or Inf: "skip" (this rank contributes nothing to that step, which
     # the result's contributors show, and a note names it), "abort" (the step fails on every rank,
     # naming this one) or "allow" (added as it is: every rank's result is NaN)

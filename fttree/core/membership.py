@@ -68,7 +68,7 @@ survivors; never two. The plan travels flattened: step, holder, count, then that
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -395,11 +395,6 @@ class Membership:
         self.foreign_commits = 0  # VIEW_COMMITs dropped: not from their ballot's coordinator
 
     # ---- public ------------------------------------------------------------------------------
-
-    @property
-    def heard_at(self) -> Mapping[int, float]:
-        """When bytes from each peer last arrived (a frame, or part of one): read only."""
-        return self._last_heard
 
     def heard(self, peer: int, now: float) -> list[MemberAction]:
         """Any frame from `peer`. The Node calls this for every frame: keep it cheap."""
