@@ -166,3 +166,23 @@ def test_a_killed_worker_process_leaves_the_others_alike_with_eager() -> None:
     assert len({res["global"] for res in results.values()}) == 1, results
     assert all(res["contributors"] == [0, 1, 2] for res in results.values()), results
     assert all(res["outer_steps"] == 6 and res["model_is_global"] for res in results.values()), results
+
+
+def test_train_mlp_trains_with_eager_outer_steps_and_uses_every_sample_once() -> None:
+    """`examples/train_mlp.py --diloco 4 --eager`: ElasticJob with overlap="eager" on real
+    worker processes; every epoch audited committed each sample once, and the model learned."""
+    from tests.test_torch_examples import EXAMPLES, run_example
+
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "24", "--diloco", "4", "--eager",
+                       "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6, summary
+    assert summary["epochs"] >= 1, summary
+    assert summary["exactly_once"], summary
+    assert summary["fewest_contributors"] == 3, summary
+    assert summary["outer_sync_s"] > 0, summary
+    assert summary["test_accuracy"] > 0.5, summary
+    bad = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "8", "--eager")
+    assert bad.returncode == 2, bad.stderr
+    assert "--eager overlap DiLoCo's outer steps: they need --diloco H" in bad.stderr
