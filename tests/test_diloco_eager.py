@@ -84,13 +84,7 @@ def test_eager_follows_the_papers_update_and_keeps_the_global_parameters_alike()
         model = models[rank]
         opt = fttree.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), allreduce=ar, sync_every=H,
                             overlap="eager")
-        step = opt.outer.step
-
-        def recording_step(*args: object, **kwargs: object) -> None:
-            step(*args, **kwargs)  # type: ignore[arg-type]
-            globals_after[rank].append(digest([g for _, g in opt.global_parameters]))
-
-        opt.outer.step = recording_step  # type: ignore[method-assign]
+        opt.outer_listeners.append(lambda o: globals_after[rank].append(digest([g for _, g in o.global_parameters])))
         for r in range(ROUNDS):
             local_round(opt, model, rank, r)
         got[rank] = [p.detach().clone() for p in model.parameters()]
@@ -186,3 +180,18 @@ def test_train_mlp_trains_with_eager_outer_steps_and_uses_every_sample_once() ->
     bad = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "8", "--eager")
     assert bad.returncode == 2, bad.stderr
     assert "--eager overlap DiLoCo's outer steps: they need --diloco H" in bad.stderr
+
+
+def test_overlap_compare_times_every_mode_to_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m fttree.tools.overlap_compare` (the figures in docs/diloco.md): one table row per
+    mode, with the outer steps to a target every mode reaches (the first step's loss)."""
+    from fttree.tools.overlap_compare import main
+
+    main(["--workers", "2", "--rounds", "3", "--dim", "16", "--hidden", "8", "--target", "9", "--json"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| sync") or line.startswith("| overlap")
+            or line.startswith("| eager")]
+    assert len(rows) == 3, out
+    assert all(row.split("|")[3].strip() == "1" for row in rows), out  # loss 9 is reached at once
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [len(r["losses"]) for r in runs] == [3, 3, 3], out  # every outer step's global parameters

@@ -193,6 +193,9 @@ class DiLoCo:
         self.overlap = overlap
         self.eager = EagerCorrection(outer) if overlap == "eager" else None
         self.stats = OuterStats()
+        # called with this DiLoCo after each outer step here, on the thread that took it (with
+        # overlap the background one, before anything else writes the global parameters)
+        self.outer_listeners: list[Callable[[DiLoCo], None]] = []
         self._in_flight: threading.Thread | None = None  # overlap: the previous round's outer step
         self._failed: BaseException | None = None  # ...and what it raised
         self._started_at = 0.0
@@ -251,6 +254,8 @@ class DiLoCo:
         self.outer.step(contribute=contribute)
         self.outer_steps += 1
         self.stats.outer_steps += 1
+        for listener in self.outer_listeners:
+            listener(self)
         if not self.overlap:
             self._settled = self.outer.last_step
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
