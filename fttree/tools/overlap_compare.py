@@ -69,12 +69,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> Result:
             if rank == 0:
                 opt.outer_listeners.append(lambda o: result.points.append(
                     (time.perf_counter() - began[0], [g.clone() for _, g in o.global_parameters])))
-            g = torch.Generator().manual_seed(rank + 1)
-            batches = [draw(means, noise, args.batch, g) for _ in range(args.rounds * args.h)]
+            g = torch.Generator().manual_seed(rank + 1)  # each batch drawn when it is needed, as a loader would
             if ready.wait() == 0:
                 began[0] = time.perf_counter()
             ready.wait()
-            for x, y in batches:
+            for _ in range(args.rounds * args.h):
+                x, y = draw(means, noise, args.batch, g)
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                 opt.step()
