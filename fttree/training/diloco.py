@@ -262,6 +262,8 @@ class DiLoCo:
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
             if self._sparse is not None:
                 self._sparse.codec.reset()  # the accumulator is this worker's own: it starts empty
+            if self.eager is not None:  # its correction grew on parameters that were not the group's
+                self.eager.reset()
         self._was_syncing = self.outer.syncing
 
     def _outer_step_overlapped(self, contribute: bool) -> None:
@@ -323,10 +325,10 @@ class DiLoCo:
         self._settled = self.outer.last_step
 
     def flush(self) -> None:
-        """overlap=True: wait for the outer step in flight and go on from the global parameters
-        it made (the model is then exactly them, as without overlap; with sparse compression
-        less this worker's progress not yet sent). A no-op otherwise, and when nothing is in
-        flight."""
+        """overlap=True or "eager": wait for the outer step in flight and go on from the global
+        parameters it made (the model is then exactly them, as without overlap, and an eager
+        correction is dropped; with sparse compression less this worker's progress not yet
+        sent). A no-op otherwise, and when nothing is in flight."""
         if self._in_flight is None:
             return
         self._finish_in_flight()
