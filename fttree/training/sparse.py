@@ -197,7 +197,7 @@ class SparseCodec:
                 sent = q * scale[:, None]
                 # NaN or Inf anywhere in a chunk makes its RMS so: the allreduce's nonfinite policy then
                 # meets this contribution as it meets a dense one (see forget_nonfinite)
-                wire[self.stats_at:self.count_at] = self.acc.double().square().mean(dim=1).sqrt()
+                wire[self.stats_at:self.count_at] = self.acc.square().mean(dim=1).sqrt().double()
                 if bool(torch.isfinite(wire[self.stats_at:self.count_at]).all()):
                     self.acc.scatter_add_(1, idx, -sent)
                     self._sent = (idx, sent)
