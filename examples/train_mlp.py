@@ -5,6 +5,7 @@ worker, SGD) with fttree.ElasticJob, on N local workers.
     python examples/train_mlp.py -n 7 --steps 50 --faults "cut 1-0 @5..10" --timeout 0.2
     python examples/train_mlp.py -n 7 --steps 50 --comm gloo      # same script on gloo DDP
     python examples/train_mlp.py -n 7 --steps 256 --diloco 32 --compression int8   # fttree.DiLoCo
+    python examples/train_mlp.py -n 7 --steps 256 --diloco 32 --eager   # outer steps behind the next round
 
 Without --images the data is scikit-learn's bundled digits upsampled to 28x28 (no download);
 --images/--labels take MNIST idx files (.gz or not). Fault windows count training steps
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "uplinks shaped by source address (fttree bench) limit gloo alike")
     p.add_argument("--overlap", action="store_true",
                    help="with --diloco: run each outer step behind the next round's local steps")
+    p.add_argument("--eager", action="store_true",
+                   help="with --diloco: --overlap with the eager update (each worker goes on from the global "
+                        "parameters plus its own pseudo-gradient standing in for its term of the average in flight)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     p.add_argument("--images", help="MNIST idx images file (default: sklearn digits)")
     p.add_argument("--labels", help="MNIST idx labels file")
@@ -147,9 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.restart is not None and args.epochs:
         p.error("--restart with --epochs: --restart runs past --steps until the restarted rank is back, but a job of "
                 "whole epochs may end before it is; use --steps")
-    if args.restart is not None and args.overlap:
-        p.error("--restart with --overlap: this example commits an overlapped round a round late and cannot tell "
-                "a restarted process when an epoch ends; use one or the other")
+    if (args.overlap or args.eager) and not args.diloco:
+        p.error("--overlap and --eager overlap DiLoCo's outer steps: they need --diloco H")
+    if args.eager and args.compression == "sparse":
+        p.error("--eager with --compression sparse: fttree.DiLoCo does not build that (use --overlap with sparse)")
+    if args.restart is not None and (args.overlap or args.eager):
+        p.error("--restart with --overlap or --eager: this example commits an overlapped round a round late and "
+                "cannot tell a restarted process when an epoch ends; use one or the other")
     return args
 
 
@@ -321,7 +329,8 @@ def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.o
     if args.cache_dir:
         dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{ar.rank}")
     return fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
-                             overlap=args.overlap, compression=args.compression, bucket_mb=args.bucket_mb,
+                             overlap="eager" if args.eager else args.overlap, compression=args.compression,
+                             bucket_mb=args.bucket_mb,
                              seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
                              joins=args.restart is not None,  # --restart: a process comes back mid-job
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)

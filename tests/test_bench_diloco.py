@@ -50,6 +50,8 @@ def test_the_configurations_and_the_dry_run() -> None:
     assert labels[:2] == ["gloo DDP", "fttree DDP"]
     assert "fttree DiLoCo H=128 int8" in labels
     assert "fttree DiLoCo H=32 sparse" in labels
+    eager = next(c for c in configs(30) if "--eager" in c.args)
+    assert eager.args[:4] == ("--diloco", "32", "--compression", "int8"), eager
     assert "fttree DiLoCo H=32 sparse, rank 3 killed in round 2 and restarted" in labels
     assert all(c.local_steps >= 4 * int(c.args[1]) for c in configs(30) if "--diloco" in c.args)
     out = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "10mbit", "--dry-run"])

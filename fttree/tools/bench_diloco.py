@@ -40,13 +40,16 @@ class Config:
 def configs(budget: int) -> list[Config]:
     """gloo DDP and fttree DDP for `budget` steps; DiLoCo for 4x that in local steps (at
     least 4 rounds), H = 8, 32, 128, float32, int8 and sparse (fttree.Sparse's defaults: 1/16
-    of the coordinates at 2 bits); and one DiLoCo run with a worker killed and started again,
+    of the coordinates at 2 bits); H=32 int8 with the eager outer step (overlap="eager", the
+    outer step behind the next round); and one DiLoCo run with a worker killed and started again,
     on a data set small enough that its epochs end and are audited."""
     out = [Config("gloo DDP", ("--comm", "gloo", "--gloo-bind"), budget), Config("fttree DDP", (), budget)]
     for h in (8, 32, 128):
         for wire in ("float32", "int8", "sparse"):
             extra = ("--compression", wire) if wire != "float32" else ()
             out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, 4 * h)))
+    out.append(Config("fttree DiLoCo H=32 int8, eager outer steps", ("--diloco", "32", "--compression", "int8",
+                                                                     "--eager"), max(4 * budget, 4 * 32)))
     for wire in ("int8", "sparse"):
         out.append(Config(f"fttree DiLoCo H=32 {wire}, rank 3 killed in round 2 and restarted",
                           ("--diloco", "32", "--compression", wire, "--faults", "crash 3 @2", "--restart", "3",

@@ -27,6 +27,17 @@ the new global parameters plus its progress since. The global parameters stay al
 worker; a worker's model is the global parameters only after `flush()`. `stats` says how long
 the caller waited for outer steps and how long they took.
 
+With `overlap="eager"` the outer step runs behind the next round as with `overlap=True`, and
+each worker goes on from the eager update of Kale, Douillard and Donchev 2025 ("Eager updates
+for overlapped communication and computation in DiLoCo", the delayed outer step of Streaming
+DiLoCo): its own pseudo-gradient of the round just ended stands in for its missing term of the
+average still in flight, weighted as that term will be (1 / the contributors), and is taken out
+again when the real average lands. The paper runs the outer optimizer on each worker's mixed
+gradient; the outer step is linear in its gradient, so here the shared outer step takes the
+averages only (the global parameters and the outer momentum stay alike bit for bit) and each
+worker keeps the difference, its correction and the correction's momentum, apart
+(EagerCorrection below): its model is the global parameters plus its correction.
+
 With `compression="sparse"` (or `fttree.Sparse(...)`) a worker sends only a share of the
 coordinates, the same ones on every worker, at 2-4 bits, and its model keeps the progress it
 has not sent (fttree.training.sparse): the global parameters stay alike on every worker, the
@@ -57,6 +68,16 @@ from .buckets import DEFAULT_BUCKET_MB
 from .optim import DistributedOptimizer, GradientSync, TrainingStep
 from .sparse import Sparse, SparseCodec, SparseOuter
 
+OVERLAPS = (False, True, "eager")
+
+
+def check_overlap(overlap: object) -> bool | str:
+    """`overlap` as given, refused by name unless it is False, True or "eager"."""
+    if isinstance(overlap, bool) or (isinstance(overlap, str) and overlap == "eager"):
+        return overlap
+    raise ConfigError(f"overlap must be one of {OVERLAPS} (False: the outer step blocks; True: it runs behind the "
+                      f"next round; 'eager': that, with the eager update), got {overlap!r}")
+
 
 @dataclass
 class OuterStats:
@@ -72,12 +93,57 @@ class OuterStats:
         return max(0.0, 1.0 - self.waited_s / self.sync_s) if self.sync_s > 0 else 0.0
 
 
+class EagerCorrection:
+    """One worker's eager update (overlap="eager"), kept apart from the shared outer step: the
+    paper's worker applies the outer SGD to `avg(t-1) + (own(t) - own(t-1) * w(t-1))`, where
+    own(t) is its pseudo-gradient of the round just ended (weighted 1 / the last step's
+    contributors) and own(t-1) * w(t-1) the weight its previous one really had in the average
+    that just landed (0 when the average left it out). SGD with momentum is linear in its
+    gradient, so that is the shared outer step on avg(t-1) (the global parameters, alike
+    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum."""
+
+    def __init__(self, outer: torch.optim.Optimizer) -> None:
+        self.outer = outer
+        self.offset: list[torch.Tensor] | None = None  # the model is the global parameters plus this
+        self.momentum: list[torch.Tensor] | None = None
+        self.previous: list[torch.Tensor] | None = None  # own(t-1), the pseudo-gradient in flight
+
+    def update(self, own: list[torch.Tensor] | None, weight: float, previous_weight: float) -> list[torch.Tensor]:
+        """Take in this round's pseudo-gradient (`own`, None for an empty contribution) and
+        return the offset (empty: none yet). `weight`: the share own(t) will likely have in its
+        average (1 / the last step's contributors); `previous_weight`: the share own(t-1) had
+        in the average that just landed (0 if it left this worker out)."""
+        group = self.outer.param_groups[0]
+        lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
+        terms = [] if own is None else [(own, weight)]
+        if self.previous is not None and previous_weight:
+            terms.append((self.previous, -previous_weight))
+        self.previous = own
+        if not terms:
+            return self.offset or []
+        diff = [terms[0][0][i] * terms[0][1] for i in range(len(terms[0][0]))]
+        for t, w in terms[1:]:
+            for d, x in zip(diff, t, strict=True):
+                d.add_(x, alpha=w)
+        if self.momentum is None or self.offset is None:
+            self.momentum = [torch.zeros_like(d) for d in diff]
+            self.offset = [torch.zeros_like(d) for d in diff]
+        for buf, off, e in zip(self.momentum, self.offset, diff, strict=True):
+            buf.mul_(mu).add_(e)
+            off.sub_(lr * (e + mu * buf) if nesterov else lr * (buf if mu else e))
+        return self.offset
+
+    def reset(self) -> None:
+        """The model is the global parameters again (flush, a checkpoint loaded): no correction."""
+        self.offset = self.momentum = self.previous = None
+
+
 class DiLoCo:
     """Local steps with an averaged outer step every `sync_every` of them (see the module)."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  allreduce: FTTreeAllreduce, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: str | Sparse | None = None, overlap: bool = False,
+                 nesterov: bool = True, compression: str | Sparse | None = None, overlap: bool | str = False,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         if sync_every < 1:
             raise ConfigError(f"sync_every must be at least 1 inner step, got {sync_every}")
@@ -89,6 +155,11 @@ class DiLoCo:
         if sparse is None and compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {(*COMPRESSIONS, 'sparse')} or a fttree.Sparse, "
                               f"got {compression!r}")
+        overlap = check_overlap(overlap)
+        if overlap == "eager" and sparse is not None:
+            raise ConfigError("overlap='eager' with sparse compression is not built: a sparse worker's model already "
+                              "keeps its unsent progress (error feedback), and how the eager correction should meet "
+                              "it is not settled; use overlap=True with sparse, or eager with None, bf16, fp16 or int8")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         self.model = model
@@ -120,7 +191,11 @@ class DiLoCo:
         self._worked = False  # an inner step of this round had a batch
         self._was_syncing = self.outer.syncing
         self.overlap = overlap
+        self.eager = EagerCorrection(outer) if overlap == "eager" else None
         self.stats = OuterStats()
+        # called with this DiLoCo after each outer step here, on the thread that took it (with
+        # overlap the background one, before anything else writes the global parameters)
+        self.outer_listeners: list[Callable[[DiLoCo], None]] = []
         self._in_flight: threading.Thread | None = None  # overlap: the previous round's outer step
         self._failed: BaseException | None = None  # ...and what it raised
         self._started_at = 0.0
@@ -172,27 +247,35 @@ class DiLoCo:
         """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient."""
         if self._sparse is not None:  # the wire carries the sparse message, not the pseudo-gradient
             self._sparse.encode([g.grad for _, g in self._global if g.grad is not None] if contribute else None,
-                                accumulate=self.overlap)
+                                accumulate=bool(self.overlap))
         self.outer.synchronize(contribute)
         if self._sparse is not None:
             self._sparse.settle()
         self.outer.step(contribute=contribute)
         self.outer_steps += 1
         self.stats.outer_steps += 1
+        for listener in self.outer_listeners:
+            listener(self)
         if not self.overlap:
             self._settled = self.outer.last_step
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
             if self._sparse is not None:
                 self._sparse.codec.reset()  # the accumulator is this worker's own: it starts empty
+            if self.eager is not None:  # its correction grew on parameters that were not the group's
+                self.eager.reset()
         self._was_syncing = self.outer.syncing
 
     def _outer_step_overlapped(self, contribute: bool) -> None:
         with torch.no_grad():
             progress = [p.detach().float() - s.float() for (_, p), s in zip(self._local, self._round_start,
                                                                              strict=True)]
-        if self._in_flight is not None:  # the previous round's outer step: wait, then go on from it
+        finished = self._in_flight is not None
+        if finished:  # the previous round's outer step: wait, then go on from it
             self._finish_in_flight()
+        if self.eager is not None:  # the model: the global parameters plus this worker's eager correction
+            self._eager_update(progress, contribute)
+        elif finished:  # the model: the new global parameters plus its progress since
             with torch.no_grad():  # sparse: the model also keeps what it has not sent
                 kept = self._sparse.codec.residuals() if self._sparse is not None else [None] * len(self._global)
                 for (_, g), (_, p), d, r in zip(self._global, self._local, progress, kept, strict=True):
@@ -206,6 +289,20 @@ class DiLoCo:
         self._in_flight = threading.Thread(target=self._sync_in_background, args=(contribute,),
                                            name=f"fttree-diloco-outer-rank{self.ar.rank}", daemon=True)
         self._in_flight.start()
+
+    def _eager_update(self, progress: list[torch.Tensor], contribute: bool) -> None:
+        """overlap="eager": the global parameters (with the last average taken in, or the start)
+        plus the correction that stands this round's pseudo-gradient in for its term of the
+        average in flight (see EagerCorrection)."""
+        assert self.eager is not None
+        last = self.outer.last_step
+        counted = len(last.contributors) if last is not None and last.contributors else self.ar.world
+        was_in = last is not None and self.ar.rank in last.contributors
+        with torch.no_grad():
+            offset = self.eager.update([-d for d in progress] if contribute else None, 1.0 / counted,
+                                       1.0 / counted if was_in else 0.0)
+            for i, ((_, g), (_, p)) in enumerate(zip(self._global, self._local, strict=True)):
+                p.copy_(g.detach() + offset[i] if offset else g.detach())
 
     def _sync_in_background(self, contribute: bool) -> None:
         try:
@@ -228,10 +325,10 @@ class DiLoCo:
         self._settled = self.outer.last_step
 
     def flush(self) -> None:
-        """overlap=True: wait for the outer step in flight and go on from the global parameters
-        it made (the model is then exactly them, as without overlap; with sparse compression
-        less this worker's progress not yet sent). A no-op otherwise, and when nothing is in
-        flight."""
+        """overlap=True or "eager": wait for the outer step in flight and go on from the global
+        parameters it made (the model is then exactly them, as without overlap, and an eager
+        correction is dropped; with sparse compression less this worker's progress not yet
+        sent). A no-op otherwise, and when nothing is in flight."""
         if self._in_flight is None:
             return
         self._finish_in_flight()
@@ -245,6 +342,8 @@ class DiLoCo:
             for (_, g), (_, p), r in zip(self._global, self._local, kept, strict=True):
                 p.copy_(g if r is None else g - r)
                 g.grad = None
+        if self.eager is not None:
+            self.eager.reset()
 
     # ---- what the sampler and a joiner need (ElasticSampler.follow(opt), commit_from(opt)) --
 

@@ -21,7 +21,7 @@ sampler's and the optimizer's; see fttree.data.sampler and fttree.training.elast
   survivor, so the samplers stay alike with no messages of their own.
 - DiLoCo: a training step is a round of `diloco` local steps; the sampler deals the round's
   samples at once and the epoch iterator splits them into `diloco` local batches (empty ones
-  stepped here). With `overlap=True` a round is committed when the next one ends (its outer
+  stepped here). With `overlap=True` (or "eager") a round is committed when the next one ends (its outer
   step runs behind the next local steps), and the last one at the epoch's end (`flush`).
 - A restarted or new process (a joiner) has no epoch until the state and the sampler's
   history come from a peer (`ElasticSampler.follow`): `epochs()` steps it with empty
@@ -67,7 +67,7 @@ from ..data.sampler import CollateOrNone, ElasticSampler, loader_horizon
 from ..errors import ConfigError
 from . import checkpoint as ckpt_file
 from .buckets import DEFAULT_BUCKET_MB
-from .diloco import DiLoCo
+from .diloco import DiLoCo, check_overlap
 from .optim import DistributedOptimizer, TrainingStep
 from .sparse import Sparse
 from .state import StateMismatch, capture, encode, load
@@ -235,7 +235,8 @@ class ElasticJob:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
                  batch_size: int, allreduce: FTTreeAllreduce | None = None, diloco: int = 0,
-                 overlap: bool = False, compression: str | Sparse | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 overlap: bool | str = False, compression: str | Sparse | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB,
                  seed: int = 0, stable: bool = False, num_workers: int = 0, prefetch_factor: int | None = None,
                  pin_memory: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  joins: bool | None = None, audit: bool = True, outer_lr: float = 0.7,
@@ -267,8 +268,10 @@ class ElasticJob:
             if not num_workers:
                 raise ConfigError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (loader processes to "
                                   f"prefetch with)")
+        overlap = check_overlap(overlap)
         if overlap and not diloco:
-            raise ConfigError("overlap=True overlaps DiLoCo's outer steps: it needs diloco=H (local steps per round)")
+            raise ConfigError(f"overlap={overlap!r} overlaps DiLoCo's outer steps: it needs diloco=H (local steps per "
+                              f"round)")
         if (isinstance(compression, Sparse) or compression == "sparse") and not diloco:
             raise ConfigError("compression='sparse' sends a share of DiLoCo's pseudo-gradients: it needs diloco=H; "
                               "a data-parallel step takes 'bf16', 'fp16' or 'int8'")
@@ -277,12 +280,12 @@ class ElasticJob:
         _check_scheduler(scheduler, optimizer, diloco)
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 1)
         if checkpoint_dir is not None and overlap:
-            raise ConfigError("checkpoint_dir with overlap=True: an overlapped round's outer step is still in flight "
-                              "when the next round trains, so no step boundary holds a model that matches the "
-                              "committed samples; checkpoint without overlap")
+            raise ConfigError(f"checkpoint_dir with overlap={overlap!r}: an overlapped round's outer step is still "
+                              "in flight when the next round trains, so no step boundary holds a model that matches "
+                              "the committed samples; checkpoint without overlap")
         if joins and overlap:
-            raise ConfigError("joins=True with overlap=True: an overlapped round is committed a round late, and a "
-                              "joining process could not tell when an epoch ends; use one or the other")
+            raise ConfigError(f"joins=True with overlap={overlap!r}: an overlapped round is committed a round late, "
+                              "and a joining process could not tell when an epoch ends; use one or the other")
         if allreduce is None:
             allreduce = _default_allreduce()
         if not isinstance(allreduce, FTTreeAllreduce):
@@ -317,7 +320,8 @@ class ElasticJob:
         self.joining = self.opt.syncing  # this process joins a running job (restarted, or new)
         if self.joining and not joins:
             raise ConfigError(f"rank {self.rank} joins a running job, but the job was built with joins=False"
-                              f"{' (overlap=True)' if overlap else ''}: it could not take part in the epoch audits; "
+                              f"{f' (overlap={overlap!r})' if overlap else ''}: it could not take part in the epoch "
+                              f"audits; "
                               f"build every rank's ElasticJob with joins=True to take processes back")
         self.diloco, self.overlap, self.audit, self.joins = diloco, overlap, audit, joins
         self._flags = joins and audit  # one flag allreduce after every training step

@@ -123,6 +123,7 @@ class SparseCodec:
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # this round's (indices, values sent)
         self.momentum: Callable[[], list[torch.Tensor] | None] = lambda: None  # set by SparseOuter
         self.rounds_sent = 0
+        self.nonfinite_rounds = 0  # rounds whose accumulator held NaN or Inf (forget_nonfinite)
 
     # ---- sizes --------------------------------------------------------------------------
 
@@ -194,15 +195,33 @@ class SparseCodec:
                                 torch.zeros_like(vals))
                 q = torch.nan_to_num(q, nan=0.0)
                 sent = q * scale[:, None]
+                # NaN or Inf anywhere in a chunk makes its RMS so: the allreduce's nonfinite policy then
+                # meets this contribution as it meets a dense one (see forget_nonfinite)
                 wire[self.stats_at:self.count_at] = self.acc.square().mean(dim=1).sqrt().double()
-                self.acc.scatter_add_(1, idx, -sent)
-                self._sent = (idx, sent)
+                if bool(torch.isfinite(wire[self.stats_at:self.count_at]).all()):
+                    self.acc.scatter_add_(1, idx, -sent)
+                    self._sent = (idx, sent)
+                else:
+                    self.forget_nonfinite()
                 wire[:self.words] = pack(q.to(torch.int64).reshape(-1) + levels, self.width, self.per_word,
                                          self.words)
                 wire[self.count_at] = 1.0
                 wire[self.digest_at] = float(digest)
                 self.rounds_sent += 1
         self.wire.grad = wire
+
+    def forget_nonfinite(self) -> None:
+        """The accumulator holds NaN or Inf (the worker's training diverged in this round): it
+        can never be sent, and kept it would make every later message of this worker non-finite
+        and its model NaN for good. This round's message carries the non-finite RMS, so the
+        allreduce treats it as a non-finite dense pseudo-gradient (Config.nonfinite: "skip"
+        leaves this worker out of the round, with a note; "abort" fails the round on every
+        worker, naming it; "allow" lets it into the sum, where decode refuses it), and the
+        accumulator starts over: the worker loses its unsent progress, as a dense worker that
+        is skipped loses its round, and goes on from the global parameters."""
+        self.acc.zero_()
+        self._sent = None
+        self.nonfinite_rounds += 1
 
     def left_out(self) -> None:
         """This worker's values were not in the round's sum (it was late, say): keep them."""
@@ -239,6 +258,14 @@ class SparseCodec:
                 raise FTTreeError(f"sparse outer step {step}: the workers chose different index sets or scales "
                                   f"(digest sum {float(total[self.digest_at]):.0f}, expected {count} x {digest}); "
                                   f"their shared state differs")
+            stats = total[self.stats_at:self.count_at]
+            if not bool(torch.isfinite(stats).all()):
+                bad = torch.nonzero(~torch.isfinite(stats)).view(-1)
+                raise FTTreeError(f"sparse outer step {step}: a worker's error-feedback accumulator held NaN or Inf "
+                                  f"(chunks {bad[:8].tolist()}{' ...' if len(bad) > 8 else ''} of {self.chunks}), "
+                                  f"and the sum took it in (nonfinite='allow'); the shared scales of those chunks "
+                                  f"would be lost on every worker. Use nonfinite='skip' (leave that worker out of "
+                                  f"the round) or 'abort'")
             fields = unpack(total[:self.words], self.width, self.per_word, self.values)
             q = (fields - count * self.config.levels).to(torch.float32).view(self.chunks, self.k)
             out.view(self.chunks, self.chunk).scatter_(1, idx, q * scale[:, None] / count)
