@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 
 class Output:
@@ -54,9 +62,16 @@ class Output:
         return "".join(self.lines)
 
 
-def run_all(commands: list[list[str]], env: dict[str, str], deadline_s: float) -> list[str]:
+def run_all(commands: list[list[str]], env: dict[str, str], deadline_s: float,
+            preload: Sequence[str] = ()) -> list[str]:
     """Start one process per command, wait for all of them until `deadline_s` from now, and
-    return each one's output (stdout and stderr together); any still running then is killed."""
+    return each one's output (stdout and stderr together); any still running then is killed.
+
+    With `preload` (module names), every command is `[sys.executable, SCRIPT, *args]` and the
+    processes are forked from one server that imported those modules once (tests/forked.py):
+    for workers that each import torch and need no fresh interpreter."""
+    if preload:
+        return _run_forked(commands, env, deadline_s, preload)
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in commands]
     end = time.monotonic() + deadline_s
@@ -70,3 +85,28 @@ def run_all(commands: list[list[str]], env: dict[str, str], deadline_s: float) -
                 proc.kill()
                 proc.wait()
     return logs
+
+
+def _run_forked(commands: list[list[str]], env: dict[str, str], deadline_s: float,
+                preload: Sequence[str]) -> list[str]:
+    for cmd in commands:
+        if cmd[0] != sys.executable or len(cmd) < 2:
+            raise ValueError(f"run_all(preload=...) runs `python SCRIPT ARGS` commands, not {cmd}")
+    with tempfile.TemporaryDirectory(prefix="fttree-forked-") as tmp:
+        logs = [str(Path(tmp) / f"worker{i}.log") for i in range(len(commands))]
+        spec = json.dumps({"preload": list(preload), "commands": [cmd[1:] for cmd in commands], "logs": logs})
+        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked.py"))], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)  # its own group: the deadline ends every child
+        try:
+            out = server.communicate(spec, timeout=deadline_s)[0]
+        except subprocess.TimeoutExpired:
+            out = ""
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)  # children still running at the deadline, or orphaned
+            server.wait()
+        texts = [Path(log).read_text(errors="replace") if Path(log).exists() else "" for log in logs]
+    if out or server.returncode not in (0, -signal.SIGKILL):
+        texts = [f"{text}\n--- the fork server (exit {server.returncode}):\n{out}" for text in texts]
+    return texts

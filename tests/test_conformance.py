@@ -283,7 +283,8 @@ def run(backend: str, world: int, tmp: Path) -> list[dict[str, Any]]:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60"}
     logs = run_all([[sys.executable, __file__, backend, str(rank), str(world), str(port), str(outdir)]
-                    for rank in range(world)], env, deadline_s=240)
+                    for rank in range(world)], env, deadline_s=240,
+                   preload=("torch", "torch.distributed", "fttree"))  # torch imported once, the ranks forked
     results = []
     for rank in range(world):
         path = outdir / f"rank{rank}.pt"

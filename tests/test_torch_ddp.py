@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 WORLD = 3
+WORKER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "fttree")
 BATCH = 8
 STEPS = 5
 
@@ -200,7 +201,9 @@ def run_workers(scenario: str, tmp_path: Path, env: dict[str, str] | None = None
     args = [scenario, str(store.port), json.dumps(peers), str(tmp_path)]
     # a generous step timeout: on a loaded machine ranks can reach the first step seconds apart
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_STEP_TIMEOUT": "60", **(env or {})}
-    logs = run_all([[sys.executable, __file__, str(rank), *args] for rank in range(WORLD)], full_env, deadline_s)
+    # forked from one process that imported torch once: the workers need no fresh interpreter
+    logs = run_all([[sys.executable, __file__, str(rank), *args] for rank in range(WORLD)], full_env, deadline_s,
+                   preload=WORKER_IMPORTS)
     results = []
     for rank in range(WORLD):
         path = tmp_path / f"rank{rank}.pt"

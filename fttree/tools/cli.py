@@ -129,7 +129,82 @@ def uplink_settings(rate: str) -> dict[str, Any]:
         raise click.BadParameter(str(exc), param_hint="--uplink") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Subcommands that live in their own modules (bench, status, ...) register here, so each
+# feature keeps its CLI next to its code. Each is imported only when it runs (chaos's worker
+# imports torch: 1.5 s of CPU that `fttree worker` and `fttree --help` need not pay); `--help`
+# lists them with the one-line help below, which tests/test_cli_imports.py keeps equal to the
+# command's own. A module that is missing is simply not offered.
+PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("fttree.tools.bench_cli",
+              "Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree, "
+              "and measure node failures (a worker killed or stopped) beside the link patterns."),
+    "analyze": ("fttree.tools.bench_cli",
+                "Random link failures tolerated until some node is isolated, by tree height (thesis Figure 11)."),
+    "status": ("fttree.status.cli", "Show every worker's tree position, step, step time and link health."),
+    "netem": ("fttree.tools.realfaults",
+              "Real faults with iptables and tc: see the rules fttree installed, remove them, find the scripts."),
+    "yardstick": ("fttree.tools.yardstick",
+                  "Run `fttree launch LAUNCH_ARGS` from this checkout and from the reference commit in alternating "
+                  "pairs; print each pair and the median ratios (this / reference) of the median step and of the "
+                  "CPU per step."),
+    "chaos": ("fttree.tools.chaos",
+              "Goodput under a seeded random mix of real faults, against a fault-free run of the same job."),
+}
+
+
+def _plugin_present(module_name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:  # its package is missing
+        return False
+
+
+def load_plugin(name: str) -> click.Command | None:
+    """The subcommand NAME from its module (imported now), or None if the module is missing."""
+    import importlib
+
+    module_name = PLUGIN_COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return None
+    command = getattr(module, name, None)
+    return command if isinstance(command, click.Command) else None
+
+
+class _LazyGroup(click.Group):
+    """`fttree`'s group: the plugin subcommands load when invoked, not at start-up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        lazy = [name for name, (module, _) in PLUGIN_COMMANDS.items()
+                if name not in self.commands and _plugin_present(module)]
+        return sorted([*super().list_commands(ctx), *lazy])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in PLUGIN_COMMANDS:
+            command = load_plugin(cmd_name)
+            if command is not None:
+                self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        commands: list[tuple[str, click.Command]] = []
+        for name in self.list_commands(ctx):
+            # a plugin not loaded yet: a stand-in with its stored one-line help
+            command = self.commands.get(name) or click.Command(name, help=PLUGIN_COMMANDS[name][1])
+            if not command.hidden:
+                commands.append((name, command))
+        if commands:
+            limit = formatter.width - 6 - max(len(name) for name, _ in commands)  # as click.Group's
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, command.get_short_help_str(limit)) for name, command in commands])
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 def main(verbose: int) -> None:
     """fttree: fault-tolerant tree allreduce over unreliable links."""
@@ -386,33 +461,3 @@ def certs(world: int | None, add: tuple[int, ...], out: Path) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {len(made)} rank certificate(s) to {out}: give worker R ca.pem, rank-R.pem and rank-R.key; "
                f"keep ca.key where ranks are added")
-
-
-# Subcommands that live in their own modules (bench, status, ...) register here, so each
-# feature keeps its CLI next to its code. A module that is missing is simply not offered.
-_PLUGIN_COMMANDS = {
-    "bench": "fttree.tools.bench_cli",
-    "analyze": "fttree.tools.bench_cli",
-    "status": "fttree.status.cli",
-    "netem": "fttree.tools.realfaults",
-    "yardstick": "fttree.tools.yardstick",
-    "chaos": "fttree.tools.chaos",
-}
-
-
-def _register_plugins() -> None:
-    import importlib
-
-    for name, module_name in _PLUGIN_COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        command = getattr(module, name, None)
-        if isinstance(command, click.Command):
-            main.add_command(command, name)
-
-
-_register_plugins()

@@ -9,13 +9,15 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..api import FTTreeAllreduce
 from ..core.protocol import Note, NoteKind
 from ..errors import FTTreeError, StepRetry
+
+if TYPE_CHECKING:  # the API (numpy, uvloop, the transport) loads with the first worker, not with `fttree --help`
+    from ..api import FTTreeAllreduce
 
 THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
 
