@@ -15,6 +15,7 @@ import pytest
 
 from fttree.errors import ConfigError
 from fttree.tools import chaos_schedule as cs
+from fttree.tools.chaos import Measure, Run, evicted_by
 from fttree.tools.chaos_checks import ChaosFailure, Checks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +146,26 @@ def test_the_checks_keep_a_window_not_every_step() -> None:
         c.feed(step(0, n, digest=str(n)))
     assert len(c.digests) <= 300
     assert len(c.contributors) <= 300
+
+
+def test_a_heal_is_credited_to_its_own_restart_not_a_later_one() -> None:
+    """Rank 1 killed twice; the first restart never contributes: the second restart's step heals
+    only the second kill (crediting the first would report a heal of the whole gap)."""
+    run = Run.__new__(Run)
+    first = Measure(cs.Fault(0.0, cs.KILL, (1,), 1.0), t_fault=1000.0, t_end=1001.0, t_back=1001.0, pid_back=201)
+    second = Measure(cs.Fault(20.0, cs.KILL, (1,), 1.0), t_fault=1020.0, t_end=1021.0, t_back=1021.0, pid_back=301)
+    for m in (first, second):
+        run._measure(m, step(1, 25, pid=301))
+    assert first.healed_s is None
+    assert second.healed_s == pytest.approx(5.0)
+
+
+def test_an_eviction_is_credited_to_the_stop_that_caused_it() -> None:
+    old = Measure(cs.Fault(0.0, cs.STOP, (2,), 1.0), t_fault=1000.0)  # ended, never evicted
+    new = Measure(cs.Fault(30.0, cs.STOP, (2,), 20.0), t_fault=1030.0)
+    other = Measure(cs.Fault(31.0, cs.STOP, (3,), 20.0), t_fault=1031.0)
+    assert evicted_by([old, new, other], 2) is new
+    assert evicted_by([old, new, other], 4) is None
 
 
 # ---- a short chaos run of real processes ----------------------------------------------------

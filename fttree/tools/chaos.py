@@ -74,7 +74,8 @@ class Measure:
 
     fault: cs.Fault
     t_fault: float
-    t_back: float | None = None  # kill/leave: when the new process started
+    t_back: float | None = None  # kill/leave/eviction: when the new process started
+    pid_back: int | None = None  # that process: only its steps heal this fault, not a later restart's
     t_end: float | None = None  # when the runner ended the fault
     detected_s: float | None = None
     healed_s: float | None = None
@@ -92,6 +93,14 @@ class RunResult:
     @property
     def rate(self) -> float:
         return self.samples / self.seconds
+
+
+def evicted_by(measures: list[Measure], rank: int) -> Measure | None:
+    """The stop or straggler fault that got `rank` evicted: its newest one not yet healed (an older
+    one ended without an eviction and must not be credited with this restart's heal)."""
+    mine = [m for m in measures if rank in m.fault.ranks and m.fault.kind in (cs.STOP, cs.STRAGGLER)
+            and m.healed_s is None and m.t_back is None]
+    return max(mine, key=lambda m: m.t_fault, default=None)
 
 
 class Cluster:
@@ -225,7 +234,7 @@ class Run:
                     m.detected_s = t - m.t_fault
             elif not victims <= contributors or victims & late:
                 m.detected_s = t - m.t_fault
-        if m.healed_s is None and m.t_back is not None and rec["rank"] == f.ranks[0] and t > m.t_back \
+        if m.healed_s is None and m.pid_back == rec["pid"] and rec["rank"] == f.ranks[0] and t > (m.t_back or 0.0) \
                 and not rec["waiting"] and f.ranks[0] in contributors:  # the new process takes part with state
             m.healed_s = t - m.t_fault
 
@@ -249,9 +258,9 @@ class Run:
                 self.evictions += 1
                 self.s.echo(f"  rank {rank} was evicted while stopped: restarting it")
                 self.cluster.start(rank, join=True)
-                for m in self.measures:
-                    if rank in m.fault.ranks and m.fault.kind in (cs.STOP, cs.STRAGGLER):
-                        m.t_back = time.time()
+                evicting = evicted_by(self.measures, rank)
+                if evicting is not None:
+                    self._back(evicting, rank)
                 continue
             raise ChaosFailure(f"rank {rank} (pid {proc.pid}) exited with {proc.returncode}: "
                                f"{self.cluster.log_tail(rank)}")
@@ -296,7 +305,7 @@ class Run:
         match f.kind:
             case cs.KILL:
                 self.cluster.start(r, join=True)
-                m.t_back = time.time()
+                self._back(m, r)
             case cs.STOP:
                 self.cluster.signal(r, signal.SIGCONT)
             case cs.CUT:
@@ -312,7 +321,11 @@ class Run:
                     proc.wait(timeout=self.s.end_s)  # it left: its process ends
                     self.cluster.procs.pop(r)
                 self.cluster.start(r, join=True)  # a new process in its place
-                m.t_back = time.time()
+                self._back(m, r)
+
+    def _back(self, m: Measure, rank: int) -> None:
+        """The fault's new process: the one whose first contributing step heals it."""
+        m.t_back, m.pid_back = time.time(), self.cluster.procs[rank].pid
 
     def _straggle(self) -> None:
         now = time.monotonic()
