@@ -16,8 +16,7 @@ import numpy as np
 from ..api import FTTreeAllreduce
 from ..core.protocol import Note, NoteKind
 from ..errors import FTTreeError, StepRetry
-
-THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
+from .sizes import THESIS_MLP_PARAMS as THESIS_MLP_PARAMS  # re-exported: its old home
 
 
 def contribution(rank: int, step: int, size: int) -> np.ndarray:
