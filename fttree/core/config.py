@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .messages import DEFAULT_MAX_PAYLOAD_BYTES
+from .limits import DEFAULT_MAX_PAYLOAD_BYTES
 from .timeouts import AdaptiveTimeouts, StaticTimeouts, TimeoutPolicy
 from .trees import check_family
 

@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 from ..errors import FrameError
+from .limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 MAGIC = b"FT"
 VERSION = 10  # 2: epoch in every header, ABORT code and queued bytes in fields of their own; 3: membership; 4: joins;
@@ -34,7 +35,6 @@ VERSION = 10  # 2: epoch in every header, ABORT code and queued bytes in fields 
 #               PING's `step`
 PREFIX = struct.Struct(">2sBIQ")
 MAX_HEADER_BYTES = 64 * 1024
-DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024 * 1024  # Config.max_payload_bytes' default: one figure for both
 
 #: dtypes allowed on the wire (numpy `dtype.str`, "bf16" and "int8") and their bytes per element. A
 #: bfloat16 *tensor* travels as float32 (see api.py); "bf16" and "int8" are float32 data compressed

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..core.buffers import BufferPool
-from ..core.messages import DEFAULT_MAX_PAYLOAD_BYTES, PREFIX, Frame, decode_header, decode_prefix, encode
+from ..core.limits import DEFAULT_MAX_PAYLOAD_BYTES
+from ..core.messages import PREFIX, Frame, decode_header, decode_prefix, encode
 from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address

@@ -35,7 +35,7 @@ from .bench_patterns import (
     pattern_links,
 )
 from .bench_spec import DEFAULT_TREES, SLOW_BF16, RunSpec
-from .demo import THESIS_MLP_PARAMS
+from .sizes import THESIS_MLP_PARAMS
 from .units import parse_uplinks
 
 

@@ -39,10 +39,9 @@ import click
 
 from ..errors import FTTreeError
 from ..net.address import free_port, local_hosts, local_peers
-from ..net.credentials import write_key
 from . import chaos_schedule as cs
 from .chaos_checks import ChaosFailure, Checks
-from .chaos_worker import EXIT_EVICTED, STOP_FILE
+from .chaos_files import EXIT_EVICTED, STOP_FILE
 
 POLL_S = 0.05  # how often the runner reads the records and the children's exits (files and pids: no event)
 STRAGGLE_S = (0.4, 0.4)  # a straggler's SIGSTOP bursts: stopped, then running, seconds
@@ -429,6 +428,8 @@ def network(s: Settings, kinds: tuple[str, ...]) -> Iterator[tuple[str | None, l
 
 def run_chaos(s: Settings) -> tuple[RunResult, RunResult, list[str]]:
     """(fault-free, chaos, kinds skipped)."""
+    from ..net.credentials import write_key  # here: it pulls in numpy, which `fttree --help` need not pay
+
     with ExitStack() as stack:
         folder = s.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fttree-chaos-")))
         folder.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from . import SOURCE_ROOT
+from .chaos_files import EXIT_EVICTED, STOP_FILE
 
-STOP_FILE = "stop"
-EXIT_EVICTED = 3  # the group went on without this process (it was stopped too long): restart it
 NOTES_PER_STEP = 16  # at most this many protocol notes in one step record
 
 

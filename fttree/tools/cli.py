@@ -20,10 +20,8 @@ from ..core.faults import FaultSchedule
 from ..core.trees import TREE_FAMILIES
 from ..errors import FTTreeError
 from ..net.address import parse_peers
-from ..net.credentials import write_key
 from ..status.cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
-from .demo import THESIS_MLP_PARAMS, run_steps
-from .launch import launch as run_launch
+from .sizes import THESIS_MLP_PARAMS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -246,6 +244,7 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
     """Run one worker of a multi-machine job: checked allreduce steps of a known sum. SIGTERM
     makes it leave the group after the step in flight (the others pay no timeout)."""
     from ..api import FTTreeAllreduce
+    from .demo import run_steps
 
     extra = _parse_settings(settings)
     try:
@@ -350,6 +349,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     (docs/nat.md). The workers
     prove a key made for this job (job.key in the launch directory) unless --auth-key-file
     names one; --tls also encrypts their connections."""
+    from ..net.credentials import write_key
+    from .launch import launch as run_launch
     from .nodefaults import link_schedule_text, node_faults
 
     try:
@@ -436,6 +437,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
               help="Where to write the key (readable by its owner only).")
 def key(out: Path) -> None:
     """Write a fresh shared key for a job: give the same file to every worker (--auth-key-file)."""
+    from ..net.credentials import write_key
+
     click.echo(f"wrote a new job key to {write_key(out)}: copy it to every worker of the job, over a channel "
                f"you trust")
 

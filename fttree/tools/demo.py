@@ -19,7 +19,7 @@ from ..errors import FTTreeError, StepRetry
 if TYPE_CHECKING:  # the API (numpy, uvloop, the transport) loads with the first worker, not with `fttree --help`
     from ..api import FTTreeAllreduce
 
-THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
+from .sizes import THESIS_MLP_PARAMS as THESIS_MLP_PARAMS  # re-exported: its old home
 
 
 def contribution(rank: int, step: int, size: int) -> np.ndarray:

@@ -30,14 +30,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import click
 
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError, FTTreeError
 from . import SOURCE_ROOT
-from .launch import LaunchResult, launch
 from .nodefaults import GATE_POLL_S, NodeFaultDriver, RealFaultError, StepGate, node_faults
+
+if TYPE_CHECKING:
+    from .launch import LaunchResult
 
 __all__ = ["GATE_POLL_S", "RealFaultError", "StepGate"]  # moved to nodefaults; still importable from here
 
@@ -315,6 +318,8 @@ def launch_with_real_faults(schedule: FaultSchedule, world: int, worker_args: Se
             echo(f"real faults in namespace {ns}: {schedule} (firewall changes before steps "
                  f"{', '.join(map(str, sorted(runner.plan))) or 'none'})")
         with runner:
+            from .launch import launch  # here, not at import: it pulls in numpy and the allreduce
+
             result = launch(world, [*worker_args, *runner.worker_args()], steps=steps,
                             host_base=host_base, port=port, launch_dir=launch_dir, deadline_s=deadline_s, echo=echo,
                             prefix=["ip", "netns", "exec", ns], schedule=schedule, driver=driver, verbose=verbose)
@@ -380,6 +385,8 @@ def launch_behind_nat(sites: Sequence[Sequence[int]], world: int, worker_args: S
     with sigterm_as_interrupt(), nat_network(sites, world) as name:
         peers = run_script("nat.sh", "peers", name, "--port", str(port), *(["--site-local"] if site_local else []))
         echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
+        from .launch import launch
+
         return launch(world, worker_args, steps=steps, port=port, launch_dir=launch_dir, deadline_s=deadline_s,
                       echo=echo, schedule=schedule, verbose=verbose, peers=peers.splitlines(),
                       rank_prefix=lambda rank: [nat, "exec", name, str(rank), "--"])
