@@ -75,8 +75,8 @@ from typing import Any
 
 from .admission import Query
 from .config import Config
+from .effects import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .messages import Agreement, Detection, Frame, Join, Kind, Notice
-from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .view import View
 
 MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this

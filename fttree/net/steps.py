@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.config import Config
+from ..core.effects import AbortCode, Complete, Fail
 from ..core.membership import Busy, MemberEvent
-from ..core.protocol import AbortCode, Complete, Fail, Submit
+from ..core.protocol import Submit
 from ..core.replica import Replica
 from ..errors import StepAborted, StepRetry, TensorMismatch
 from .scheduler import Scheduler

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..api import FTTreeAllreduce
-from ..core.protocol import Note, NoteKind
+from ..core.effects import Note, NoteKind
 from ..errors import FTTreeError, StepRetry
 
 THESIS_MLP_PARAMS = 407_050  # 784-512-10 MLP of the seed thesis
