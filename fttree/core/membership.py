@@ -68,15 +68,15 @@ survivors; never two. The plan travels flattened: step, holder, count, then that
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from .admission import Query
 from .config import Config
+from .effects import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .messages import Agreement, Detection, Frame, Join, Kind, Notice
-from .protocol import CancelTimer, Send, SetTimer, TimerKey, TimerKind
 from .view import View
 
 MAX_NODE_DEADLINE_S = 30.0  # however slowly pings come back, a silent rank is suspected after this
@@ -334,6 +334,16 @@ class MemberStatus:
     suspicions_total: int = 0  # neighbours this rank has suspected (each once per suspicion)
 
 
+
+def coordinator(members: Sequence[int], passed_over: Collection[int] = ()) -> int | None:
+    """Who coordinates: the member in the lowest slot that is not passed over. What is passed
+    over depends on the decision: the confirmed dead for a view change (so the next live rank
+    takes over when the coordinator dies), the ranks leaving for joins (a leaving coordinator
+    would admit a rank into a view it is about to leave), nobody for a pace round. None: every
+    member is passed over. One rule, so every member that knows the same names the same rank."""
+    return next((r for r in members if r not in passed_over), None)
+
+
 class Membership:
     """One rank's view of the group. Deterministic: the same events at the same times give the
     same actions."""
@@ -478,8 +488,8 @@ class Membership:
                 or held / PACE_FACTOR <= target <= held * PACE_FACTOR):
             return
         self._pace_asked = self.view.epoch
-        coordinator = self.view.members[0]
-        if coordinator == self.rank:
+        coordinator = self.coordinator()
+        if coordinator is None or coordinator == self.rank:
             self._pace_wanted[self.rank] = target
             self._maybe_pace_round(now, out)
         else:
@@ -493,7 +503,7 @@ class Membership:
             held = self._held_rate(rank)
             if held / PACE_FACTOR <= wanted <= held * PACE_FACTOR:
                 del self._pace_wanted[rank]  # the view holds a figure near it now (a round since)
-        if not self._pace_wanted or not self._may_change() or self.view.members[0] != self.rank:
+        if not self._pace_wanted or not self._may_change() or self.coordinator() != self.rank:
             return
         self._pace_wanted.clear()
         self._start_round(frozenset(), now, out, pace=True)
@@ -674,7 +684,7 @@ class Membership:
         if self._round is not None:
             return
         dead = self._dead(now)
-        if not dead or self.rank in dead or next(r for r in self.view.members if r not in dead) != self.rank:
+        if not dead or self.rank in dead or self.coordinator(passed_over=dead) != self.rank:
             return
         self._start_round(dead, now, out)
 
@@ -682,7 +692,7 @@ class Membership:
         """A rank asks to be admitted (the node has checked it is a new process). Only the
         coordinator acts; the joiner asks every member, again until admitted. A rank still in
         the view is a restarted process: its old one is gone, so it is evicted first."""
-        if next(r for r in self.view.members if r not in self._leaving) != self.rank:
+        if self.coordinator(passed_over=self._leaving) != self.rank:
             return
         if len(self._waiting_joins) < MAX_WAITING_JOINS or joiner in self._waiting_joins:
             self._waiting_joins[joiner] = joiner in self.view
@@ -700,8 +710,8 @@ class Membership:
     def _pass_on_join(self, msg: Join, now: float, out: list[MemberAction]) -> None:
         """A member that is not the coordinator passes a join request on (at most once a
         second per joiner): the joiner's own frames to the coordinator may not get through."""
-        coordinator = next((r for r in self.view.members if r not in self._leaving), self.rank)
-        if coordinator == self.rank or self.state is not MemberState.ACTIVE:
+        coordinator = self.coordinator(passed_over=self._leaving)
+        if coordinator is None or coordinator == self.rank or self.state is not MemberState.ACTIVE:
             return
         if now - self._passed_on.get(msg.src, -1e9) < JOIN_PASS_ON_S:
             return
@@ -735,7 +745,7 @@ class Membership:
                 self._waiting_joins[rank] = False  # a restarted rank's old process is out now
         joining = tuple(sorted(r for r, restarted in self._waiting_joins.items() if not restarted))
         if (not joining or not self._may_change()
-                or next(r for r in self.view.members if r not in self._leaving) != self.rank):
+                or self.coordinator(passed_over=self._leaving) != self.rank):
             return
         for rank in joining:
             del self._waiting_joins[rank]
@@ -1181,6 +1191,10 @@ class Membership:
                 # this side and finds it has no majority: either way nothing here can form a view
                 if msg.epoch == self.view.epoch and self.rank in msg.promised and msg.ballot in (0, self._promised):
                     self._stop(MemberState.MINORITY, self._minority_reason(len(msg.promised), msg.view_size), out)
+
+    def coordinator(self, passed_over: Collection[int] = ()) -> int | None:
+        """The member that coordinates this view's rounds now (see `coordinator`)."""
+        return coordinator(self.view.members, passed_over)
 
     def _coordinator_of(self, ballot: int) -> int | None:
         """The member of this view whose ballots `ballot` is of (its slot is in the ballot)."""

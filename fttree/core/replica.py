@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 from .admission import Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from .config import Config
+from .effects import Action, Cause, LinkState, Note, Send
 from .farewell import Farewell
 from .lifecycle import Life, Lifecycle, Phase
 from .membership import (
@@ -55,7 +56,7 @@ from .membership import (
     Stopped,
 )
 from .messages import SENDER_RULES, Frame, Join, Kind, Message, Notice, Sender, State
-from .protocol import Action, Cause, Event, LinkDown, LinkState, Note, Received, Send, Submit, TimerFired, TreeMachine
+from .protocol import Event, LinkDown, Received, Submit, TimerFired, TreeMachine
 from .view import View
 
 #: a step's frames about links or committed results: never stale (Replica.is_stale)

@@ -22,6 +22,19 @@ import numpy as np
 
 from ..core.admission import Answer, Answered, Joined, LearnAddress, Reply
 from ..core.config import Config
+from ..core.effects import (
+    CancelTimer,
+    Cause,
+    Complete,
+    Fail,
+    Note,
+    NoteKind,
+    Send,
+    SetTimer,
+    TimerKey,
+    TimerKind,
+    Void,
+)
 from ..core.lifecycle import RUNNING_PHASES, Life, Lifecycle, Phase
 from ..core.membership import (
     Busy,
@@ -43,23 +56,7 @@ from ..core.messages import (
     Notice,
     State,
 )
-from ..core.protocol import (
-    CancelTimer,
-    Cause,
-    Complete,
-    Event,
-    Fail,
-    MachineStatus,
-    Note,
-    NoteKind,
-    Send,
-    SetTimer,
-    TimerFired,
-    TimerKey,
-    TimerKind,
-    TreeMachine,
-    Void,
-)
+from ..core.protocol import Event, MachineStatus, TimerFired, TreeMachine
 from ..core.replica import (
     Admit,
     Arrived,

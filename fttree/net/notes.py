@@ -8,8 +8,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
+from ..core.effects import Note, NoteKind
 from ..core.messages import Frame, Sender
-from ..core.protocol import Note, NoteKind
 
 log = logging.getLogger("fttree.net.node")
 

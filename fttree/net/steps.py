@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.chunking import plan_chunks
 from ..core.config import Config
+from ..core.effects import AbortCode, Complete, Fail
 from ..core.membership import Busy, MemberEvent
-from ..core.protocol import AbortCode, Complete, Fail, Submit
+from ..core.protocol import Submit
 from ..core.replica import Replica
 from ..errors import StepAborted, StepRetry, TensorMismatch
 from .scheduler import Scheduler
@@ -126,10 +128,9 @@ class StepBook:
         data = req.data
         # cut as every member cuts it: at the view's pace (view.py), never by the number of
         # members (a step run again after an eviction keeps its chunks)
-        per_chunk = max(1, self.cfg.chunk_bytes_for(data.nbytes, replica.machine.view.pace) // max(1, data.itemsize))
-        starts = list(range(0, max(1, data.size), per_chunk))
+        cut = plan_chunks(self.cfg, data.size, data.itemsize, replica.machine.view.pace)
         idle = not self.running
-        run = _Running(request=req, offsets=dict(enumerate(starts)), per_chunk=per_chunk,
+        run = _Running(request=req, offsets=cut.offsets, per_chunk=cut.per_chunk,
                        started=self.scheduler.monotonic(), began=self.scheduler.now())
         self.running[req.step] = run
         self.last_submitted = max(self.last_submitted, req.step)

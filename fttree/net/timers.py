@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..core.protocol import TimerKey, TimerKind
+from ..core.effects import TimerKey, TimerKind
 from .scheduler import Handle, Scheduler
 
 MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,

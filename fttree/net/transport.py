@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from ..core.effects import LinkState
 from ..core.messages import Frame
-from ..core.protocol import LinkState
 from .address import Address
 
 __all__ = ["LinkHealth", "LinkState", "LinkStatus", "Transport", "TransportEvents", "TransportStatus"]

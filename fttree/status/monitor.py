@@ -34,7 +34,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from .. import logs
-from ..core.protocol import Cause, Note, NoteKind, OpPhase, TreeStatus
+from ..core.effects import Cause, Note, NoteKind
+from ..core.protocol import OpPhase, TreeStatus
 from .metrics import Histogram, HistogramView
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from ..core.config import Config
+from ..core.effects import Note
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..core.lifecycle import Phase
-from ..core.protocol import Note, TreeMachine
+from ..core.protocol import TreeMachine
 from ..core.reach import EVERYONE, Reach
 from ..core.view import View
 from ..errors import ConfigError, PeerError

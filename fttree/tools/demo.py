@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core.protocol import Note, NoteKind
+from ..core.effects import Note, NoteKind
 from ..errors import FTTreeError, StepRetry
 
 if TYPE_CHECKING:  # the API (numpy, uvloop, the transport) loads with the first worker, not with `fttree --help`
