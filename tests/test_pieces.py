@@ -196,3 +196,18 @@ def test_assemble_before_done_names_the_missing_pieces() -> None:
     led = _ledger()
     with pytest.raises(ValueError, match=r"missing pieces \[0, 1"):
         led.assemble()
+
+
+def test_a_limit_keeps_a_window_per_donor_and_refills_it() -> None:
+    led = _ledger(joiner=0)
+    asked = led.plan([1, 2], now=0.0, limit=2)
+    assert asked == {1: [0, 2], 2: [1, 3]}
+    led.receive(2, 1, _piece(led, 1))
+    assert led.plan([1, 2], now=1.0, limit=2) == {2: [4]}
+
+
+def test_a_donor_arriving_late_gets_a_share_of_what_is_left() -> None:
+    led = _ledger(joiner=0)
+    led.plan([1], now=0.0, limit=3)
+    asked = led.plan([1, 2], now=1.0, limit=3)
+    assert asked == {2: [3, 4, 5]}

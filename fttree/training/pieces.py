@@ -124,11 +124,13 @@ class Ledger:
     def owed_by(self, donor: int) -> list[int]:
         return sorted(p for p, d in self.owed.items() if d == donor)
 
-    def plan(self, donors: Sequence[int], now: float,
-             weights: Mapping[int, float] | None = None) -> dict[int, list[int]]:
-        """Assign every unassigned piece to a live donor of `donors`: round-robin weighted by
-        `weights` (default 1 each), beginning at the joiner's offset. Returns donor -> the
-        pieces newly asked of it (to send as requests)."""
+    def plan(self, donors: Sequence[int], now: float, weights: Mapping[int, float] | None = None,
+             limit: int | None = None) -> dict[int, list[int]]:
+        """Assign unassigned pieces to live donors of `donors`: round-robin weighted by
+        `weights` (default 1 each), beginning at the joiner's offset, each donor owing at most
+        `limit` pieces at once (None: all of them now). A limit keeps a window in flight per
+        donor, so a fast donor asks for more sooner and a donor joining late still gets a share.
+        Returns donor -> the pieces newly asked of it (to send as requests)."""
         live = [d for d in donors if d not in self.lost and d != self.joiner]
         pieces = self.unassigned()
         if not pieces:
@@ -143,14 +145,20 @@ class Ledger:
         first = start_offset(self.joiner, len(live))
         order = live[first:] + live[:first]
         # smooth weighted round-robin: each turn every donor gains its weight, the richest sends
+        if limit is not None and limit <= 0:
+            raise ValueError(f"a plan's limit must be positive, got {limit}")
+        room = {d: len(pieces) if limit is None else limit - len(self.owed_by(d)) for d in order}
         credit = dict.fromkeys(order, 0.0)
-        total_w = sum(w.values())
         asked: dict[int, list[int]] = {}
         for piece in pieces:
-            for d in order:
+            open_ = [d for d in order if room[d] > 0]
+            if not open_:
+                break
+            for d in open_:
                 credit[d] += w[d]
-            donor = max(order, key=lambda d: credit[d])  # ties: the first in the joiner's order
-            credit[donor] -= total_w
+            donor = max(open_, key=lambda d: credit[d])  # ties: the first in the joiner's order
+            credit[donor] -= sum(w[d] for d in open_)
+            room[donor] -= 1
             asked.setdefault(donor, []).append(piece)
             self.owed[piece] = donor
         for donor in asked:
