@@ -27,7 +27,7 @@ DIGEST_BYTES = 32
 PIECE_BYTES = 1 << 20
 
 
-def piece_digest(data: bytes | memoryview) -> str:
+def piece_digest(data: bytes | bytearray | memoryview) -> str:
     """A piece's digest (blake2b-256, hex), as the whole state's in fttree.training.state."""
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).hexdigest()
 
@@ -61,7 +61,7 @@ class Manifest:
         start = piece * self.piece_bytes
         return start, min(self.nbytes, start + self.piece_bytes)
 
-    def check(self, piece: int, payload: bytes | memoryview) -> bool:
+    def check(self, piece: int, payload: bytes | bytearray | memoryview) -> bool:
         """Whether `payload` is piece `piece`: its length and its digest."""
         if not 0 <= piece < self.total:
             return False
@@ -69,7 +69,7 @@ class Manifest:
         return len(payload) == end - start and piece_digest(payload) == self.digests[piece]
 
 
-def split(data: bytes | memoryview, piece_bytes: int = PIECE_BYTES) -> Manifest:
+def split(data: bytes | bytearray | memoryview, piece_bytes: int = PIECE_BYTES) -> Manifest:
     """The manifest of `data` in pieces of `piece_bytes` (the last may be shorter; an empty
     state is one empty piece)."""
     if piece_bytes <= 0:
@@ -165,7 +165,7 @@ class Ledger:
             self.asked_at[donor] = now
         return asked
 
-    def receive(self, src: int, piece: int, payload: bytes | memoryview) -> Verdict:
+    def receive(self, src: int, piece: int, payload: bytes | bytearray | memoryview) -> Verdict:
         """Book a piece from `src`. Only a piece asked of `src` is kept, and only if it is the
         manifest's; a wrong one loses `src` and frees its pieces for `plan`."""
         if piece in self.have:
