@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fttree
-from fttree.core.messages import Kind, State
+from fttree.core.messages import State
 from fttree.errors import GroupLeft
 from fttree.training import elastic, optim
 from fttree.training.state import Extra, TrainingState, capture, encode
@@ -295,28 +295,27 @@ def test_a_graceful_leave_costs_no_timeout() -> None:
 
 
 def die_mid_transfer(ar: fttree.FTTreeAllreduce, opt: fttree.DistributedOptimizer) -> None:
-    """Make this worker a donor that sends half of the state's pieces and then dies."""
+    """Make this worker a donor that sends two pieces and then dies (off the loop thread, which
+    the crash needs), answering nothing more."""
     transfer = opt.transfer
+    send = transfer._send_piece
+    dying = threading.Event()
 
-    def serve(user_step: int) -> None:
-        with transfer._lock:
-            due = [j for j, first in transfer._requests.items() if first <= user_step]
-        if not due:
+    def send_then_die(msg: State) -> None:
+        if dying.is_set():
             return
-        snap = encode(transfer.capture())
-        data, digest = snap.data, snap.hexdigest
-        size = 512
-        total = -(-len(data) // size)
-        for i in range(total // 2):
-            piece = data[i * size:(i + 1) * size]
-            ar.send_frame(due[0], State(kind=Kind.STATE, src=ar.rank, user_step=user_step, piece=i, pieces=total,
-                                        digest=digest, numel=len(piece), payload=piece))
-        ar.crash(f"test: donor rank {ar.rank} killed in the middle of a transfer")
+        if transfer.pieces_sent >= 2:
+            dying.set()
+            threading.Thread(target=ar.crash, args=(f"test: donor rank {ar.rank} killed mid-transfer",),
+                             daemon=True).start()
+            return
+        send(msg)
 
-    transfer.serve = serve  # type: ignore[method-assign]
+    transfer._send_piece = send_then_die  # type: ignore[method-assign]
 
 
-def test_a_donor_that_dies_mid_transfer_is_replaced() -> None:
+def test_a_donor_that_dies_mid_transfer_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 256)  # the state (8 kB) in many pieces
     peers = local_peers(4)
     runs = {r: Run() for r in range(4)}
     rejoined = Run()
@@ -339,7 +338,8 @@ def test_a_donor_that_dies_mid_transfer_is_replaced() -> None:
     record = rejoined.transfer
     assert isinstance(record, elastic.TransferRecord)
     assert record.donors_asked[0] == 0
-    assert record.donor != 0
+    assert record.pieces.get(0, 0) <= 2
+    assert record.refetched >= 1, record  # rank 0 died owing pieces: they came from the others
     last = max(rejoined.prints)
     assert rejoined.prints[last] == runs[1].prints[last] == runs[2].prints[last]
     assert 0 not in runs[1].contributors[last]

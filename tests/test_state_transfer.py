@@ -48,11 +48,55 @@ def a_snapshot() -> tuple[bytes, str]:
     return snap.data, snap.hexdigest
 
 
-def pieces_of(data: bytes, size: int, digest: str, donor: int = 0, user_step: int = 12) -> list[State]:
-    total = -(-len(data) // size)
-    return [State(kind=Kind.STATE, src=donor, user_step=user_step, piece=i, pieces=total, digest=digest,
-                  numel=len(data[i * size:(i + 1) * size]), payload=data[i * size:(i + 1) * size])
-            for i in range(total)]
+def donor_of(rank: int) -> tuple[FakeHandle, elastic.StateTransfer]:
+    ar = FakeHandle(rank=rank)
+    return ar, elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
+
+
+def deliver(ar: FakeHandle, msg: Frame) -> None:
+    ar.node.elastic_listeners[0](msg)
+
+
+def serve_now(donor: elastic.StateTransfer, step: int) -> None:
+    """The donor's step boundary, with its manifest sent on this thread."""
+    with donor._lock:
+        due = [j for j, first in donor._requests.items() if first <= step]
+        for j in due:
+            del donor._requests[j]
+    donor._send_manifest(due, step, donor.capture().frozen())
+
+
+def pump(joiner: FakeHandle, donors: dict[int, tuple[FakeHandle, elastic.StateTransfer]],
+         dead: frozenset[int] = frozenset(), rounds: int = 10_000) -> None:
+    """Carry frames both ways until none is left, dropping those to or from `dead` donors."""
+    for _ in range(rounds):
+        moved = False
+        while joiner.sent:
+            dst, msg = joiner.sent.pop(0)
+            if dst in donors and dst not in dead:
+                deliver(donors[dst][0], msg)
+                moved = True
+        for r, (ar, _) in donors.items():
+            while ar.sent:
+                _, msg = ar.sent.pop(0)
+                if r not in dead:
+                    deliver(joiner, msg)
+                    moved = True
+        if not moved:
+            return
+    raise AssertionError("frames still moving after many rounds")
+
+
+def three_donors() -> dict[int, tuple[FakeHandle, elastic.StateTransfer]]:
+    return {r: donor_of(r) for r in (0, 1, 2)}
+
+
+def poll_until(transfer: elastic.StateTransfer, step: int, limit: int) -> tuple[int, TrainingState]:
+    for _ in range(limit):
+        got = transfer.poll(step)
+        if got is not None:
+            return got
+    raise AssertionError(f"no state after {limit} polls")
 
 
 def test_a_state_round_trips_bit_for_bit() -> None:
@@ -82,46 +126,136 @@ def test_a_frozen_state_keeps_its_values_while_training_goes_on() -> None:
     assert encode(capture(model, opt)).data != before
 
 
-def test_the_received_state_is_checked_and_decoded_a_piece_per_step() -> None:
+def test_the_state_comes_in_shares_from_every_donor_and_is_decoded_after_its_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
     ar = FakeHandle()
-    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=1)  # type: ignore[arg-type]
+    donors = three_donors()
     transfer.request(12)
-    assert ar.sent[-1][0] == 0
-    assert ar.sent[-1][1].kind is Kind.STATE_REQUEST
-    data, digest = a_snapshot()
-    frames = pieces_of(data, 64 << 10, digest)
-    assert len(frames) >= 4
-    for msg in reversed(frames):  # any order
-        ar.node.elastic_listeners[0](msg)
-    polls = 0
-    got = None
-    while got is None:
-        polls += 1
-        assert polls <= len(frames) + 1, "the state was not ready after one step per piece plus one to decode"
-        got = transfer.poll(12)
-    # One piece hashed per step and the decode in a step of its own: no step carries it all.
-    assert polls == len(frames) + 1
-    step, state = got
+    asked = sorted(dst for dst, msg in ar.sent if msg.kind is Kind.STATE_REQUEST)
+    assert asked == [0, 1, 2]
+    pump(ar, donors)
+    for _, d in donors.values():
+        serve_now(d, 12)
+    pump(ar, donors)
+    total = -(-len(encode(a_state()).data) // elastic.CHUNK_BYTES)
+    step, state = poll_until(transfer, 12, total + 2)
     assert step == 12
     assert state.step_count == 7
-    assert transfer.record is not None
-    assert transfer.record.nbytes == len(data)
-    assert transfer.record.donor == 0
+    record = transfer.record
+    assert record is not None
+    assert record.nbytes == len(encode(a_state()).data)
+    assert sum(record.pieces.values()) == total
+    assert total >= 6
+    assert set(record.pieces) == {0, 1, 2}, record.pieces
+    assert record.refetched == 0
 
 
-def test_a_state_that_fails_its_digest_is_dropped_and_the_next_donor_asked() -> None:
+def test_a_donor_dead_mid_transfer_costs_only_its_missing_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=2)  # type: ignore[arg-type]
+    donors = three_donors()
+    transfer.request(12)
+    pump(ar, donors)
+    for _, d in donors.values():
+        serve_now(d, 12)
+    # the manifests and the first windows: then rank 1 dies with its window unsent
+    for r in (0, 1, 2):
+        for _, msg in donors[r][0].sent:
+            deliver(ar, msg)
+        donors[r][0].sent.clear()
+    pump(ar, donors, dead=frozenset({1}))
+    fetch = transfer._fetch
+    assert fetch is not None
+    total = fetch.ledger.manifest.total
+    assert total >= 8
+    owed = fetch.ledger.owed_by(1)
+    assert owed, "rank 1 owed nothing when it died"
+    assert not fetch.ledger.done
+    transfer.wait_s = 0.0
+    transfer.poll(12)  # rank 1 is overdue: its pieces go to ranks 0 and 2
+    pump(ar, donors, dead=frozenset({1}))
+    transfer.wait_s = 60.0
+    step, _ = poll_until(transfer, 12, total + 2)
+    assert step == 12
+    record = transfer.record
+    assert record is not None
+    assert record.refetched == len(owed)
+    assert 1 not in record.pieces
+    assert sum(record.pieces.values()) == total
+
+
+def test_a_piece_with_a_wrong_digest_loses_its_donor_and_comes_from_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
+    donors = three_donors()
+    hostile = donors[2][1]
+    real_send = hostile._send_piece
+
+    def lying(msg: State) -> None:
+        real_send(msg)
+        _, sent = donors[2][0].sent[-1]
+        assert isinstance(sent, State)
+        assert sent.payload is not None
+        forged = bytearray(bytes(sent.payload))
+        forged[0] ^= 1
+        donors[2][0].sent[-1] = (ar.rank, State(kind=Kind.STATE, src=2, user_step=sent.user_step, piece=sent.piece,
+                                                pieces=sent.pieces, digest=sent.digest, numel=len(forged),
+                                                payload=bytes(forged)))
+
+    hostile._send_piece = lying  # type: ignore[method-assign]
+    transfer.window = 2  # 8 pieces: every donor gets some
+    transfer.request(12)
+    pump(ar, donors)
+    for _, d in donors.values():
+        serve_now(d, 12)
+    pump(ar, donors)
+    _, state = poll_until(transfer, 12, 64)
+    assert state.step_count == 7
+    record = transfer.record
+    assert record is not None
+    assert 2 not in record.pieces
+    assert transfer.dropped["a piece that does not match its digest"] == 1, (transfer.dropped, record)
+
+
+def test_a_piece_not_asked_for_is_dropped_counted_and_changes_nothing() -> None:
     ar = FakeHandle()
     transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
     transfer.request(12)
-    data, digest = a_snapshot()
-    bad = bytearray(data)
-    bad[len(bad) // 2] ^= 1
-    for msg in pieces_of(bytes(bad), 1 << 20, digest):
-        ar.node.elastic_listeners[0](msg)
-    for _ in range(10):
-        assert transfer.poll(12) is None
-    asked = [dst for dst, msg in ar.sent if msg.kind is Kind.STATE_REQUEST]
-    assert asked[:2] == [0, 1], asked
+    data = encode(a_state()).data
+    for i in range(100):
+        deliver(ar, State(kind=Kind.STATE, src=1, user_step=12, piece=i, pieces=100, digest="x" * 64,
+                          numel=16, payload=data[:16]))
+    assert transfer._fetch is None
+    assert transfer.dropped["a piece of a state not being fetched"] == 100
+    deliver(ar, State(kind=Kind.STATE, src=7, user_step=12, piece=elastic.MANIFEST, pieces=1, digest="x" * 64,
+                      numel=8, payload=bytes(8)))
+    assert transfer._fetch is None
+    assert transfer.dropped["a manifest not asked for"] == 1
+
+
+def test_a_donor_asked_for_a_piece_it_does_not_hold_drops_the_request() -> None:
+    ar, donor = donor_of(0)
+    deliver(ar, State(kind=Kind.STATE_REQUEST, src=3, user_step=12, piece=0, digest="x" * 64))
+    assert ar.sent == []
+    assert donor.dropped["a request for a piece of a state not held for it"] == 1
+
+
+def test_three_joiners_at_once_start_at_different_donors() -> None:
+    firsts = []
+    for rank in (3, 4, 5):
+        ar = FakeHandle(rank=rank, view=View(epoch=0, members=(0, 1, 2, 3, 4, 5)))
+        elastic.StateTransfer(ar, capture=a_state, max_donors=1).request(12)  # type: ignore[arg-type]
+        firsts.append(ar.sent[0][0])
+    assert len(set(firsts)) == 3, firsts
+
+
+def test_a_manifest_of_the_wrong_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be 72 bytes, got 40"):
+        elastic.manifest_from(bytes(40), 2)
 
 
 def test_undecodable_state_bytes_are_named() -> None:
@@ -135,14 +269,22 @@ def test_undecodable_state_bytes_are_named() -> None:
         decode(bytes(data))
 
 
-def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_and_step() -> None:
+def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_and_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     ar = FakeHandle()
-    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
-    transfer.request(12)
+    transfer = elastic.StateTransfer(ar, capture=a_state, max_donors=1)  # type: ignore[arg-type]
     garbage = b"FTTS" + bytes(60)
-    for msg in pieces_of(garbage, 1 << 20, state_digest(garbage)):
-        ar.node.elastic_listeners[0](msg)
+    donor_ar, donor = donor_of(0)
+    transfer.request(12)
+    pump(ar, {0: (donor_ar, donor)})
+    with donor._lock:
+        donor._requests.clear()
+    snap_state = a_state()
+    monkeypatch.setattr("fttree.training.elastic.encode",
+                        lambda _s: SimpleNamespace(data=garbage, hexdigest=state_digest(garbage)))
+    donor._send_manifest([3], 12, snap_state)
+    pump(ar, {0: (donor_ar, donor)})
     assert transfer.poll(12) is None  # the digest, checked
-    with pytest.raises(PeerError, match="from rank 0 as of step 12 matched its digest but is unusable") as err:
+    with pytest.raises(PeerError, match=r"from ranks \[0\] as of step 12 matched its digest but is unusable") as err:
         transfer.poll(12)
     assert err.value.peers == (0,)

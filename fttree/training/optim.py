@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -703,9 +703,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sync.contribute = True
         record = self.transfer.record
         if record is not None:
-            self.transfer.record = type(record)(donor=record.donor, user_step=record.user_step, nbytes=record.nbytes,
-                                                seconds=record.seconds, donors_asked=record.donors_asked,
-                                                replayed=len(replay))
+            self.transfer.record = replace(record, replayed=len(replay))
 
     def synchronize(self, contribute: bool = True) -> None:
         """Average the gradients now (for clipping before step(); step() then skips it).

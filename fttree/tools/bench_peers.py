@@ -1,0 +1,244 @@
+"""State from peers, in real processes: how long restarted workers take to get their state
+from several donors, and what a dead or lying donor costs them.
+
+    python -m fttree.tools.bench_peers -n 4 --state-mb 32 [--joiners 3] [--max-donors 1]
+
+n worker processes (FTTreeAllreduce over TCP on 127.0.0.x, one torch thread each) train the
+thesis's MLP with `--state-mb` MB of registered extra state (a deterministic tensor), so the
+training state is that large. The last `--joiners` ranks are killed at step CRASH_AT and started
+again together when rank 0 reaches START_AT; each prints, once synced, its transfer's seconds,
+donors and pieces. `--die-after K` makes rank 0 SIGKILL itself (by its own pid) after sending K
+pieces; `--forge` makes rank 1 flip a byte of every piece it sends. The last line is the figures.
+Behind a rate limit, run it under netem/uplink.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..net.address import local_peers
+
+CRASH_AT = 5
+START_AT = 12
+WAIT_S = 600.0  # a whole run's deadline
+
+
+def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state_mb: float, max_donors: int,
+            die_after: int | None, forge: bool, joiners: int) -> None:
+    """One worker process: a JSON line per training step on stdout, and one once synced."""
+    import hashlib
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from ..api import FTTreeAllreduce
+    from ..core.messages import Kind, State
+    from ..errors import GroupLeft
+    from ..training.optim import DistributedOptimizer
+
+    torch.set_num_threads(1)
+
+    def say(**record: Any) -> None:
+        print(json.dumps(record), flush=True)
+
+    ar = FTTreeAllreduce(rank, peers, timeout_s=0.2, step_timeout_s=15).start()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, allreduce=ar)
+        ballast = (torch.arange(int(state_mb * (1 << 20) / 4), dtype=torch.float32) % 997) / 997
+        def set_ballast(v: torch.Tensor) -> None:
+            ballast.copy_(v)
+
+        opt.register_state("ballast", lambda: ballast, set_ballast)
+        transfer = opt.transfer
+        transfer.max_donors = max_donors
+        send_piece = transfer._send_piece
+        if die_after is not None:
+            def send_then_die(msg: State) -> None:
+                if transfer.pieces_sent >= die_after:
+                    say(dying=transfer.pieces_sent)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                send_piece(msg)
+            transfer._send_piece = send_then_die  # type: ignore[method-assign]
+        if forge:
+            real_send = ar.send_frame
+
+            def forged(dst: int, msg: Any) -> None:
+                if isinstance(msg, State) and msg.kind is Kind.STATE and msg.piece >= 0 and msg.payload is not None:
+                    data = bytearray(bytes(msg.payload))
+                    data[0] ^= 1
+                    msg = State(kind=Kind.STATE, src=msg.src, user_step=msg.user_step, piece=msg.piece,
+                                pieces=msg.pieces, digest=msg.digest, numel=len(data), payload=bytes(data))
+                real_send(dst, msg)
+            ar.send_frame = forged  # type: ignore[method-assign]
+        gen = torch.Generator().manual_seed(rank)
+        synced = not ar.joining
+        started = time.time()
+        step: int | None = None
+        synced_for = 0
+        while step is None or step < steps:
+            if crash_at is not None and step == crash_at:
+                ar.crash("bench: killed")
+            x, y = torch.randn(100, 784, generator=gen), torch.randint(0, 10, (100,), generator=gen)
+            opt.zero_grad()
+            torch.autograd.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            done = opt.sync.rounds - 1
+            say(step=done, syncing=opt.syncing)
+            if not synced and not opt.syncing:
+                synced = True
+                rec = transfer.record
+                if rec is not None:
+                    say(synced=done, since_start=time.time() - started, seconds=rec.seconds, nbytes=rec.nbytes,
+                        pieces={str(d): n for d, n in rec.pieces.items()}, refetched=rec.refetched,
+                        as_of=rec.user_step, dropped=sum(transfer.dropped.values()))
+            # every worker learns the same count of synced joiners, so all stop at the same step
+            flag = torch.tensor([1.0 if (ar.joined_at is not None and not opt.syncing) else 0.0])
+            synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) >= joiners else 0
+            step = done + 1
+            if synced_for >= 8:
+                break
+        digest = hashlib.blake2b(b"".join(p.detach().numpy().tobytes() for p in model.parameters()),
+                                 digest_size=16).hexdigest()
+        say(final=step, model=digest, pieces_sent=transfer.pieces_sent)
+    except GroupLeft:
+        pass
+    finally:
+        ar.close()
+
+
+@dataclass
+class Seen:
+    """What one worker process printed."""
+
+    steps: int = -1
+    events: dict[str, Any] = field(default_factory=dict)
+    reached: dict[int, threading.Event] = field(default_factory=dict)
+
+
+def spawn(rank: int, peers: list[str], steps: int, seen: Seen, args: list[str], stderr: Any = subprocess.DEVNULL
+          ) -> tuple[subprocess.Popen[str],
+                                                                                          threading.Thread]:
+    """Start a worker process and a thread reading its lines into `seen`."""
+    cmd = [sys.executable, "-m", "fttree.tools.bench_peers", "--worker", str(rank), "--peers", ",".join(peers),
+           "--steps", str(steps), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in rec:
+                seen.steps = rec["step"]
+                for at, event in seen.reached.items():
+                    if rec["step"] >= at:
+                        event.set()
+            else:
+                seen.events.update(rec)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+@dataclass
+class Outcome:
+    """A run's processes' output and exit codes, by rank (`rejoined`: the restarted ones)."""
+
+    members: dict[int, Seen]
+    rejoined: dict[int, Seen]
+    codes: dict[int, int]
+
+
+def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int = 4,
+        die_after: int | None = None, forge: bool = False, port: int = 29500) -> Outcome:
+    """Start n workers, kill the last `joiners` at CRASH_AT and restart them together at
+    START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces."""
+    peers = local_peers(n, port=port)
+    base = ["--state-mb", str(state_mb), "--max-donors", str(max_donors), "--joiners", str(joiners)]
+    members = {r: Seen() for r in range(n)}
+    rejoined = {r: Seen() for r in range(n - joiners, n)}
+    start = threading.Event()
+    members[0].reached[START_AT] = start
+    procs: dict[int, subprocess.Popen[str]] = {}
+    threads: list[threading.Thread] = []
+    try:
+        for r in range(n):
+            extra = list(base)
+            if r >= n - joiners:
+                extra += ["--crash-at", str(CRASH_AT)]
+            if r == 0 and die_after is not None:
+                extra += ["--die-after", str(die_after)]
+            if r == 1 and forge:
+                extra += ["--forge"]
+            procs[r], t = spawn(r, peers, steps, members[r], extra)
+            threads.append(t)
+        if not start.wait(WAIT_S):
+            raise TimeoutError(f"rank 0 did not reach step {START_AT} within {WAIT_S:.0f}s (it is at step "
+                               f"{members[0].steps})")
+        for r in range(n - joiners, n):
+            if procs[r].wait(WAIT_S) is None:
+                raise TimeoutError(f"rank {r} did not exit after its crash at step {CRASH_AT}")
+            procs[r], t = spawn(r, peers, steps, rejoined[r], base)
+            threads.append(t)
+        codes = {r: p.wait(WAIT_S) for r, p in procs.items()}
+        for t in threads:
+            t.join(WAIT_S)
+        return Outcome(members=members, rejoined=rejoined, codes=codes)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fttree.tools.bench_peers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2000, help="at most; the run ends once the joiners synced")
+    parser.add_argument("--port", type=int, default=29500)
+    parser.add_argument("--state-mb", type=float, default=32.0)
+    parser.add_argument("--joiners", type=int, default=1)
+    parser.add_argument("--max-donors", type=int, default=4)
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--forge", action="store_true")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--crash-at", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        _worker(args.worker, args.peers.split(","), args.steps, args.crash_at, args.state_mb, args.max_donors,
+                args.die_after, args.forge, args.joiners)
+        return
+    if not 0 < args.joiners < args.workers:
+        parser.error(f"--joiners must be between 1 and {args.workers - 1}, got {args.joiners}")
+    out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners, max_donors=args.max_donors,
+              die_after=args.die_after, forge=args.forge, port=args.port)
+    figures = []
+    for r, seen in out.rejoined.items():
+        ev = seen.events
+        if "seconds" not in ev:
+            print(f"rank {r} never synced (exit {out.codes.get(r)})")
+            continue
+        print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
+              f"refetched {ev['refetched']}, dropped {ev['dropped']}")
+        figures.append(ev["seconds"])
+    print(f"state {args.state_mb} MB, {args.workers} workers, {args.joiners} joiners, max donors {args.max_donors}: "
+          f"transfer seconds {' '.join(f'{s:.2f}' for s in figures)}")
+
+
+if __name__ == "__main__":
+    main()
