@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,9 +186,15 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
                 extra += ["--forge"]
             procs[r], t = spawn(r, peers, steps, members[r], extra)
             threads.append(t)
-        if not start.wait(WAIT_S):
-            raise TimeoutError(f"rank 0 did not reach step {START_AT} within {WAIT_S:.0f}s (it is at step "
-                               f"{members[0].steps})")
+        deadline = time.monotonic() + WAIT_S
+        while not start.wait(1.0):  # in slices: a worker that died ends the wait at once
+            dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None and r < n - joiners}
+            if dead:
+                raise RuntimeError(f"members {sorted(dead)} exited (codes {dead}) before rank 0 reached step "
+                                   f"{START_AT}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not reach step {START_AT} within {WAIT_S:.0f}s (it is at step "
+                                   f"{members[0].steps})")
         for r in range(n - joiners, n):
             if procs[r].wait(WAIT_S) is None:
                 raise TimeoutError(f"rank {r} did not exit after its crash at step {CRASH_AT}")
@@ -225,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not 0 < args.joiners < args.workers:
         parser.error(f"--joiners must be between 1 and {args.workers - 1}, got {args.joiners}")
+    if 2 * args.joiners >= args.workers:
+        parser.error(f"--joiners {args.joiners} of {args.workers} workers: the survivors of their crash would not be "
+                     f"a majority, and a group without one stops; use at least {2 * args.joiners + 1} workers")
     out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners, max_donors=args.max_donors,
               die_after=args.die_after, forge=args.forge, port=args.port)
     figures = []
