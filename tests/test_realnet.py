@@ -22,6 +22,7 @@ import pytest
 
 from fttree.core.faults import FaultSchedule
 from fttree.errors import ConfigError
+from fttree.tools import launch as launch_module
 from fttree.tools import realfaults as rf
 
 NETEM = Path(__file__).resolve().parent.parent / "netem"
@@ -277,7 +278,7 @@ def test_failed_run_deletes_the_namespace_it_made(monkeypatch: pytest.MonkeyPatc
     if realnet_missing():
         pytest.skip(realnet_missing())
     seen: list[str] = []
-    monkeypatch.setattr(rf, "launch", _launch_that_cuts_then_fails(seen))
+    monkeypatch.setattr(launch_module, "launch", _launch_that_cuts_then_fails(seen))
     with pytest.raises(RuntimeError, match="blew up"):
         rf.launch_with_real_faults(FaultSchedule("cut 1-0 @2..3"), 7, [], steps=5, echo=lambda s: None)
     assert seen == [f"fttree-{os.getpid()}"]
@@ -286,7 +287,7 @@ def test_failed_run_deletes_the_namespace_it_made(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.realnet
 def test_failed_run_resets_a_namespace_it_was_given(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rf, "launch", _launch_that_cuts_then_fails([]))
+    monkeypatch.setattr(launch_module, "launch", _launch_that_cuts_then_fails([]))
     with pytest.raises(RuntimeError, match="blew up"):
         rf.launch_with_real_faults(FaultSchedule("cut 1-0 @2..3"), 7, [], steps=5, netns=netns, echo=lambda s: None)
     assert netns in namespaces()
