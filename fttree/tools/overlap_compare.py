@@ -25,7 +25,7 @@ import torch
 
 from ..api import FTTreeAllreduce
 from ..training.diloco import DiLoCo
-from .sparse_compare import draw, free_port, model_of, task
+from .sparse_compare import draw, free_port, model_of, run_workers, task
 
 MODES: dict[str, bool | str] = {"sync": False, "overlap": True, "eager": "eager"}
 _BUILD = threading.Lock()  # torch's seed is one for all threads: build one model at a time
@@ -86,15 +86,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> Result:
         finally:
             ar.close()
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(args.workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(args.limit_s)
-        if t.is_alive():
-            raise TimeoutError(f"{mode}: a worker did not finish within {args.limit_s} s")
-    if errors:
-        raise errors[0]
+    run_workers(worker, args.workers, args.limit_s, mode, errors)
     result.seconds = time.perf_counter() - began[0]
     result.hidden = sum(h for h, _ in stats.values()) / len(stats)
     result.waited_s = sum(w for _, w in stats.values()) / len(stats)

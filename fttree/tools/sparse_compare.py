@@ -19,7 +19,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,20 @@ def task(dim: int, seed: int = 0) -> tuple[torch.Tensor, float]:
 def draw(means: torch.Tensor, noise: float, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.randint(0, CLASSES, (n,), generator=g)
     return means[y] + noise * torch.randn(n, means.shape[1], generator=g), y
+
+
+def run_workers(worker: Callable[[int], None], workers: int, limit_s: float, label: str,
+                errors: list[BaseException]) -> None:
+    """One thread per rank, each joined by `limit_s`; then the first error a worker recorded."""
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+        if t.is_alive():
+            raise TimeoutError(f"{label}: a worker did not finish within {limit_s} s")
+    if errors:
+        raise errors[0]
 
 
 def model_of(dim: int, hidden: int) -> torch.nn.Module:
@@ -115,15 +129,7 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> Result:
             ar.close()
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(args.workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(args.limit_s)
-        if t.is_alive():
-            raise TimeoutError(f"{setup.label}: a worker did not finish within {args.limit_s} s")
-    if errors:
-        raise errors[0]
+    run_workers(worker, args.workers, args.limit_s, setup.label, errors)
     result.seconds = time.perf_counter() - began
     result.bytes_per_round = max(sent.values()) / args.rounds
     return result
