@@ -160,6 +160,23 @@ def test_a_heal_is_credited_to_its_own_restart_not_a_later_one() -> None:
     assert second.healed_s == pytest.approx(5.0)
 
 
+def test_a_heal_is_split_into_the_scripts_start_up_and_fttrees_part() -> None:
+    """Killed at 1000 s, restarted at 1002; the new process (pid 301) is up at 1010, built its
+    model at 1013 and contributes at 1015: fttree's part is the last 2 s. Another process's
+    records (pid 999) change nothing."""
+    run = Run.__new__(Run)
+    m = Measure(cs.Fault(0.0, cs.KILL, (1,), 2.0), t_fault=1000.0, t_end=1002.0, t_back=1002.0, pid_back=301)
+    run.measures = [m]
+    assert m.heal_parts() is None
+    for kind, t, pid in (("up", 1010.0, 301), ("up", 1011.0, 999), ("ready", 1013.0, 301), ("ready", 1014.0, 999)):
+        run._started({"kind": kind, "rank": 1, "pid": pid, "t": t})
+    assert m.heal_parts() is None  # not healed yet
+    run._measure(m, step(1, 25, pid=301, t=1015.0))
+    parts = m.heal_parts()
+    assert parts is not None
+    assert (parts.down, parts.imports, parts.setup, parts.fttree) == pytest.approx((2.0, 8.0, 3.0, 2.0))
+
+
 def test_an_eviction_is_credited_to_the_stop_that_caused_it() -> None:
     old = Measure(cs.Fault(0.0, cs.STOP, (2,), 1.0), t_fault=1000.0)  # ended, never evicted
     new = Measure(cs.Fault(30.0, cs.STOP, (2,), 20.0), t_fault=1030.0)

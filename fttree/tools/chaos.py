@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,36 @@ class Measure:
     t_end: float | None = None  # when the runner ended the fault
     detected_s: float | None = None
     healed_s: float | None = None
+    up_s: float | None = None  # the new process has imported torch and fttree and loaded its data
+    ready_s: float | None = None  # ... and built its model, optimizer and job: fttree's part begins
+
+    def heal_parts(self) -> HealParts | None:
+        """Where a heal went, in seconds from the fault, or None while a part is unknown."""
+        if self.healed_s is None or self.t_back is None or self.up_s is None or self.ready_s is None:
+            return None
+        down = self.t_back - self.t_fault
+        return HealParts(down=down, imports=self.up_s - down, setup=self.ready_s - self.up_s,
+                         fttree=self.healed_s - self.ready_s)
+
+
+HEAL_PART_NAMES = ("down", "imports", "setup", "fttree")
+
+
+@dataclass(frozen=True)
+class HealParts:
+    """A heal (fault to the new process's first contribution) in its four parts. Only `fttree`
+    is the library's: admission, the state transfer and the first step. `imports` (Python, torch,
+    the data) and `setup` (model, optimizer, job) are the training script's own start-up, which
+    on this 2-core machine shares the CPU with the other workers."""
+
+    down: float  # the fault's hold: from the kill or leave to the new process's start
+    imports: float
+    setup: float
+    fttree: float
+
+    def __str__(self) -> str:
+        return (f"down {self.down:.2f}, imports {self.imports:.2f}, set-up {self.setup:.2f}, "
+                f"fttree {self.fttree:.2f}")
 
 
 @dataclass
@@ -204,6 +235,8 @@ class Run:
     def poll(self) -> None:
         for rec in self.tail.read():
             self.checks.feed(rec)
+            if rec["kind"] in ("up", "ready"):
+                self._started(rec)
             if rec["kind"] == "end" and rec["why"] == "error":
                 raise ChaosFailure(f"rank {rec['rank']} (pid {rec['pid']}) failed: {rec['error']}")
             if rec["kind"] != "step":
@@ -216,6 +249,16 @@ class Run:
                 self.cluster.contributed[rank] = True  # its current process holds the state and takes part
             for m in self.measures:
                 self._measure(m, rec)
+
+    def _started(self, rec: dict[str, Any]) -> None:
+        """A new process's start-up milestones, for the fault it heals."""
+        for m in self.measures:
+            if m.pid_back == rec["pid"]:
+                since = rec["t"] - m.t_fault
+                if rec["kind"] == "up":
+                    m.up_s = since
+                else:
+                    m.ready_s = since
 
     def _measure(self, m: Measure, rec: dict[str, Any]) -> None:
         t, f = rec["t"], m.fault
@@ -466,9 +509,15 @@ def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> fl
         echo(f"  {kind:9s} x{len(ms):<3d} detected {len(det)}/{len(ms)}" + _stats(det)
              + (f"; healed {len(heal)}/{len(ms)}" + _stats(heal) if kind in cs.REJOINS else "")
              + (f"; evicted and restarted {len(heal)}, healed" + _stats(heal) if kind == cs.STOP and heal else ""))
+        parts = [p for p in (m.heal_parts() for m in ms) if p is not None]
+        if parts:
+            medians = (statistics.median(getattr(p, name) for p in parts) for name in HEAL_PART_NAMES)
+            echo(f"  {'':9s} heal parts, median of {len(parts)}: {HealParts(*medians)}")
     for m in chaos.measures:
         if m.fault.kind in cs.REJOINS or m.healed_s is not None:
-            echo(f"  heal {m.fault}: " + ("-" if m.healed_s is None else f"{m.healed_s:.2f} s"))
+            split = m.heal_parts()
+            echo(f"  heal {m.fault}: " + ("-" if m.healed_s is None else f"{m.healed_s:.2f} s")
+                 + ("" if split is None else f" ({split})"))
     return goodput
 
 

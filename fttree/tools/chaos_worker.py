@@ -4,7 +4,9 @@ sees as JSON lines for the chaos runner to check.
     FTTREE_RANK=r FTTREE_PEERS=... FTTREE_AUTH_KEY_FILE=... python -m fttree.tools.chaos_worker --records DIR
 
 Each process writes DIR/rank-R-PID.jsonl (one file per process, so that a SIGKILL's torn last
-line never sits in the middle of another process's records): a `start` record, one `step`
+line never sits in the middle of another process's records): an `up` record once its imports
+and data are loaded, a `start` record once its node runs, a `ready` record once its model,
+optimizer and job are built (a joiner asks for admission at its first step), one `step`
 record per committed training step (its contributors and late ranks, the samples this process
 trained in it, a digest of its parameters after the step's update, its RSS and the protocol
 notes since the last step), one `epoch` record per epoch (its EpochSummary), and an `end` record
@@ -95,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     common = mlp_common()
     data = common.load_data(None, None, 0)
-    ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-                                         join=args.join).start()
+    ar = fttree.FTTreeAllreduce.from_env(timeout_s=args.timeout, step_timeout_s=args.step_timeout, join=args.join)
     out = Records(args.records, ar.rank)
+    out.write("up", join=args.join)  # imports done and data loaded
+    ar.start()
     out.write("start", join=args.join)
     leave = [False]
     signal.signal(signal.SIGUSR1, lambda signum, frame: leave.__setitem__(0, True))
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     job.step_listeners.append(on_step)
     loss_fn = nn.CrossEntropyLoss()
+    out.write("ready")  # model, optimizer and job built: the user's set-up is done, fttree's part begins
     try:
         for epoch in job.epochs():
             for x, y in epoch:
