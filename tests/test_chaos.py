@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from fttree.errors import ConfigError
 from fttree.tools import chaos_schedule as cs
-from fttree.tools.chaos import Measure, Run, evicted_by
+from fttree.tools.chaos import Measure, Run, RunResult, evicted_by, segment
 from fttree.tools.chaos_checks import ChaosFailure, Checks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,6 +176,20 @@ def test_a_heal_is_split_into_the_scripts_start_up_and_fttrees_part() -> None:
     assert (parts.down, parts.imports, parts.setup, parts.fttree) == pytest.approx((2.0, 8.0, 3.0, 2.0))
 
 
+def test_pairs_split_one_schedule_and_sum_the_segments() -> None:
+    """--pairs 3 of 90 s: each chaos segment plays its own 30 s of the one drawn schedule, timed
+    from the segment's start, so every fault is played once; goodput sums samples and seconds."""
+    faults = cs.draw(7, 90.0, 3.0, seed=5, kinds=cs.KINDS)
+    parts = [segment(faults, i * 30.0, 30.0) for i in range(3)]
+    assert sum(len(p) for p in parts) == len(faults) > 10
+    assert all(0.0 <= f.at_s < 30.0 for p in parts for f in p)
+    assert [(f.kind, f.ranks, f.hold_s) for p in parts for f in p] == [(f.kind, f.ranks, f.hold_s) for f in faults]
+    a, b = RunResult(100, 10.0, 5, 1, evictions=1), RunResult(300, 20.0, 7, 2, evictions=0)
+    total = a + b
+    assert (total.samples, total.seconds, total.steps, total.epochs_once, total.evictions) == (400, 30.0, 12, 3, 1)
+    assert total.rate == pytest.approx(400 / 30)
+
+
 def test_an_eviction_is_credited_to_the_stop_that_caused_it() -> None:
     old = Measure(cs.Fault(0.0, cs.STOP, (2,), 1.0), t_fault=1000.0)  # ended, never evicted
     new = Measure(cs.Fault(30.0, cs.STOP, (2,), 20.0), t_fault=1030.0)
@@ -190,16 +203,14 @@ def test_an_eviction_is_credited_to_the_stop_that_caused_it() -> None:
 
 def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
     """5 workers (a small MLP), 20 s fault-free and 20 s under a fault every 2 s: stragglers,
-    and as root cuts and loss bursts of random links. The run passes every check (same digests,
+    kills with restarts, and as root cuts and loss bursts of random links. The run passes every check (same digests,
     same contributors, every epoch once, no hang, flat RSS), its last line is the goodput, and
-    the records show the faults were felt. Kills, long stops and leaves are left out: a rank
-    that dies between its last committed step and the epoch audit is missing from that audit
-    (docs/chaos.md, "Known faults it finds"), which would fail this test by chance. Deadlines
-    are the command's own, every wait naming what it waited for; the test's is a backstop."""
+    the records and summary.json show the faults were felt and every kill healed. Deadlines are
+    the command's own, every wait naming what it waited for; the test's is a backstop."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     keep = tmp_path / "records"
     proc = subprocess.run([sys.executable, "-m", "fttree", "chaos", "-n", "5", "--duration", "20",
-                           "--fault-every", "2", "--seed", "4", "--hidden", "32", "--kinds", "straggler,cut,loss",
+                           "--fault-every", "2", "--seed", "4", "--hidden", "32", "--kinds", "straggler,kill,cut,loss",
                            "--keep", str(keep)],
                           env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -207,11 +218,17 @@ def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
     last = out.strip().splitlines()[-1]
     assert last.startswith("goodput "), out
     assert 0 < float(last.split()[1]) < 2, out
-    records = [json.loads(line) for path in sorted((keep / "chaos").glob("rank-*-*.jsonl"))
+    records = [json.loads(line) for path in sorted((keep / "chaos-0").glob("rank-*-*.jsonl"))
                for line in path.read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     assert {r["rank"] for r in steps} == set(range(5))
     assert any(r["kind"] == "epoch" and r["once"] for r in records)
-    fired = re.search(r"straggler +x(\d+) +detected (\d+)/(\d+)", out)  # the schedule fired; each is accounted
-    assert fired, out
-    assert fired[1] == fired[3], out
+    summary = json.loads((keep / "summary.json").read_text())
+    assert f"{summary['goodput']:.2f}" == last.split()[1]
+    kinds = {f["kind"] for f in summary["faults"]}
+    assert {"straggler", "kill"} <= kinds, summary["faults"]  # the schedule fired both
+    for f in summary["faults"]:
+        if f["kind"] == "kill":  # every restart healed, and its heal adds up from its parts
+            assert f["healed_s"] is not None, f
+            assert f["heal_parts"] is not None, f
+            assert sum(f["heal_parts"].values()) == pytest.approx(f["healed_s"]), f

@@ -20,8 +20,11 @@ the host's loopback and those kinds are skipped, which the output says.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
+import operator
 import os
 import shutil
 import signal
@@ -64,6 +67,7 @@ class Settings:
     end_s: float = 120.0  # every worker ends within this after the stop step
     stop_margin: int = 20  # steps between the newest seen and the stop step
     rss_limit_mb: float = 64.0
+    pairs: int = 1  # fault-free and chaos runs alternate this many times, duration_s / pairs each
     keep: Path | None = None  # keep the records here (default: a temporary folder, deleted)
     echo: Callable[[str], None] = print
 
@@ -123,6 +127,17 @@ class RunResult:
     @property
     def rate(self) -> float:
         return self.samples / self.seconds
+
+    def __add__(self, other: RunResult) -> RunResult:
+        """Two segments of one run (the --pairs runs) as one."""
+        return RunResult(self.samples + other.samples, self.seconds + other.seconds, self.steps + other.steps,
+                         self.epochs_once + other.epochs_once, self.measures + other.measures,
+                         self.evictions + other.evictions)
+
+
+def segment(faults: list[cs.Fault], start_s: float, length_s: float) -> list[cs.Fault]:
+    """The faults drawn for [start_s, start_s + length_s), timed from the segment's start."""
+    return [dataclasses.replace(f, at_s=f.at_s - start_s) for f in faults if start_s <= f.at_s < start_s + length_s]
 
 
 def evicted_by(measures: list[Measure], rank: int) -> Measure | None:
@@ -485,15 +500,24 @@ def run_chaos(s: Settings) -> tuple[RunResult, RunResult, list[str]]:
         def peers(port: int) -> list[str]:
             return local_peers(s.world, port=port)
 
-        port = 29500 if ns else free_port(local_hosts(s.world))
-        s.echo(f"fault-free run: {s.world} workers for {s.duration_s:g} s")
-        base = Run(s, folder / "base", peers(port), key, prefix, ns, []).run(s.duration_s)
-        s.echo(f"  {base.samples} samples in {base.seconds:g} s: {base.rate:.1f}/s over {base.steps} steps")
-        port = 29600 if ns else free_port(local_hosts(s.world))
-        s.echo(f"chaos run: {len(faults)} faults drawn (seed {s.seed}, one every {s.every_s:g} s on average)"
+        s.echo(f"{len(faults)} faults drawn (seed {s.seed}, one every {s.every_s:g} s on average)"
                + (f"; skipped without root: {', '.join(skipped)}" if skipped else ""))
-        chaos = Run(s, folder / "chaos", peers(port), key, prefix, ns, faults).run(s.duration_s)
-        return base, chaos, skipped
+        length = s.duration_s / s.pairs
+        bases: list[RunResult] = []
+        chaoses: list[RunResult] = []
+        for i in range(s.pairs):  # alternating, so that a change in the machine's load hits both alike
+            port = 29500 if ns else free_port(local_hosts(s.world))
+            s.echo(f"fault-free run {i + 1}/{s.pairs}: {s.world} workers for {length:g} s")
+            b = Run(s, folder / f"base-{i}", peers(port), key, prefix, ns, []).run(length)
+            s.echo(f"  {b.samples} samples in {b.seconds:g} s: {b.rate:.1f}/s over {b.steps} steps")
+            port = 29600 if ns else free_port(local_hosts(s.world))
+            mine = segment(faults, i * length, length)
+            s.echo(f"chaos run {i + 1}/{s.pairs}: {len(mine)} faults for {length:g} s")
+            c = Run(s, folder / f"chaos-{i}", peers(port), key, prefix, ns, mine).run(length)
+            s.echo(f"  {c.samples} samples in {c.seconds:g} s: {c.rate:.1f}/s over {c.steps} steps")
+            bases.append(b)
+            chaoses.append(c)
+        return functools.reduce(operator.add, bases), functools.reduce(operator.add, chaoses), skipped
 
 
 def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> float:
@@ -521,6 +545,20 @@ def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> fl
     return goodput
 
 
+SUMMARY = "summary.json"  # in the --keep folder: what the last lines say, as data
+
+
+def summary(base: RunResult, chaos: RunResult, goodput: float, skipped: list[str]) -> dict[str, Any]:
+    """The run's figures as data, for tests and scripts (never parse the printed lines)."""
+    return {
+        "goodput": goodput, "base_rate": base.rate, "chaos_rate": chaos.rate, "chaos_steps": chaos.steps,
+        "epochs_once": chaos.epochs_once, "evictions": chaos.evictions, "skipped": skipped,
+        "faults": [{**m.fault.to_dict(), "detected_s": m.detected_s, "healed_s": m.healed_s,
+                    "heal_parts": None if (p := m.heal_parts()) is None else dataclasses.asdict(p)}
+                   for m in chaos.measures],
+    }
+
+
 def _stats(xs: list[float]) -> str:
     if not xs:
         return ""
@@ -542,10 +580,13 @@ def _stats(xs: list[float]) -> str:
               help="Fail if a worker's RSS grows by more than this after its first steps.")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the workers' records and logs in this new folder (default: deleted).")
+@click.option("--pairs", type=click.IntRange(1), default=1, show_default=True,
+              help="Alternate fault-free and chaos runs this many times (duration / pairs each), so that a "
+                   "change in the machine's load meets both; goodput sums over all of them.")
 @click.option("--heal-limit", type=click.FloatRange(min=1), default=180, show_default=True,
               help="Fail (a hang) if a restarted worker does not contribute within this many seconds.")
 def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str, hidden: int,
-          rss_limit_mb: float, heal_limit: float, keep: Path | None) -> None:
+          rss_limit_mb: float, pairs: int, heal_limit: float, keep: Path | None) -> None:
     """Goodput under a seeded random mix of real faults, against a fault-free run of the same job."""
     began = time.monotonic()
 
@@ -554,11 +595,14 @@ def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str
 
     try:
         s = Settings(world=world, duration_s=duration, every_s=fault_every, seed=seed, kinds=cs.parse_kinds(kinds),
-                     hidden=hidden, rss_limit_mb=rss_limit_mb, heal_s=heal_limit, keep=keep, echo=echo)
+                     hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, heal_s=heal_limit, keep=keep,
+                     echo=echo)
         base, result, skipped = run_chaos(s)
         goodput = report(base, result, echo)
     except FTTreeError as exc:
         click.echo(f"FAILED: {exc}")
         sys.exit(1)
+    if keep is not None:
+        (keep / SUMMARY).write_text(json.dumps(summary(base, result, goodput, skipped), indent=1) + "\n")
     click.echo(f"goodput {goodput:.2f} ({result.rate:.1f} / {base.rate:.1f} samples/s, {len(result.measures)} faults"
                + (f"; skipped without root: {', '.join(skipped)}" if skipped else "") + ")")
