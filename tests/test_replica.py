@@ -8,7 +8,7 @@ from fttree.core.config import Config
 from fttree.core.membership import ControlReceived, MemberFrame, MemberTimer
 from fttree.core.messages import Agreement, Detection, Join, Kind, Notice
 from fttree.core.protocol import Send, TimerKey, TimerKind
-from fttree.core.replica import Admit, JoinInEffect, Replica, ReplicaAction, StepBoundary, ViewApplied
+from fttree.core.replica import Admit, JoinInEffect, Replica, ReplicaAction, StepBoundary, StepDone, ViewApplied
 from fttree.core.view import View
 
 
@@ -58,7 +58,7 @@ def test_a_view_change_fences_with_the_steps_held_and_supersedes_a_join_not_in_e
     g = Group((0, 1, 2, 3, 4), user_step=5)
     g.deliver(0, Join(kind=Kind.JOIN, src=5, query=Query.ADMIT_ME))
     assert all(len(g.r[m].pending) == 1 for m in range(5))
-    g.r[1].completed.append(4)  # rank 1 holds the result of step 4
+    g.r[1].step(StepDone(step=4), 0.0)  # rank 1 holds the result of step 4
     epoch = g.r[0].membership.view.epoch
     g.deliver(0, Notice(kind=Kind.LEAVE, src=3, epoch=epoch))
     # the coordinator waits for rank 5's promise (it does not know it is a member): time runs out
