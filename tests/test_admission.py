@@ -9,7 +9,7 @@ from fttree.core.config import Config
 from fttree.core.lifecycle import Phase
 from fttree.core.messages import Join, Kind
 from fttree.core.protocol import Send
-from fttree.core.replica import Arrived, Replica
+from fttree.core.replica import Arrived, Replica, StepDone
 from fttree.core.view import View
 
 VIEW = View(0, (0, 1, 2, 3))
@@ -35,7 +35,7 @@ def test_a_rank_outside_the_view_or_asking_after_steps_were_done_finds_a_running
     member = Replica(0, VIEW, Config())
     outsider = member.step(ask(9, incarnation=1), 0.0)
     assert next(a for a in outsider if isinstance(a, Reply)).answer is Answer.RUNNING
-    member.completed.append(0)  # a step was done: whoever asks now is late
+    member.step(StepDone(step=0), 0.0)  # a step was done: whoever asks now is late
     late = member.step(ask(3, incarnation=1), 0.0)
     assert next(a for a in late if isinstance(a, Reply)).answer is Answer.RUNNING
 
@@ -82,7 +82,7 @@ def test_a_start_settles_on_a_majority_saying_starting_only_after_the_grace() ->
 
 def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_was_told() -> None:
     joiner = Replica(4, View(0, (4,)), Config(), join=True)
-    assert joiner.life.phase is Phase.ASKING
+    assert joiner.phase is Phase.ASKING
     running = Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.RUNNING, epoch=2, members=(0, 1, 2, 3),
                       addresses=((0, "127.0.0.1:1"), (1, "127.0.0.2:1")))
     out = joiner.step(Arrived(msg=running), 0.0)
@@ -97,7 +97,7 @@ def test_an_asker_admitted_starts_its_machines_in_the_view_and_from_the_step_it_
     assert Joined(first_step=60, user_step=6) in out
     assert LearnAddress(rank=3, address="127.0.0.4:1") in out
     assert LearnAddress(rank=4, address="127.0.0.5:1") not in out  # its own address: nothing to learn
-    assert joiner.life.phase is Phase.ADMITTED
+    assert joiner.phase is Phase.ADMITTED
     assert joiner.view.epoch == 3
     assert joiner.view.members == (0, 1, 2, 3, 4)
 
@@ -107,4 +107,4 @@ def test_an_admission_naming_other_ranks_only_is_not_taken() -> None:
     other = Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.ADMITTED, epoch=3, members=(0, 1, 5), step=9)
     out = joiner.step(Arrived(msg=other), 0.0)
     assert not [a for a in out if isinstance(a, Joined)]
-    assert joiner.life.phase is Phase.ASKING
+    assert joiner.phase is Phase.ASKING

@@ -11,7 +11,6 @@ from concurrent.futures import Future
 import numpy as np
 
 from fttree.core.config import Config
-from fttree.core.lifecycle import Life
 from fttree.core.membership import (
     SLOTS,
     Boundary,
@@ -27,7 +26,7 @@ from fttree.core.membership import (
 )
 from fttree.core.messages import Agreement, Kind, Message, Notice, Sender
 from fttree.core.protocol import Complete, Received, Submit, TimerKey, TimerKind, TreeMachine
-from fttree.core.replica import EARLY_BYTES_FLOOR, EARLY_FAR_BYTES, Arrived, Foreign, Replica
+from fttree.core.replica import EARLY_BYTES_FLOOR, EARLY_FAR_BYTES, Arrived, Connected, FirstStart, Foreign, Replica
 from fttree.core.view import View
 from fttree.net.node import StepResult
 from fttree.testing.sim import SimNetwork
@@ -36,8 +35,8 @@ from fttree.testing.simulate import STEP_GAP_S, Simulation, simulate
 
 def _take_part(replica: Replica) -> None:
     """A first start, as the node's: no group runs, the tree neighbours are reachable."""
-    replica.life.on(Life.FIRST_START)
-    replica.connected()
+    replica.step(FirstStart(), 0.0)
+    replica.step(Connected(), 0.0)
 
 
 # ---- 1. a joiner that goes silent right after its admission ------------------------------------

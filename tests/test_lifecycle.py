@@ -38,7 +38,7 @@ def test_any_phase_can_stop_and_stopped_is_for_good() -> None:
 def test_simulated_processes_end_where_the_table_says() -> None:
     run = simulate(5, "restart 2 @2; join 5 @3; isolate 4 @6..", 9)
     run.check()
-    phases = {n.rank: n.life.phase for n in run.network.nodes}
+    phases = {n.rank: n.replica.phase for n in run.network.nodes}
     assert phases == {0: Phase.ACTIVE, 1: Phase.ACTIVE, 2: Phase.ACTIVE, 3: Phase.ACTIVE, 4: Phase.STOPPED,
                       5: Phase.ACTIVE}
     assert [n.rank for n in run.network.nodes if n.joining] == [2, 5]  # the restart, the new rank

@@ -37,8 +37,14 @@ class Answer(IntEnum):
     STARTING = 2  # no group runs yet: this rank is starting up too
 
 
+class Handshake:
+    """An action of the join handshake, for the driver's asker (net/joining.py) to carry out."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Reply:
+class Reply(Handshake):
     """Send `dst` a JOIN_REPLY: `answer`, about `view` (with its members' addresses)."""
 
     dst: int
@@ -49,7 +55,7 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LearnAddress:
+class LearnAddress(Handshake):
     """Rank `rank` listens at `address` ("host:port", as the peer sent it)."""
 
     rank: int
@@ -57,12 +63,12 @@ class LearnAddress:
 
 
 @dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(Handshake):
     """An answer came: a start or an admission waiting for one looks again now."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Joined:
+class Joined(Handshake):
     """This process was admitted: it takes part from allreduce step `first_step`, which is
     training step `user_step`."""
 

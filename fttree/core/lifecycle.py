@@ -7,8 +7,10 @@ join, it asks to be admitted (ASKING) and, once admitted, connects (ADMITTED). T
 crashed (STOPPED, for good: a new process must join again). View changes happen inside ACTIVE
 and LEAVING; the membership machine tracks them (core/membership.py).
 
-The node moves through the table with `Lifecycle.on(event)`; an event that the table does not
-allow in the current phase is a bug, named with both, never a silent change.
+The replica moves through the table with `Lifecycle.on(event)` as the driver's news comes
+(`Replica.step`: FirstStart, GroupFound, Connected, Leave, Stop, and an admission it hears);
+an event that the table does not allow in the current phase is a bug, named with both, never
+a silent change.
 """
 
 from __future__ import annotations

@@ -9,15 +9,19 @@ boundary itself is news to the membership. Here they are decided in one place, w
 
 - `Arrived(frame)` is checked against the sender rules (messages.SENDER_RULES, `may_send`): a
   frame its sender may not send comes back as `Foreign`, changing nothing. A member's frame
-  that comes before this process takes part waits (`keep_early`, until `connected`); then it is
-  news to the membership (its sender is alive) and goes to its part: a step's frame to the tree,
-  a membership frame to the membership, DONE/DONE_ACK to the farewell, model state out as
-  `Deliver`;
+  that comes before this process takes part waits (until `Connected` hands it back in
+  `Redeliver`); then it is news to the membership (its sender is alive) and goes to its part:
+  a step's frame to the tree, a membership frame to the membership, DONE/DONE_ACK to the
+  farewell, model state out as `Deliver`;
 - tree events (Submit, TimerFired) go to the tree machine, and `LinkLost` too while taking part;
 - membership events (PeerDown, Busy, ControlReceived, MemberTimer, Uplink, Heard, Finish) go to
   the membership, and its Fence comes back as Fenced at once, with the steps this rank holds
   results of;
-- `StepBoundary` takes decided joins into effect and tells the membership where training is;
+- `StepBoundary` takes decided joins into effect (the joiners hear from which step, `Reply`)
+  and tells the membership where training is; `StepDone` records a step's whole result (a view
+  change reports it as held); `AckDue` sends the DONE_ACKs finished peers wait for;
+- the life cycle's news (`FirstStart`, `GroupFound`, `Connected`, `Leave`, `Stop`) moves the
+  transition table (lifecycle.py): the driver reads where it is (`phase`, `running`), never moves it;
 - a view is applied in one place, `_apply_view` (raft's ApplyConfChange): decided joins not in
   effect yet are superseded, the tree installs it, holders send the catch-up results;
 - the join handshake's frames (JOIN, JOIN_ASK, JOIN_REPLY) go to admission.py: a member answers
@@ -26,8 +30,10 @@ boundary itself is news to the membership. Here they are decided in one place, w
 
 What comes back is for the driver (net/node.py) to carry out: frames, timers, results, and
 records of its own: `Admit` (a decided join), `ViewApplied` (run the steps held back during the
-change), `JoinInEffect` (tell the joiners from which step they take part), `Foreign`, `Deliver`,
-`Farewells`, and the handshake's `Reply`, `LearnAddress`, `Answered` and `Joined`.
+change), `JoinInEffect` (a decided join took effect), `Foreign`, `Deliver`, `Farewells`,
+`Redeliver`, and the handshake's `Reply`, `LearnAddress`, `Answered` and `Joined`. `step` is
+the only way in that changes anything: the driver reads the rest through read-only properties,
+and tests/test_driver_writes_nothing.py keeps fttree/net/ to that.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from .membership import (
     MemberEvent,
     MemberFrame,
     Membership,
+    MemberState,
     NotCoordinator,
     PeerDown,
     Stopped,
@@ -120,6 +127,48 @@ class Finish:
     step: int
 
 
+@dataclass(frozen=True, slots=True)
+class FirstStart:
+    """No group runs: every peer is starting too, so this process connects to its tree neighbours."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFound:
+    """A group runs already: this process asks it to be admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """The tree neighbours are reachable: this rank takes part from now on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """This rank leaves the group (the members drop it from the next view)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """This rank produces no more results: closed, crashed, left out, or never admitted."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDone:
+    """Allreduce step `step` has its whole result here: a view change reports it as held."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckDue:
+    """Acknowledge the finished peers (DONE_ACK) whose last step has an outcome here: submitted
+    (at most `last_submitted`) and not `pending` any more, or all of them if `stopped`."""
+
+    last_submitted: int
+    pending: frozenset[int]
+    stopped: bool
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Foreign:
     """`msg` was dropped: its sender may not send it (`rule`). For the driver to count and log."""
@@ -137,8 +186,15 @@ class Deliver:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Farewells:
-    """A DONE or DONE_ACK changed `Replica.farewell`: acknowledge what is due, look again
-    whether this finished rank may close."""
+    """A DONE or DONE_ACK changed the farewell (farewell.py): acknowledge what is due (`AckDue`),
+    look again whether this finished rank may close."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Redeliver:
+    """Frames that came before this rank took part: hand them in again, as if they came now."""
+
+    frames: tuple[Frame, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,30 +220,34 @@ class JoinInEffect:
     first_step: int
 
 
-ReplicaEvent = Event | MemberEvent | StepBoundary | Arrived | Heard | LinkLost | Finish
+#: the driver's news of this process's life (lifecycle.py): the move each makes
+_LIFE_EVENTS: dict[type, Life] = {FirstStart: Life.FIRST_START, GroupFound: Life.GROUP_FOUND, Leave: Life.LEAVE,
+                                  Stop: Life.STOP}
+ReplicaEvent = (Event | MemberEvent | StepBoundary | Arrived | Heard | LinkLost | Finish | FirstStart | GroupFound
+                | Connected | Leave | Stop | StepDone | AckDue)
 _TREE_EVENTS = frozenset({Submit, Received, TimerFired, LinkDown})
 ReplicaAction = (Action | MemberAction | Admit | ViewApplied | JoinInEffect | Reply | LearnAddress | Answered
-                 | Joined | Foreign | Deliver | Farewells)
+                 | Joined | Foreign | Deliver | Farewells | Redeliver)
 
 
 class Replica:
-    """One worker's decisions. `step` is the only way in that changes anything; the fields are
-    for reading (status pages, tests)."""
+    """One worker's decisions. `step` is the only way in that changes anything; the properties
+    are for reading (the driver, status pages, tests)."""
 
     def __init__(self, rank: int, view: View, config: Config, *, join: bool = False) -> None:
         self.rank = rank
         self.cfg = config
-        self.machine = TreeMachine(rank, view, config)
-        self.membership = Membership(rank, view, config)
-        self.life = Lifecycle(join=join)
-        self.admission = Admission()
+        self._machine = TreeMachine(rank, view, config)
+        self._membership = Membership(rank, view, config)
+        self._life = Lifecycle(join=join)
+        self._admission = Admission()
         # decided joins, each taking effect at its training step, in order: a second join can be
         # decided here before the first took effect (another member coordinated it)
-        self.pending: deque[Installed] = deque()
-        self.completed: deque[int] = deque(maxlen=256)  # steps with a whole result here, newest last
-        self.early: list[Frame] = []  # frames from members before this process takes part
+        self._pending: deque[Installed] = deque()
+        self._completed: deque[int] = deque(maxlen=256)  # steps with a whole result here, newest last
+        self._early: list[Frame] = []  # frames from members before this process takes part
         self._early_kept = 0  # their payload bytes (at most EARLY_BYTES_FLOOR)
-        self.farewell = Farewell()  # DONE and DONE_ACK bookkeeping (farewell.py)
+        self._farewell = Farewell()  # DONE and DONE_ACK bookkeeping (farewell.py)
         self._data_at: dict[int, float] = {}  # peer -> when tensor data from it last arrived
         # data frames for steps not submitted here yet (EARLY_BYTES_FLOOR): step -> bytes handed on
         self.newest_submitted = -1
@@ -198,43 +258,106 @@ class Replica:
         self.early_dropped = 0  # data frames dropped for want of room (counted; the first is noted)
         self.early_dropped_bytes = 0
 
+    # ---- what the driver may read (it changes nothing but through `step`) ----------------------
+
     @property
     def view(self) -> View:
-        return self.machine.view
+        return self._machine.view
 
-    def admitted(self, view: View, first_step: int, user_step: int) -> None:
+    @property
+    def machine(self) -> TreeMachine:
+        """The tree machine, for status pages and tests."""
+        return self._machine
+
+    @property
+    def membership(self) -> Membership:
+        """The membership, for status pages, tests and the driver's readings (its deadlines)."""
+        return self._membership
+
+    @property
+    def admission(self) -> Admission:
+        """What the join handshake heard, for the driver's polls (net/joining.py)."""
+        return self._admission
+
+    @property
+    def phase(self) -> Phase:
+        """Where this process is in its life (lifecycle.py)."""
+        return self._life.phase
+
+    @property
+    def running(self) -> bool:
+        """Taking part, or leaving: a broken link is news, not a peer still starting up."""
+        return self._life.running
+
+    @property
+    def leaving(self) -> bool:
+        """This rank said it leaves (its end is a leave, not a failure)."""
+        return self._life.phase is Phase.LEAVING
+
+    @property
+    def changing_view(self) -> bool:
+        """A view change is under way: steps submitted now wait for its view."""
+        return self._membership.state is MemberState.CHANGING
+
+    @property
+    def pending(self) -> tuple[Installed, ...]:
+        """Decided joins not in effect yet, in the order they take effect."""
+        return tuple(self._pending)
+
+    @property
+    def owes_acks(self) -> bool:
+        """Finished peers wait for this rank's DONE_ACK (`AckDue` sends those due)."""
+        return bool(self._farewell.owed)
+
+    def waiting_for(self, last: int) -> list[int]:
+        """The members this finished rank, whose last step is `last`, still waits for (farewell.py)."""
+        membership = self._membership
+        return self._farewell.waiting_for(membership.view.members, me=self.rank, done=membership.done, last=last)
+
+    def _admitted(self, view: View, first_step: int, user_step: int) -> None:
         """This process (a joiner) was admitted into `view` from `first_step` (training step
         `user_step`): its machines start there."""
-        self.machine = TreeMachine(self.rank, view, self.cfg)
-        self.machine.start_at(first_step)
-        self.membership = Membership(self.rank, view, self.cfg)
-        self.membership.user_step = user_step - 1
+        self._machine = TreeMachine(self.rank, view, self.cfg)
+        self._machine.start_at(first_step)
+        self._membership = Membership(self.rank, view, self.cfg)
+        self._membership.user_step = user_step - 1
         self.newest_submitted = max(self.newest_submitted, first_step - 1)
 
+    # ---- the entrance ----------------------------------------------------------------------------
+
     def step(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
+        """Take `event` at time `now`; what comes back is for the driver to carry out, in order."""
         kind = type(event)
         if kind in _TREE_EVENTS:  # hundreds a step: straight to the tree
             if kind is Submit:
                 self._submitted(event)  # type: ignore[arg-type]
-            return self.machine.handle(event, now)  # type: ignore[arg-type, return-value]
+            return self._machine.handle(event, now)  # type: ignore[arg-type, return-value]
         out: list[ReplicaAction] = []
         if kind is Arrived:  # one per frame
             self._arrived(event.msg, event.link, now, out)  # type: ignore[union-attr]
             return out
         match event:
             case Heard(peer=peer):
-                if self.life.running:
+                if self._life.running:
                     self._data_at[peer] = now
-                    self._carry(self.membership.heard(peer, now), now, out)
+                    self._carry(self._membership.heard(peer, now), now, out)
             case StepBoundary():
                 self._boundary(event, now, out)
             case LinkLost(peer=peer, reason=reason, refused=refused):
-                if self.life.running and peer not in self.membership.done:  # not starting, nor finished
-                    out.extend(self.machine.handle(LinkDown(peer=peer, reason=reason), now))
+                if self._life.running and peer not in self._membership.done:  # not starting, nor finished
+                    out.extend(self._machine.handle(LinkDown(peer=peer, reason=reason), now))
                     if refused:
                         self._member(PeerDown(peer=peer, reason=reason), now, out)
             case Finish(step=step):
-                self._carry(self.membership.finish(step), now, out)
+                self._carry(self._membership.finish(step), now, out)
+            case StepDone(step=step):
+                self._completed.append(step)
+            case AckDue():
+                self._ack_due(event, out)
+            case Connected():
+                self._connected(out)
+            case FirstStart() | GroupFound() | Leave() | Stop():
+                self._life.on(_LIFE_EVENTS[kind])
             case _:
                 self._member(event, now, out)  # type: ignore[arg-type]
         return out
@@ -243,7 +366,7 @@ class Replica:
         """Peers whose tensor data arrived within the node deadline (a frame or part of one):
         their part of a step is on its way, slowly. A peer that only answers pings is alive
         but not sending (it may have left the step)."""
-        recent = now - self.membership.node_deadline_s
+        recent = now - self._membership.node_deadline_s
         return frozenset(peer for peer, at in self._data_at.items() if at >= recent)
 
     # ---- a frame: whether its sender may send it, and which part it is for -----------------------
@@ -253,20 +376,20 @@ class Replica:
         if rule is Sender.PROVEN and isinstance(msg, Join):
             self._join_frame(msg, now, out)
             return
-        running = self.life.phase is not Phase.STOPPED
-        stale = msg.epoch < self.membership.view.epoch and running  # its sender may not know it was left out
+        running = self._life.phase is not Phase.STOPPED
+        stale = msg.epoch < self._membership.view.epoch and running  # its sender may not know it was left out
         if rule not in _MEMBER_RULES or not self.may_send(msg.src):
             out.append(Foreign(msg=msg, rule=rule))
             if stale and rule in _MEMBER_RULES:
-                self._carry(self.membership.stale_sender(msg), now, out)
+                self._carry(self._membership.stale_sender(msg), now, out)
             return
-        if self.keep_early(msg):
+        if self._keep_early(msg):
             return
         if isinstance(msg, State):
             out.append(Deliver(msg=msg))
             return
         if running:
-            heard = self.membership.heard(msg.src, now)
+            heard = self._membership.heard(msg.src, now)
             if heard:  # almost always nothing
                 self._carry(heard, now, out)
         if msg.payload is not None:
@@ -275,14 +398,14 @@ class Replica:
             self._view_frame(msg, running, now, out)  # type: ignore[arg-type]
             return
         if stale:
-            self._carry(self.membership.stale_sender(msg), now, out)
+            self._carry(self._membership.stale_sender(msg), now, out)
         if msg.kind is Kind.DATA_REDUCE and msg.step > self.newest_submitted and not self._room_early(msg, out):
             return
-        out.extend(self.machine.handle(Received(msg=msg, link=link), now))
+        out.extend(self._machine.handle(Received(msg=msg, link=link), now))
 
     def _view_frame(self, msg: MemberFrame, running: bool, now: float, out: list[ReplicaAction]) -> None:
         if isinstance(msg, Notice) and msg.kind is Kind.DONE_ACK:
-            self.farewell.peer_has(msg.src, msg.step)
+            self._farewell.peer_has(msg.src, msg.step)
             out.append(Farewells())
         elif isinstance(msg, Join):
             self._join_frame(msg, now, out)
@@ -290,30 +413,37 @@ class Replica:
             if running:
                 self._member(ControlReceived(msg=msg), now, out)
             if isinstance(msg, Notice) and msg.kind is Kind.DONE:
-                self.farewell.peer_done(msg.src, msg.step)
+                self._farewell.peer_done(msg.src, msg.step)
                 out.append(Farewells())
+
+    def _ack_due(self, event: AckDue, out: list[ReplicaAction]) -> None:
+        """The DONE_ACKs due now: the finished peer's last step has an outcome here."""
+        epoch = self._machine.view.epoch
+        for peer, step in self._farewell.due(last_submitted=event.last_submitted, pending=event.pending.__contains__,
+                                             stopped=event.stopped):
+            out.append(Send(dst=peer, msg=Notice(kind=Kind.DONE_ACK, src=self.rank, epoch=epoch, step=step)))
 
     # ---- the hand-offs ---------------------------------------------------------------------------
 
     def _member(self, event: MemberEvent, now: float, out: list[ReplicaAction]) -> None:
-        self._carry(self.membership.handle(event, now), now, out)
+        self._carry(self._membership.handle(event, now), now, out)
 
     def _carry(self, actions: list[MemberAction], now: float, out: list[ReplicaAction]) -> None:
         for action in actions:
             match action:
                 case Fence():
-                    self.machine.fence()
-                    self._member(Fenced(held=tuple(sorted(set(self.completed)))), now, out)
+                    self._machine.fence()
+                    self._member(Fenced(held=tuple(sorted(set(self._completed)))), now, out)
                 case Installed() if action.activate_at >= 0:
-                    self.pending.append(action)  # a join: the tree switches at that training step
-                    if len(self.pending) == 1:  # the next to take effect: its early frames are handled
-                        out.extend(self.machine.expect(action.view, now))
-                    self.admission.admitted(action.joined)
+                    self._pending.append(action)  # a join: the tree switches at that training step
+                    if len(self._pending) == 1:  # the next to take effect: its early frames are handled
+                        out.extend(self._machine.expect(action.view, now))
+                    self._admission.admitted(action.joined)
                     out.append(Admit(installed=action))
                 case Installed():
                     self._apply_view(action, now, out)
                 case Stopped():  # left out or a minority: the tree produces no more results
-                    self.machine.fence()
+                    self._machine.fence()
                     out.append(action)
                 case NotCoordinator(msg=msg):  # counted as any frame its sender may not send
                     out.append(Foreign(msg=msg, rule=Sender.COORDINATOR))
@@ -325,13 +455,13 @@ class Replica:
         are superseded: this view was formed from the promisers, and a joiner that never heard
         of its admission did not promise; taking its older view into effect later would bring
         back whoever this one evicted (the membership admits that joiner again)."""
-        superseded = tuple(p.view.epoch for p in self.pending)
-        self.pending.clear()
-        out.extend(self.machine.install(inst.view, inst.committed, now))
+        superseded = tuple(p.view.epoch for p in self._pending)
+        self._pending.clear()
+        out.extend(self._machine.install(inst.view, inst.committed, now))
         for plan in inst.catch_up:
             if plan.holder != self.rank:
                 continue
-            for chunk, result, contributors, late, signature in self.machine.result_of(plan.step):
+            for chunk, result, contributors, late, signature in self._machine.result_of(plan.step):
                 msg = Message(kind=Kind.CATCHUP, src=self.rank, epoch=inst.view.epoch, step=plan.step, chunk=chunk,
                               contributors=contributors, late=late, dtype=result.dtype.str, numel=int(result.size),
                               signature=signature, payload=result.data.cast("B"))
@@ -341,12 +471,15 @@ class Replica:
     def _boundary(self, event: StepBoundary, now: float, out: list[ReplicaAction]) -> None:
         """Decided joins whose training step has come take effect, in order; then the
         membership hears where training is (a join or pace change waiting for this may start)."""
-        while self.pending and event.user_step >= self.pending[0].activate_at:
-            inst = self.pending.popleft()
-            out.extend(self.machine.activate(inst.view, now))
+        while self._pending and event.user_step >= self._pending[0].activate_at:
+            inst = self._pending.popleft()
+            out.extend(self._machine.activate(inst.view, now))
+            # the joiners hear from which step they take part
+            out.extend(Reply(dst=r, answer=Answer.ADMITTED, view=inst.view, first_step=event.first_step,
+                             user_step=inst.activate_at) for r in inst.joined)
             out.append(JoinInEffect(installed=inst, first_step=event.first_step))
-            if self.pending:
-                out.extend(self.machine.expect(self.pending[0].view, now))
+            if self._pending:
+                out.extend(self._machine.expect(self._pending[0].view, now))
         self._member(Boundary(user_step=event.user_step), now, out)
 
     # ---- data that comes early: bounded in bytes -------------------------------------------------
@@ -403,28 +536,29 @@ class Replica:
 
     # ---- frames before taking part, and stale frames ---------------------------------------------
 
-    def keep_early(self, msg: Frame) -> bool:
+    def _keep_early(self, msg: Frame) -> bool:
         """Is this process not sure yet whether it is in a group, or in which view? Then `msg`
         waits (a step's frame or a state piece, up to `max_ops_ahead` of them) until `connected`.
         A restarted process may be handed frames its previous incarnation's peers had queued
         (probes, relays): answered from view 0 as if this were the first start, the stale answer
         would draw the view that leaves this rank out."""
-        if not self.life.early:
+        if not self._life.early:
             return False
         size = 0 if msg.payload is None else len(memoryview(msg.payload).cast("B"))
-        if isinstance(msg, Message | State) and len(self.early) < self.cfg.max_ops_ahead \
+        if isinstance(msg, Message | State) and len(self._early) < self.cfg.max_ops_ahead \
                 and self._early_kept + size <= EARLY_BYTES_FLOOR:
-            self.early.append(msg)
+            self._early.append(msg)
             self._early_kept += size
         return True
 
-    def connected(self) -> list[Frame]:
-        """The tree neighbours are reachable: this rank takes part from now on. Returns the
-        frames that came early, for the driver to hand in again."""
-        self.life.on(Life.CONNECTED)
-        early, self.early = self.early, []
+    def _connected(self, out: list[ReplicaAction]) -> None:
+        """The tree neighbours are reachable: this rank takes part from now on, and the frames
+        that came early go back to the driver to hand in again (it knows their links now)."""
+        self._life.on(Life.CONNECTED)
+        early, self._early = self._early, []
         self._early_kept = 0
-        return early
+        if early:
+            out.append(Redeliver(frames=tuple(early)))
 
     def is_stale(self, msg: Frame) -> bool:
         """Is `msg` worthless now (the transport drops it unsent)? Only a step's frame of a view
@@ -433,7 +567,7 @@ class Replica:
         child's share of the result waits in the bulk queue for longer than the op lingers."""
         if type(msg) is not Message or msg.kind in _NEVER_STALE or msg.answer:
             return False  # about links, views or committed results; or answers about an op we let go of
-        return self.machine.is_past_epoch(msg.epoch)
+        return self._machine.is_past_epoch(msg.epoch)
 
     # ---- who may send, and the join handshake ----------------------------------------------------
 
@@ -441,12 +575,12 @@ class Replica:
         """Is `rank` one whose frames this worker takes (the sender rule MEMBER)? A member of
         its view or of a view decided and not yet in effect, a rank it is admitting, or, while
         this process asks to join, a member of the group it asked."""
-        if rank in self.membership.view or rank in self.admission.candidates:
+        if rank in self._membership.view or rank in self._admission.candidates:
             return True
-        if any(rank in p.view for p in self.pending):
+        if any(rank in p.view for p in self._pending):
             return True
-        if self.life.phase is Phase.ASKING:
-            group = self.admission.group
+        if self._life.phase is Phase.ASKING:
+            group = self._admission.group
             return group is None or rank in group[1]
         return False
 
@@ -454,21 +588,21 @@ class Replica:
         if msg.kind is Kind.JOIN_REPLY:
             self._join_answer(msg, out)
             return
-        phase = self.life.phase
+        phase = self._life.phase
         if phase is Phase.ASKING:
             return  # not a member yet: nothing to tell
         if msg.kind is Kind.JOIN and msg.query == Query.IS_RUNNING:
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == msg.src != self.rank)
-            view = self.membership.view
-            answer = self.admission.answer(msg.src, msg.incarnation, view=view,
-                                           began=bool(self.completed or self.machine.view.epoch),
+            view = self._membership.view
+            answer = self._admission.answer(msg.src, msg.incarnation, view=view,
+                                           began=bool(self._completed or self._machine.view.epoch),
                                            stopped=phase is Phase.STOPPED)
             out.append(Reply(dst=msg.src, answer=answer, view=view))
             return
         joiner = msg.src if msg.kind is Kind.JOIN else msg.target  # JOIN_ASK: a member passes it on
         if joiner < 0 or joiner == self.rank or phase is Phase.STOPPED:
             return
-        if not self.admission.request(joiner, msg.incarnation, self.membership.view):
+        if not self._admission.request(joiner, msg.incarnation, self._membership.view):
             return
         out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == joiner)
         self._member(ControlReceived(msg=msg), now, out)
@@ -476,18 +610,18 @@ class Replica:
     def _join_answer(self, msg: Join, out: list[ReplicaAction]) -> None:
         """A starting or joining process hears: the group is starting too, is running in this
         view, or admits this rank from this step."""
-        phase = self.life.phase
+        phase = self._life.phase
         if phase is Phase.ASKING and msg.answer == Answer.ADMITTED and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
-            self.admitted(View(msg.epoch, msg.members, msg.pace, msg.uplinks, self.view.reach), msg.step,
+            self._admitted(View(msg.epoch, msg.members, msg.pace, msg.uplinks, self.view.reach), msg.step,
                           msg.user_step)
-            self.life.on(Life.ADMITTED)
+            self._life.on(Life.ADMITTED)
             for r in msg.members:
-                self.admission.incarnations.setdefault(r, 0)
+                self._admission.incarnations.setdefault(r, 0)
             out.append(Joined(first_step=msg.step, user_step=msg.user_step))
         elif phase in (Phase.STARTING, Phase.ASKING):
-            self.admission.heard(msg.src, msg.answer, msg.epoch, msg.members, starting=phase is Phase.STARTING)
+            self._admission.heard(msg.src, msg.answer, msg.epoch, msg.members, starting=phase is Phase.STARTING)
             if phase is Phase.ASKING and msg.answer == Answer.RUNNING:
                 out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
         out.append(Answered())

@@ -8,11 +8,10 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from ..core.admission import Answer, Answered, Joined, LearnAddress, Query, Reply
+from ..core.admission import Answer, Answered, Handshake, Joined, LearnAddress, Query, Reply
 from ..core.config import Config
-from ..core.lifecycle import Life
 from ..core.messages import Join, Kind
-from ..core.replica import Replica
+from ..core.replica import FirstStart, GroupFound, Replica, ReplicaEvent, Stop
 from ..errors import ConfigError, PeerError
 from . import handshake as hs
 from .address import parse_address
@@ -28,15 +27,18 @@ ADMIT_POLL_S = 0.5  # a joiner asks again this often to be admitted
 
 
 class Asker:
-    """One process's questions to its peers before it takes part."""
+    """One process's questions to its peers before it takes part. It reads the answers in the
+    replica; what it settles goes back to the replica through `tell` (the node's entrance)."""
 
     def __init__(self, rank: int, config: Config, transport: Transport, scheduler: Scheduler,
-                 replica: Replica, *, incarnation: int, contact: bool) -> None:
+                 replica: Replica, *, tell: Callable[[ReplicaEvent], None], incarnation: int,
+                 contact: bool) -> None:
         self.rank = rank
         self.cfg = config
         self.transport = transport
         self.scheduler = scheduler
         self.replica = replica
+        self._tell = tell
         self.incarnation = incarnation
         self.contact = contact  # a member's address was given to ask first (a joiner knowing no rank)
         self.joined_at: tuple[int, int] | None = None  # (first allreduce step, first training step)
@@ -66,7 +68,7 @@ class Asker:
             if settled():
                 self.stop()
                 running = replica.admission.group is not None
-                replica.life.on(Life.GROUP_FOUND if running else Life.FIRST_START)
+                self._tell(GroupFound() if running else FirstStart())
                 done(running)
 
         def ask() -> None:
@@ -93,7 +95,7 @@ class Asker:
                 return
             if self.scheduler.now() >= end:
                 self.stop()
-                self.replica.life.on(Life.STOP)
+                self._tell(Stop())
                 asked = list(self.replica.admission.asked())
                 done(PeerError(f"rank {self.rank} was not admitted to the running group within "
                                f"{self.cfg.startup_timeout_s:g} s (asked ranks {asked})", peers=tuple(asked)))
@@ -109,7 +111,7 @@ class Asker:
         self._on_answer = ask
         ask()
 
-    def carry(self, action: Reply | LearnAddress | Joined | Answered) -> None:
+    def carry(self, action: Handshake) -> None:
         """Carry out the replica's handshake actions (core/admission.py)."""
         match action:
             case Reply():

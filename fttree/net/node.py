@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.admission import Answer, Answered, Joined, LearnAddress, Reply
+from ..core.admission import Handshake
 from ..core.config import Config
 from ..core.effects import (
     CancelTimer,
@@ -35,14 +35,11 @@ from ..core.effects import (
     TimerKind,
     Void,
 )
-from ..core.lifecycle import RUNNING_PHASES, Life, Lifecycle, Phase
 from ..core.membership import (
     Busy,
     Hold,
     Installed,
-    MemberEvent,
     Membership,
-    MemberState,
     MemberStatus,
     MemberTimer,
     Stopped,
@@ -53,24 +50,28 @@ from ..core.messages import (
     Frame,
     Kind,
     Message,
-    Notice,
     State,
 )
-from ..core.protocol import Event, MachineStatus, TimerFired, TreeMachine
+from ..core.protocol import MachineStatus, TimerFired, TreeMachine
 from ..core.replica import (
+    AckDue,
     Admit,
     Arrived,
+    Connected,
     Deliver,
     Farewells,
     Finish,
     Foreign,
     Heard,
     JoinInEffect,
+    Leave,
     LinkLost,
+    Redeliver,
     Replica,
     ReplicaAction,
     ReplicaEvent,
     StepBoundary,
+    Stop,
     ViewApplied,
 )
 from ..core.view import View
@@ -136,15 +137,15 @@ class Node:
         self.elastic_listeners: list[Callable[[State], None]] = []  # STATE and STATE_REQUEST frames
         self.quiet_listeners: list[Callable[[], None]] = []  # told when the node may owe peers nothing
         self.steps = StepBook(config, scheduler, self.replica, run_chunk=self._run_chunk,
-                              member=self._member, settled=self._step_settled)
+                              member=self._member, tell=self._replica_step, settled=self._step_settled)
         self.step_durations = self.steps.durations
         self.step_listeners = self.steps.listeners
         self.incarnation = incarnation if incarnation is not None else secrets.randbits(62) + 1
         self.contact = contact  # a member's address to ask first (a joiner that knows no other rank)
         if contact is not None:
             transport.add_peer(CONTACT, contact)
-        self.asker = Asker(rank, config, transport, scheduler, self.replica, incarnation=self.incarnation,
-                           contact=contact is not None)
+        self.asker = Asker(rank, config, transport, scheduler, self.replica, tell=self._replica_step,
+                           incarnation=self.incarnation, contact=contact is not None)
         self.leaver = Leaver(rank, scheduler, transport, self.replica, busy=lambda: bool(self.steps),
                              stopped=lambda: self.stopped is not None)
         self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
@@ -159,10 +160,6 @@ class Node:
     @property
     def membership(self) -> Membership:
         return self.replica.membership
-
-    @property
-    def life(self) -> Lifecycle:
-        return self.replica.life
 
     @property
     def view(self) -> View:
@@ -186,7 +183,7 @@ class Node:
     @property
     def started(self) -> bool:
         """Taking part (or leaving): a hard failure of a link is news, not a peer still starting."""
-        return self.replica.life.running
+        return self.replica.running
 
     @property
     def neighbours(self) -> tuple[int, ...]:
@@ -211,27 +208,25 @@ class Node:
     def connected(self) -> None:
         """The tree neighbours are reachable: take part from now on (frames that came early are
         handled now). The simulator, whose links need no connecting, calls this directly."""
-        for msg in self.replica.connected():
-            self.on_message(msg)
+        self._replica_step(Connected())
 
     def depart(self, done: Callable[[None], None]) -> None:
         """Leave the group after the steps submitted here: the members drop this rank from the
         next view at once (no detection, no timeout); `done(None)` once that view left it out."""
-        self.life.on(Life.LEAVE)
+        self._replica_step(Leave())
         self.leaver.depart(done)
 
     def finish(self) -> bool:
         """The job is over here: tell every member (DONE, with the last step submitted). False if
         this rank is not taking part (nothing to tell)."""
-        if self.life.phase not in RUNNING_PHASES:
+        if not self.replica.running:
             return False
         self._replica_step(Finish(step=self.steps.last_submitted))
         return True
 
     def not_done(self) -> list[int]:
         """The members this finished rank still waits for (core/farewell.py)."""
-        return self.replica.farewell.waiting_for(self.membership.view.members, me=self.rank,
-                                                 done=self.membership.done, last=self.steps.last_submitted)
+        return self.replica.waiting_for(self.steps.last_submitted)
 
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
@@ -243,7 +238,7 @@ class Node:
         self.steps.fail_all(lambda step: StepAborted(step, reason))
 
     async def close(self) -> None:
-        self.life.on(Life.STOP)
+        self._replica_step(Stop())
         self.stop(f"rank {self.rank} was closed")
         await self.transport.close()
 
@@ -251,7 +246,7 @@ class Node:
         """Die as a killed process would, for fault injection: every connection reset, the
         listener gone, nothing more sent; every step here fails with `reason`."""
         self.stopped = reason
-        self.life.on(Life.STOP)
+        self._replica_step(Stop())
         self.stop(reason)
         await self.transport.close(abort=True)
 
@@ -277,7 +272,7 @@ class Node:
             return
         req = Request(step=step, data=data, signature=signature, future=future, contribute=contribute, abort=abort,
                       reduce=reduce, compression=compression, closable=closable)
-        self.steps.submit(req, hold=self.replica.membership.state is MemberState.CHANGING)
+        self.steps.submit(req, hold=self.replica.changing_view)
 
     def boundary(self, user_step: int | None, first_step: int) -> None:
         """The caller begins training step `user_step` with allreduce step `first_step`: a
@@ -291,7 +286,7 @@ class Node:
         elif user_step is not None and self.stopped is None:
             self._replica_step(StepBoundary(user_step=user_step, first_step=first_step))
 
-    def _run_chunk(self, submit: Event) -> None:
+    def _run_chunk(self, submit: ReplicaEvent) -> None:
         self._handle(submit, raise_errors=True)
 
     def _step_settled(self, completed: bool) -> None:
@@ -299,15 +294,14 @@ class Node:
         stops looking for silent neighbours."""
         if completed:
             self._report_uplink()
-        if self.replica.farewell.owed:
+        if self.replica.owes_acks:
             self._ack_done()
         if not self.steps:
             self._member(Busy(since=None))
 
     def _ack_done(self) -> None:
-        for peer, step in self.replica.farewell.due(last_submitted=self.steps.last_submitted,
-                                            pending=self.steps.__contains__, stopped=self.stopped is not None):
-            self.transport.send(peer, Notice(kind=Kind.DONE_ACK, src=self.rank, epoch=self.view.epoch, step=step))
+        self._replica_step(AckDue(last_submitted=self.steps.last_submitted, pending=self.steps.pending(),
+                                  stopped=self.stopped is not None))
 
     def skipped_nonfinite(self, step: int) -> None:
         """Our contribution to `step` held NaN or Inf and was left out (nonfinite="skip"): a
@@ -383,7 +377,7 @@ class Node:
             return
         self._do_all(actions)
 
-    def _member(self, event: MemberEvent) -> None:
+    def _member(self, event: ReplicaEvent) -> None:
         if self.stopped is None:
             self._replica_step(event)
 
@@ -448,9 +442,6 @@ class Node:
             case JoinInEffect(installed=inst, first_step=first_step):
                 log.warning("rank %d: view %d takes effect at step %d: %s", self.rank, inst.view.epoch,
                             first_step, inst.reason)
-                for r in inst.joined:
-                    self.asker.carry(Reply(dst=r, answer=Answer.ADMITTED, view=inst.view, first_step=first_step,
-                                           user_step=inst.activate_at))
                 for listener in self.view_listeners:
                     listener(inst)
             case Hold(on=on):
@@ -461,8 +452,11 @@ class Node:
                 self._stopped(reason)
             case Suspected(peer=peer, reason=reason):
                 log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
-            case Reply() | LearnAddress() | Joined() | Answered():
+            case Handshake():
                 self.asker.carry(action)
+            case Redeliver(frames=frames):  # frames that came before this rank took part
+                for msg in frames:
+                    self.on_message(msg)
             case Foreign(msg=msg, rule=rule):
                 self.foreign.dropped(msg, rule)
             case Deliver(msg=msg):
@@ -492,12 +486,12 @@ class Node:
             self._member(Busy(since=self.steps.oldest_began(), step=max(self.steps.running)))
 
     def _stopped(self, reason: str) -> None:
-        left = self.life.phase is Phase.LEAVING
+        left = self.replica.leaving
         if left:
             reason = f"rank {self.rank} left the group (the others go on without it)"
         log.log(logging.INFO if left else logging.ERROR, "rank %d: %s", self.rank, reason)
         self.stopped = reason
-        self.life.on(Life.STOP)
+        self._replica_step(Stop())
         self.asker.answered()
         self.leaver.stopped()  # a leave waits for this
         self.steps.fail_all(lambda step: GroupLeft(step, reason))

@@ -22,7 +22,7 @@ from ..core.config import Config
 from ..core.effects import AbortCode, Complete, Fail
 from ..core.membership import Busy, MemberEvent
 from ..core.protocol import Submit
-from ..core.replica import Replica
+from ..core.replica import Replica, ReplicaEvent, StepDone
 from ..errors import StepAborted, StepRetry, TensorMismatch
 from .scheduler import Scheduler
 
@@ -71,17 +71,18 @@ class _Running:
 
 class StepBook:
     """The steps submitted on one rank and not finished yet. `run_chunk` hands a chunk to the
-    replica, `member` tells the membership when the rank is busy, `settled` runs after a step
-    finished or failed here (`True`: with a result)."""
+    replica, `member` tells the membership when the rank is busy, `tell` hands the replica other
+    news (a step done), `settled` runs after a step finished or failed here (`True`: with a result)."""
 
     def __init__(self, config: Config, scheduler: Scheduler, replica: Replica, *,
                  run_chunk: Callable[[Submit], None], member: Callable[[MemberEvent], None],
-                 settled: Callable[[bool], None]) -> None:
+                 tell: Callable[[ReplicaEvent], None], settled: Callable[[bool], None]) -> None:
         self.cfg = config
         self.scheduler = scheduler
-        self.replica = replica  # the view steps are cut in; a whole result is recorded in its `completed`
+        self.replica = replica  # the view steps are cut in; it hears of each whole result (StepDone)
         self._run_chunk = run_chunk
         self._member = member
+        self._tell = tell
         self._settled = settled
         self.running: dict[int, _Running] = {}
         self.held_back: list[Request] = []  # submitted during a view change: run once it is agreed
@@ -95,6 +96,10 @@ class StepBook:
 
     def __contains__(self, step: int) -> bool:
         return step in self.running or any(r.step == step for r in self.held_back)
+
+    def pending(self) -> frozenset[int]:
+        """The steps submitted here without an outcome yet: running or held back."""
+        return frozenset(self.running).union(r.step for r in self.held_back)
 
     def __bool__(self) -> bool:
         return bool(self.running)
@@ -168,7 +173,7 @@ class StepBook:
             start = run.offsets[chunk]
             data[start:start + result.size] = result
         del self.running[done.step]
-        self.replica.completed.append(done.step)
+        self._tell(StepDone(step=done.step))
         late = tuple(sorted(run.late))
         self._count_late(late, run.contributors)
         duration = self.scheduler.monotonic() - run.started

@@ -112,7 +112,7 @@ class SimNetwork:
             node = self._new_process(rank, view)
             node.find_group(end, functools.partial(self._answered, node, end, self._settled, False))
         # as `fttree launch` does, the first steps come once every worker has started
-        while any(n.life.phase is Phase.STARTING for n in self.nodes) and self.clock.next_at is not None:
+        while any(n.replica.phase is Phase.STARTING for n in self.nodes) and self.clock.next_at is not None:
             self.clock.run(until=self.clock.next_at)
 
     def _answered(self, node: Node, end: float, on_admitted: Callable[[Node, PeerError | None], None],
