@@ -377,3 +377,55 @@ def test_only_the_donors_a_joiner_will_ask_hold_a_state_for_it(monkeypatch: pyte
         if 7 in d._held:
             holding.append(r)
     assert holding == asked
+
+
+def test_a_joiner_whose_donors_all_died_asks_again_and_fetches_only_the_pieces_it_lacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=2)  # type: ignore[arg-type]
+    donors = three_donors()
+    for donor_ar, _ in donors.values():
+        donor_ar.node.view_listeners[0](join_of((3,), 12, (0, 1, 2, 3)))
+        donors[donor_ar.rank][1].serve(12)
+    transfer.request(12)
+    # the manifests, the first windows asked and delivered, the next windows asked: then all three stall
+    for _ in range(3):
+        for dst, msg in ar.sent:
+            deliver(donors[dst][0], msg)
+        ar.sent.clear()
+        for donor_ar, _ in donors.values():
+            for _, msg in donor_ar.sent:
+                deliver(ar, msg)
+            donor_ar.sent.clear()
+    ar.sent.clear()  # the third windows' requests are lost
+    fetch = transfer._fetch
+    assert fetch is not None
+    had = len(fetch.ledger.have)
+    owed = len(fetch.ledger.owed)
+    total = fetch.ledger.manifest.total
+    assert (had, owed) == (12, 6)
+    assert total > had + owed
+    transfer.wait_s = 0.0
+    assert transfer.poll(12) is None  # every donor overdue: asked again
+    transfer.wait_s = 60.0
+    assert sorted(dst for dst, msg in ar.sent if isinstance(msg, State) and msg.piece == elastic.MANIFEST) == [0, 1, 2]
+    asked: list[int] = []
+    real_send = ar.send_frame
+
+    def counting(dst: int, msg: Frame) -> None:
+        if isinstance(msg, State) and msg.kind is Kind.STATE_REQUEST and msg.piece >= 0:
+            asked.append(msg.piece)
+        real_send(dst, msg)
+
+    ar.send_frame = counting  # type: ignore[method-assign]
+    pump(ar, donors)
+    step, _ = poll_until(transfer, 12, total + 2)
+    assert step == 12
+    assert len(asked) == total - had  # none of the pieces in hand again
+    assert len(set(asked)) == len(asked)
+    record = transfer.record
+    assert record is not None
+    assert record.refetched == owed
+    assert sum(record.pieces.values()) == total

@@ -175,6 +175,7 @@ class StateTransfer:
         self._started_at = 0.0
         self._given_up: set[int] = set()  # donors lost in earlier rounds: asked last
         self._refetched = 0
+        self._resume: _Fetch | None = None  # a transfer whose donors were all lost: its pieces are kept
         self.dropped: Counter[str] = Counter()  # frames dropped, by reason
         self._told: set[str] = set()
         self.record: TransferRecord | None = None
@@ -266,9 +267,9 @@ class StateTransfer:
                 self._given_up.add(d)
             live = [d for d in fetch.expected if d not in led.lost]
             if not live:
-                log.warning("rank %d: every donor of the training state as of step %d is lost; asking again",
-                            self.ar.rank, fetch.user_step)
-                self._refetched += led.refetched
+                log.warning("rank %d: every donor of the training state as of step %d is lost; asking again "
+                            "(keeping the %d pieces in hand)", self.ar.rank, fetch.user_step, len(led.have))
+                self._resume = fetch
                 self._fetch = None
                 restart = True
             else:
@@ -455,11 +456,28 @@ class StateTransfer:
                 self._ask_pieces(fetch, time.monotonic())
                 return
             if fetch is None:
-                fetch = self._fetch = _Fetch(user_step=msg.user_step, digest=msg.digest,
-                                             ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
-                                             expected=[d for d in self._round if d not in self._refused])
+                fetch = self._fetch = self._start(msg, manifest)
             fetch.donors.append(msg.src)
             self._ask_pieces(fetch, time.monotonic())
+
+    def _start(self, msg: State, manifest: Manifest) -> _Fetch:
+        """The transfer of the state the first manifest of a round offers: the one whose
+        donors were all lost, with the pieces in hand, if it is that state (the caller holds the
+        lock)."""
+        expected = [d for d in self._round if d not in self._refused]
+        old, self._resume = self._resume, None
+        if old is not None and (old.user_step, old.digest, old.ledger.manifest) == (msg.user_step, msg.digest,
+                                                                                    manifest):
+            log.info("rank %d resumes the training state as of step %d with %d of its %d pieces in hand",
+                     self.ar.rank, msg.user_step, len(old.ledger.have), manifest.total)
+            old.ledger = Ledger(manifest=manifest, joiner=self.ar.rank, have=old.ledger.have,
+                                refetched=old.ledger.refetched)
+            old.expected, old.donors = expected, []
+            return old
+        if old is not None:
+            self._refetched += old.ledger.refetched
+        return _Fetch(user_step=msg.user_step, digest=msg.digest, ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
+                      expected=expected)
 
     def _on_piece(self, msg: State) -> None:
         assert msg.payload is not None
@@ -497,6 +515,7 @@ class StateTransfer:
                 log.error("rank %d: the training state from ranks %s does not match its digest; asking again",
                           self.ar.rank, fetch.donors)
                 self._given_up |= set(fetch.donors)
+                self._refetched += led.refetched
                 self.request(user_step)
                 return None
             fetch.checked = True
@@ -505,7 +524,6 @@ class StateTransfer:
             if self._fetch is fetch:
                 self._fetch = None
         data = led.assemble()
-        self._stateless = False  # loaded by the caller now: from here on this rank can give it
         donors = tuple(sorted(fetch.delivered, key=lambda d: (-fetch.delivered[d], d)))
         try:
             state = decode(data)
@@ -516,4 +534,5 @@ class StateTransfer:
                                      nbytes=len(data), seconds=time.monotonic() - self._started_at,
                                      donors_asked=tuple(self._asked), refetched=self._refetched + led.refetched,
                                      replayed=0)
+        self._stateless = False  # loaded by the caller now: from here on this rank can give it
         return fetch.user_step, state
