@@ -203,11 +203,35 @@ def test_a_limit_keeps_a_window_per_donor_and_refills_it() -> None:
     asked = led.plan([1, 2], now=0.0, limit=2)
     assert asked == {1: [0, 2], 2: [1, 3]}
     led.receive(2, 1, _piece(led, 1))
-    assert led.plan([1, 2], now=1.0, limit=2) == {2: [4]}
+    assert led.plan([1, 2], now=1.0, limit=2) == {2: [5]}  # the next of its own share
 
 
-def test_a_donor_arriving_late_gets_a_share_of_what_is_left() -> None:
+def test_a_donor_not_dealt_a_share_takes_from_the_back_of_a_ready_ones() -> None:
     led = _ledger(joiner=0)
     led.plan([1], now=0.0, limit=3)
     asked = led.plan([1, 2], now=1.0, limit=3)
-    assert asked == {2: [3, 4, 5]}
+    assert asked == {2: [9, 8, 7]}
+
+
+def test_a_share_waits_for_its_donor_however_fast_the_others_are() -> None:
+    """Rank 3 has not answered yet: ranks 1 and 2 finish their shares and take none of its."""
+    led = _ledger(joiner=0)
+    assert led.deal([1, 2, 3]) == {1: [0, 3, 6, 9], 2: [1, 4, 7], 3: [2, 5, 8]}
+    for _ in range(10):
+        for donor, ps in led.plan([1, 2], now=0.0, limit=2).items():
+            for p in ps:
+                assert led.receive(donor, p, _piece(led, p)) is Verdict.ACCEPTED
+    assert led.missing() == [2, 5, 8]
+    assert led.plan([1, 2, 3], now=1.0, limit=2) == {3: [2, 5], 1: [8]}  # ready now: its share is stolen too
+
+
+def test_a_lost_donor_s_share_is_dealt_to_the_others_and_not_counted_as_refetched() -> None:
+    led = _ledger(joiner=0)
+    led.deal([1, 2, 3])
+    asked = led.plan([1, 2, 3], now=0.0, limit=1)
+    assert asked == {1: [0], 2: [1], 3: [2]}
+    assert led.lose(3) == [2]
+    assert led.refetched == 1  # piece 2 was asked of rank 3; 5 and 8 never were
+    again = led.plan([1, 2], now=1.0)
+    assert sorted(p for ps in again.values() for p in ps) == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert not led.share.get(3)

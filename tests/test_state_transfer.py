@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from fttree.core.membership import Installed
 from fttree.core.messages import Frame, Kind, State
 from fttree.core.view import View
 from fttree.errors import PeerError
@@ -20,12 +21,13 @@ from fttree.training.state import StateError, TrainingState, capture, decode, en
 
 @dataclass
 class FakeHandle:
-    """What StateTransfer uses of an FTTreeAllreduce: rank, view, config, node, send_frame."""
+    """What StateTransfer uses of an FTTreeAllreduce: rank, view, config, joining, node, send_frame."""
 
     rank: int = 3
     view: View = field(default_factory=lambda: View(epoch=0, members=(0, 1, 2, 3)))
     config: Any = field(default_factory=lambda: SimpleNamespace(step_timeout_s=5.0))
-    node: Any = field(default_factory=lambda: SimpleNamespace(elastic_listeners=[]))
+    joining: bool = False
+    node: Any = field(default_factory=lambda: SimpleNamespace(elastic_listeners=[], view_listeners=[]))
     sent: list[tuple[int, Frame]] = field(default_factory=list)
 
     def send_frame(self, dst: int, msg: Frame) -> None:
@@ -288,3 +290,142 @@ def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_a
     with pytest.raises(PeerError, match=r"from ranks \[0\] as of step 12 matched its digest but is unusable") as err:
         transfer.poll(12)
     assert err.value.peers == (0,)
+
+
+def inline(_self: elastic.StateTransfer, target: Any, *args: Any) -> None:
+    """A donor's encoding, on this thread: done in order."""
+    target(*args)
+
+
+def join_of(joiners: tuple[int, ...], at: int, members: tuple[int, ...]) -> Installed:
+    view = View(epoch=1, members=members)
+    return Installed(view=view, previous=view, committed=frozenset(), catch_up=(), evicted=(), reason="join",
+                     joined=joiners, activate_at=at)
+
+
+def test_donors_past_the_join_step_offer_the_state_they_held_for_it_and_each_serves_its_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: a request reaches ranks 1 and 2 after they passed the step the join took effect
+    at, and rank 0 before it. All three offer that step's state, and rank 0, answering last,
+    still serves its share: the others, done with theirs, take none of it."""
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=1)  # type: ignore[arg-type]
+    donors = three_donors()
+    for donor_ar, _ in donors.values():
+        donor_ar.node.view_listeners[0](join_of((3,), 12, (0, 1, 2, 3)))
+    for r in (1, 2):
+        donors[r][1].serve(12)
+        donors[r][1].serve(13)
+    transfer.request(12)
+    pump(ar, donors)
+    fetch = transfer._fetch
+    assert fetch is not None
+    assert fetch.donors == [1, 2]
+    assert fetch.ledger.missing() == fetch.ledger.share[0], "ranks 1 and 2 took rank 0's share"
+    donors[0][1].serve(12)
+    pump(ar, donors)
+    total = fetch.ledger.manifest.total
+    step, _ = poll_until(transfer, 12, total + 2)
+    assert step == 12
+    record = transfer.record
+    assert record is not None
+    assert sorted(record.pieces) == [0, 1, 2], record.pieces
+    assert sum(record.pieces.values()) == total  # each piece came once: once ready, rank 0's share is taken
+    assert record.refetched == 0                # by the idle ones too (the faster, the more)
+
+
+def test_a_joiner_asking_another_joiner_is_told_it_holds_no_state_and_takes_its_share_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
+    members = (0, 1, 2, 3, 4)
+    ar = FakeHandle(rank=3, view=View(epoch=1, members=members), joining=True)
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=2)  # type: ignore[arg-type]
+    donors = {r: (FakeHandle(rank=r, view=View(epoch=1, members=members), joining=r == 4), None) for r in (0, 1, 2, 4)}
+    everyone = {r: (h, elastic.StateTransfer(h, capture=a_state)) for r, (h, _) in  # type: ignore[arg-type]
+                donors.items()}
+    for h, _ in everyone.values():
+        h.node.view_listeners[0](join_of((3, 4), 12, members))
+    for r in (0, 1, 2):
+        everyone[r][1].serve(12)
+    transfer.request(12)
+    assert sorted(dst for dst, _ in ar.sent) == [0, 1, 2, 4]
+    pump(ar, everyone)
+    step, _ = poll_until(transfer, 12, 64)
+    assert step == 12
+    record = transfer.record
+    assert record is not None
+    assert sorted(record.pieces) == [0, 1, 2], record.pieces
+    assert record.refetched == 0
+    assert everyone[4][1].pieces_sent == 0
+
+
+def test_only_the_donors_a_joiner_will_ask_hold_a_state_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
+    members = tuple(range(8))
+    asked = elastic.donors_for(7, members, 3)
+    assert asked == [0, 1, 2]  # rank 7 % 7 others: from the first
+    assert elastic.donors_for(5, members, 3) == [6, 7, 0]
+    holding = []
+    for r in range(7):
+        h = FakeHandle(rank=r, view=View(epoch=1, members=members))
+        d = elastic.StateTransfer(h, capture=a_state, max_donors=3)  # type: ignore[arg-type]
+        h.node.view_listeners[0](join_of((7,), 12, members))
+        d.serve(12)
+        if 7 in d._held:
+            holding.append(r)
+    assert holding == asked
+
+
+def test_a_joiner_whose_donors_all_died_asks_again_and_fetches_only_the_pieces_it_lacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state, window=2)  # type: ignore[arg-type]
+    donors = three_donors()
+    for donor_ar, _ in donors.values():
+        donor_ar.node.view_listeners[0](join_of((3,), 12, (0, 1, 2, 3)))
+        donors[donor_ar.rank][1].serve(12)
+    transfer.request(12)
+    # the manifests, the first windows asked and delivered, the next windows asked: then all three stall
+    for _ in range(3):
+        for dst, msg in ar.sent:
+            deliver(donors[dst][0], msg)
+        ar.sent.clear()
+        for donor_ar, _ in donors.values():
+            for _, msg in donor_ar.sent:
+                deliver(ar, msg)
+            donor_ar.sent.clear()
+    ar.sent.clear()  # the third windows' requests are lost
+    fetch = transfer._fetch
+    assert fetch is not None
+    had = len(fetch.ledger.have)
+    owed = len(fetch.ledger.owed)
+    total = fetch.ledger.manifest.total
+    assert (had, owed) == (12, 6)
+    assert total > had + owed
+    transfer.wait_s = 0.0
+    assert transfer.poll(12) is None  # every donor overdue: asked again
+    transfer.wait_s = 60.0
+    assert sorted(dst for dst, msg in ar.sent if isinstance(msg, State) and msg.piece == elastic.MANIFEST) == [0, 1, 2]
+    asked: list[int] = []
+    real_send = ar.send_frame
+
+    def counting(dst: int, msg: Frame) -> None:
+        if isinstance(msg, State) and msg.kind is Kind.STATE_REQUEST and msg.piece >= 0:
+            asked.append(msg.piece)
+        real_send(dst, msg)
+
+    ar.send_frame = counting  # type: ignore[method-assign]
+    pump(ar, donors)
+    step, _ = poll_until(transfer, 12, total + 2)
+    assert step == 12
+    assert len(asked) == total - had  # none of the pieces in hand again
+    assert len(set(asked)) == len(asked)
+    record = transfer.record
+    assert record is not None
+    assert record.refetched == owed
+    assert sum(record.pieces.values()) == total

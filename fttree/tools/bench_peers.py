@@ -30,7 +30,7 @@ START_AT = 12
 WAIT_S = 600.0  # a whole run's deadline
 
 
-def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state_mb: float, max_donors: int,
+def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state_mb: float, max_donors: int | None,
             die_after: int | None, forge: bool, joiners: int) -> None:
     """One worker process: a JSON line per training step on stdout, and one once synced."""
     import hashlib
@@ -61,7 +61,8 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
 
         opt.register_state("ballast", lambda: ballast, set_ballast)
         transfer = opt.transfer
-        transfer.max_donors = max_donors
+        if max_donors is not None:  # alike on every worker: a donor works out whether a joiner will ask it
+            transfer.max_donors = max_donors
         send_piece = transfer._send_piece
         if die_after is not None:
             def send_then_die(msg: State) -> None:
@@ -163,12 +164,14 @@ class Outcome:
     codes: dict[int, int]
 
 
-def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int = 4,
+def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int | None = None,
         die_after: int | None = None, forge: bool = False, port: int = 29500) -> Outcome:
     """Start n workers, kill the last `joiners` at CRASH_AT and restart them together at
     START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces."""
     peers = local_peers(n, port=port)
-    base = ["--state-mb", str(state_mb), "--max-donors", str(max_donors), "--joiners", str(joiners)]
+    base = ["--state-mb", str(state_mb), "--joiners", str(joiners)]
+    if max_donors is not None:
+        base += ["--max-donors", str(max_donors)]
     members = {r: Seen() for r in range(n)}
     rejoined = {r: Seen() for r in range(n - joiners, n)}
     start = threading.Event()
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=29500)
     parser.add_argument("--state-mb", type=float, default=32.0)
     parser.add_argument("--joiners", type=int, default=1)
-    parser.add_argument("--max-donors", type=int, default=4)
+    parser.add_argument("--max-donors", type=int, default=None,
+                        help="donors a joiner asks at most (default: fttree.training.elastic.MAX_DONORS)")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--forge", action="store_true")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -246,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
               f"refetched {ev['refetched']}, dropped {ev['dropped']}")
         figures.append(ev["seconds"])
-    print(f"state {args.state_mb} MB, {args.workers} workers, {args.joiners} joiners, max donors {args.max_donors}: "
+    donors = args.max_donors or "default"
+    print(f"state {args.state_mb} MB, {args.workers} workers, {args.joiners} joiners, max donors {donors}: "
           f"transfer seconds {' '.join(f'{s:.2f}' for s in figures)}")
 
 

@@ -2,28 +2,34 @@
 
 A joiner is admitted at a training step U (net/node.py). From U on it takes part in every
 allreduce, but with zeros that are not counted (`contribute=False`), and keeps each step's
-averaged gradients. Meanwhile it asks several members (the donors, up to MAX_DONORS, starting
-at an offset by its rank so that joiners at once spread over different donors) for the
-training state. Each donor serialises it at its next step boundary T >= U (the state after step
-T-1's update), without pausing, keeps it, and answers with a manifest: the state's size, its
-digest and each piece's digest. Training is bit for bit alike on every member, so donors
-answering for the same T hold the same bytes; the joiner takes the first manifest's (T, digest)
-and asks every donor whose manifest matches for pieces, a window at a time
-(fttree.training.pieces): each donor's uplink carries a share, and a faster one more. A piece is
-checked against the manifest as it arrives; one that is wrong loses its donor. A donor that
-delivers nothing for `wait_s` (it died, or stalls) or leaves the view costs the joiner only
-the pieces it still owed, which go to the other donors; with none left, the joiner asks again.
-Once every piece is in, the joiner checks the whole digest and decodes it a bounded piece per
-training step (the joiner is a leaf its parent waits for, so whatever it does inside one step
-delays every member's step), then loads it and replays its kept gradients of steps T, T+1, ...
-through the same optimizer code path the others ran, so it ends bit for bit where they are, and
-contributes from the next step.
+averaged gradients. Meanwhile it asks several members (the donors, up to MAX_DONORS, from an
+offset by its rank so that joiners at once spread over different donors: `donors_for`) for the
+training state as of U. Every member learns U from the view that admits the joiner, and each of
+its donors keeps the state as of U (after step U-1's update) at its step U boundary, whether the
+request came before or comes after: donors answer at different moments but all for the same
+step, and training is bit for bit alike on every member, so they hold the same bytes. Each
+answers with a manifest: the state's size, its digest and each piece's digest. (A donor that
+did not see the join offers the state of its next step boundary; a joiner asked by another
+joiner answers that it holds none.) The joiner deals every donor asked a share of the pieces
+(fttree.training.pieces) and asks each, once its manifest came, for a window of its share at a
+time: each donor's uplink carries a share, a faster one more (it takes unasked pieces of ready
+donors' shares once its own is done). A piece is checked against the manifest as it arrives;
+one that is wrong loses its donor. A donor that sends no manifest or delivers nothing for
+`wait_s` (it died, or stalls), offers another step, or leaves the view costs the joiner only
+the pieces it still owed and its share, which go to the other donors; with none left, the
+joiner asks again. Once every piece is in, the joiner checks the whole digest and decodes it a
+bounded piece per training step (the joiner is a leaf its parent waits for, so whatever it does
+inside one step delays every member's step), then loads it and replays its kept gradients of
+steps U, U+1, ... through the same optimizer code path the others ran, so it ends bit for bit
+where they are, and contributes from the next step.
 
 Frames: STATE_REQUEST with `piece` MANIFEST asks for a manifest of a state as of `user_step`
 or later; with `piece` >= 0 and the manifest's `digest`, for that piece. STATE with `piece`
 MANIFEST carries a manifest (payload: the size as 8 bytes big-endian, then each piece's 32-byte
 digest), with `piece` >= 0 a piece. Anything not asked for, or not matching, is dropped and
-counted (`dropped`), each reason logged once; a donor keeps one state per joiner in its view.
+counted (`dropped`), each reason logged once; a donor keeps one state per joiner in its view
+(joiners admitted together share it) until the joiner leaves or stops asking for 4 x `wait_s`.
+A manifest frame with `pieces` NO_STATE says its sender holds no state.
 
 The state is a fttree.training.state TrainingState, in that module's format and digest
 (msgpack and raw tensor bytes, no pickle; blake2b-256), as sync_state sends it: the model's
@@ -39,7 +45,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,14 +56,28 @@ from .state import StateError, TrainingState, decode, encode, new_hasher
 
 if TYPE_CHECKING:
     from ..api import FTTreeAllreduce
+    from ..core.membership import Installed
 
 log = logging.getLogger("fttree.training.elastic")
 
 CHUNK_BYTES = 1 << 20
 MANIFEST = -1  # the `piece` of a request for a manifest, and of the STATE frame carrying one
-MAX_DONORS = 4
+NO_STATE = -1  # the `pieces` of a manifest frame from a rank that holds no state (it is joining too)
+MAX_DONORS = 8  # a joiner's downlink is one; beyond this, more donors add holders of a copy, not speed
 WINDOW = 4  # pieces asked of one donor at once
 _SIZE = struct.Struct(">Q")
+
+
+def donors_for(joiner: int, members: Iterable[int], max_donors: int) -> list[int]:
+    """The members a joiner asks for its state, in the order it deals them pieces: from an
+    offset by its rank (joiners at once begin at different donors), at most `max_donors`. A
+    member works this out from the view the join takes effect in, to hold a state for a joiner
+    that will ask it."""
+    others = [r for r in members if r != joiner]
+    if not others:
+        return []
+    first = start_offset(joiner, len(others))
+    return (others[first:] + others[:first])[:max_donors]
 
 
 def manifest_payload(manifest: Manifest) -> bytes:
@@ -95,6 +115,7 @@ class _Fetch:
     user_step: int
     digest: str
     ledger: Ledger
+    expected: list[int] = field(default_factory=list)  # the donors asked, less those holding no state
     donors: list[int] = field(default_factory=list)  # those whose manifest matched, in order of answer
     delivered: Counter[int] = field(default_factory=Counter)  # donor -> pieces it delivered
     hasher: Any = field(default_factory=new_hasher)
@@ -139,21 +160,28 @@ class StateTransfer:
         # donor side
         self._requests: dict[int, int] = {}  # joiner -> the earliest training step it can use
         self._held: dict[int, _Held] = {}  # joiner -> the state kept for it
+        self._joins: dict[int, int] = {}  # joiner that will ask this rank -> the step its join takes effect
+        self._preparing: set[int] = set()  # joiners whose state is being encoded
+        self._stateless = bool(ar.joining)  # a joiner holds no state to give until it has its own
         self.served = 0  # manifests this worker sent as a donor
         self.pieces_sent = 0
         # joiner side
         self._fetch: _Fetch | None = None
-        self._asking: set[int] = set()  # donors asked for a manifest in this round
+        self._asking: set[int] = set()  # donors asked for a manifest in this round, not yet answered
+        self._round: list[int] = []  # the donors asked in this round
+        self._refused: set[int] = set()  # donors of this round that hold no state (joiners too)
         self._asked: list[int] = []
         self._asked_at = 0.0
         self._started_at = 0.0
         self._given_up: set[int] = set()  # donors lost in earlier rounds: asked last
         self._refetched = 0
+        self._resume: _Fetch | None = None  # a transfer whose donors were all lost: its pieces are kept
         self.dropped: Counter[str] = Counter()  # frames dropped, by reason
         self._told: set[str] = set()
         self.record: TransferRecord | None = None
         assert ar.node is not None
         ar.node.elastic_listeners.append(self._on_frame)
+        ar.node.view_listeners.append(self._on_view)
 
     def _drop(self, reason: str, msg: State) -> None:
         """A frame not asked for or not matching: counted, and each reason logged once."""
@@ -171,9 +199,9 @@ class StateTransfer:
         members = [r for r in self.ar.view.members if r != self.ar.rank]
         if not members:
             raise PeerError(f"rank {self.ar.rank} has no member to take the training state from")
-        first = start_offset(self.ar.rank, len(members))
-        order = members[first:] + members[:first]
-        order = [r for r in order if r not in self._given_up] + [r for r in order if r in self._given_up]
+        order = donors_for(self.ar.rank, members, len(members))
+        if self._given_up:  # a later round: others first
+            order = [r for r in order if r not in self._given_up] + [r for r in order if r in self._given_up]
         donors = order[:self.max_donors]
         if not self._asked:
             self._started_at = time.monotonic()
@@ -182,6 +210,8 @@ class StateTransfer:
         with self._lock:
             self._fetch = None
             self._asking = set(donors)
+            self._round = list(donors)
+            self._refused = set()
         log.info("rank %d asks ranks %s for the training state as of step %d", self.ar.rank, donors, user_step)
         for donor in donors:
             self.ar.send_frame(donor, State(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=user_step,
@@ -223,20 +253,23 @@ class StateTransfer:
             if self._fetch is not fetch:
                 return
             led = fetch.ledger
-            gone = [d for d in fetch.donors if d not in self.ar.view and d not in led.lost]
+            gone = [d for d in fetch.expected if d not in self.ar.view and d not in led.lost]
             late = led.overdue(now, self.wait_s)
-            for d in sorted(set(gone) | set(late)):
-                owed = led.owed_by(d)
+            silent = [d for d in fetch.expected if d in self._asking and d not in led.lost
+                      and now - self._asked_at > self.wait_s]
+            for d in sorted(set(gone) | set(late) | set(silent)):
+                why = ("left the view" if d in gone else f"sent no manifest within {self.wait_s:.1f}s" if d in silent
+                       else f"delivered none of the pieces it owes within {self.wait_s:.1f}s")
                 log.warning("rank %d: rank %d %s; its %d missing pieces of the training state go to the other donors",
-                            self.ar.rank, d, "left the view" if d in gone else
-                            f"delivered none of the pieces it owes within {self.wait_s:.1f}s", len(owed))
+                            self.ar.rank, d, why, len(led.owed_by(d)) + len(led.share.get(d, ())))
                 led.lose(d)
+                self._asking.discard(d)
                 self._given_up.add(d)
-            live = [d for d in fetch.donors if d not in led.lost]
+            live = [d for d in fetch.expected if d not in led.lost]
             if not live:
-                log.warning("rank %d: every donor of the training state as of step %d is lost; asking again",
-                            self.ar.rank, fetch.user_step)
-                self._refetched += led.refetched
+                log.warning("rank %d: every donor of the training state as of step %d is lost; asking again "
+                            "(keeping the %d pieces in hand)", self.ar.rank, fetch.user_step, len(led.have))
+                self._resume = fetch
                 self._fetch = None
                 restart = True
             else:
@@ -246,51 +279,106 @@ class StateTransfer:
             self.request(user_step)
 
     def _ask_pieces(self, fetch: _Fetch, now: float) -> None:
-        """Keep every live donor's window of pieces full (the caller holds the lock)."""
-        live = [d for d in fetch.donors if d not in fetch.ledger.lost]
+        """Deal a lost donor's pieces to the live ones, and keep every ready donor's window of
+        pieces full (the caller holds the lock)."""
+        led = fetch.ledger
+        live = [d for d in fetch.expected if d not in led.lost]
         if not live:
+            return  # the next poll asks again
+        led.deal(live)
+        ready = [d for d in fetch.donors if d not in led.lost]
+        if not ready:
             return
-        for donor, pieces in fetch.ledger.plan(live, now, limit=self.window).items():
+        for donor, pieces in led.plan(ready, now, limit=self.window).items():
             for piece in pieces:
                 self.ar.send_frame(donor, State(kind=Kind.STATE_REQUEST, src=self.ar.rank, user_step=fetch.user_step,
                                                 piece=piece, digest=fetch.digest))
 
     # ---- donor ---------------------------------------------------------------------------------
 
+    def _on_view(self, inst: Installed) -> None:
+        """A view that admits joiners (the node's loop thread): hold the state as of the step
+        their join takes effect for each joiner that will ask this rank, whenever its request
+        comes, so that every donor it asks offers the same step and the same bytes."""
+        if not inst.joined or inst.activate_at < 0:
+            return
+        with self._lock:
+            for j in inst.joined:
+                if j != self.ar.rank and self.ar.rank in donors_for(j, inst.view.members, self.max_donors):
+                    self._joins[j] = inst.activate_at
+
     def serve(self, user_step: int) -> None:
-        """At a step boundary (the state is as of training step `user_step`): serve the joiners
-        waiting for a state of this step or earlier, and forget the states of joiners that
-        left or stopped asking."""
+        """At a step boundary (the state is as of training step `user_step`): keep the state
+        for the joiners whose join takes effect at this step, serve the joiners waiting for a
+        state of this step or earlier, and forget the states of joiners that left or stopped
+        asking."""
         now = time.monotonic()
         with self._lock:
-            due = [j for j, first in self._requests.items() if first <= user_step]
+            due = [j for j, first in self._requests.items() if first <= user_step and j not in self._preparing]
             for j in due:
                 del self._requests[j]
+            joins = [j for j, at in self._joins.items() if at <= user_step]
+            fresh = [j for j in joins if self._joins.pop(j) == user_step and j not in due]  # earlier: missed
             for j, held in list(self._held.items()):
                 if j not in self.ar.view or now - held.used_at > 4 * self.wait_s:
                     del self._held[j]
-        if not due:
+            self._preparing.update(due + fresh)
+        if not due and not fresh:
             return
         state = self.capture().frozen()  # about a millisecond for the thesis MLP; the rest off the training thread
-        threading.Thread(target=self._send_manifest, args=(due, user_step, state), name="fttree-state-donor",
-                         daemon=True).start()
+        self._in_background(self._send_manifest, due, user_step, state, fresh)
 
-    def _send_manifest(self, due: list[int], user_step: int, state: TrainingState) -> None:
+    def _in_background(self, target: Callable[..., None], *args: Any) -> None:
+        """Run `target(*args)` off the training thread (encoding a state takes a while)."""
+        threading.Thread(target=target, args=args, name="fttree-state-donor", daemon=True).start()
+
+    def _send_manifest(self, due: list[int], user_step: int, state: TrainingState,
+                       fresh: Iterable[int] = ()) -> None:
+        """Encode a state and keep it for the joiners `due` (asked: they get its manifest now)
+        and `fresh` (their join took effect at `user_step`: they get it once they ask)."""
         snap = encode(state)
         manifest = split(snap.data, CHUNK_BYTES)
-        payload = manifest_payload(manifest)
         now = time.monotonic()
+        held = _Held(user_step=user_step, digest=snap.hexdigest, data=snap.data, manifest=manifest, used_at=now)
+        answer = list(due)
         with self._lock:
-            for j in due:
-                self._held[j] = _Held(user_step=user_step, digest=snap.hexdigest, data=snap.data, manifest=manifest,
-                                      used_at=now)
-        for j in due:
-            self.ar.send_frame(j, State(kind=Kind.STATE, src=self.ar.rank, user_step=user_step, piece=MANIFEST,
-                                        pieces=manifest.total, digest=snap.hexdigest, numel=len(payload),
-                                        payload=payload))
-            self.served += 1
-            log.info("rank %d offers rank %d the training state as of step %d (%d bytes in %d pieces)", self.ar.rank,
-                     j, user_step, manifest.nbytes, manifest.total)
+            for j in [*due, *fresh]:
+                self._held[j] = held
+                self._preparing.discard(j)
+                if j not in answer and self._requests.get(j, user_step + 1) <= user_step:  # asked while encoding
+                    del self._requests[j]
+                    answer.append(j)
+        for j in answer:
+            self._offer(j, held)
+
+    def _offer(self, joiner: int, held: _Held) -> None:
+        """Send `joiner` the manifest of the state held for it."""
+        payload = manifest_payload(held.manifest)
+        self.ar.send_frame(joiner, State(kind=Kind.STATE, src=self.ar.rank, user_step=held.user_step, piece=MANIFEST,
+                                         pieces=held.manifest.total, digest=held.digest, numel=len(payload),
+                                         payload=payload))
+        self.served += 1
+        log.info("rank %d offers rank %d the training state as of step %d (%d bytes in %d pieces)", self.ar.rank,
+                 joiner, held.user_step, held.manifest.nbytes, held.manifest.total)
+
+    def _on_request(self, msg: State) -> None:
+        """A joiner asks for a manifest as of `user_step` or later: the state held for it if it
+        is one, else one at this rank's next step boundary; none from a rank without state."""
+        with self._lock:
+            held = self._held.get(msg.src)
+            if self._stateless:
+                offer = None
+            elif held is not None and held.user_step >= msg.user_step:
+                held.used_at = time.monotonic()
+                offer = held
+            else:
+                self._requests[msg.src] = max(msg.user_step, self._requests.get(msg.src, -1))
+                return
+        if offer is not None:
+            self._offer(msg.src, offer)
+            return
+        self.ar.send_frame(msg.src, State(kind=Kind.STATE, src=self.ar.rank, user_step=msg.user_step, piece=MANIFEST,
+                                          pieces=NO_STATE, numel=0, payload=b""))
 
     def _send_piece(self, msg: State) -> None:
         with self._lock:
@@ -316,10 +404,12 @@ class StateTransfer:
     def _on_frame(self, msg: State) -> None:
         if msg.kind is Kind.STATE_REQUEST:
             if msg.piece == MANIFEST:
-                with self._lock:
-                    self._requests[msg.src] = max(msg.user_step, self._requests.get(msg.src, -1))
+                self._on_request(msg)
             else:
                 self._send_piece(msg)
+            return
+        if msg.kind is Kind.STATE and msg.piece == MANIFEST and msg.pieces == NO_STATE:
+            self._on_no_state(msg)
             return
         if msg.kind is not Kind.STATE or msg.payload is None:
             return
@@ -327,6 +417,20 @@ class StateTransfer:
             self._on_manifest(msg)
         else:
             self._on_piece(msg)
+
+    def _on_no_state(self, msg: State) -> None:
+        """A donor asked holds no state (it is joining too): its share goes to the others."""
+        with self._lock:
+            if msg.src not in self._asking:
+                self._drop("a manifest not asked for", msg)
+                return
+            self._asking.discard(msg.src)
+            self._refused.add(msg.src)
+            fetch = self._fetch
+            if fetch is not None:
+                fetch.ledger.lose(msg.src)
+                self._ask_pieces(fetch, time.monotonic())
+        log.info("rank %d: rank %d holds no training state to give (it is joining too)", self.ar.rank, msg.src)
 
     def _on_manifest(self, msg: State) -> None:
         assert msg.payload is not None
@@ -336,23 +440,44 @@ class StateTransfer:
                 return
             self._asking.discard(msg.src)
             fetch = self._fetch
-            if fetch is not None and (fetch.user_step, fetch.digest) != (msg.user_step, msg.digest):
-                log.info("rank %d: rank %d offers the state as of step %d, not step %d as the first donor; "
-                         "not used", self.ar.rank, msg.src, msg.user_step, fetch.user_step)
-                return
             try:
                 manifest = manifest_from(msg.payload, msg.pieces)
             except ValueError as exc:
                 self._drop(f"an unusable manifest ({exc})", msg)
+                if fetch is not None:
+                    fetch.ledger.lose(msg.src)
+                    self._ask_pieces(fetch, time.monotonic())
+                return
+            if fetch is not None and ((fetch.user_step, fetch.digest) != (msg.user_step, msg.digest)
+                                      or manifest != fetch.ledger.manifest):
+                log.warning("rank %d: rank %d offers the state as of step %d, not step %d as the first donor; "
+                            "its share goes to the others", self.ar.rank, msg.src, msg.user_step, fetch.user_step)
+                fetch.ledger.lose(msg.src)
+                self._ask_pieces(fetch, time.monotonic())
                 return
             if fetch is None:
-                fetch = self._fetch = _Fetch(user_step=msg.user_step, digest=msg.digest,
-                                             ledger=Ledger(manifest=manifest, joiner=self.ar.rank))
-            elif manifest != fetch.ledger.manifest:
-                self._drop("a manifest unlike the first donor's for the same digest", msg)
-                return
+                fetch = self._fetch = self._start(msg, manifest)
             fetch.donors.append(msg.src)
             self._ask_pieces(fetch, time.monotonic())
+
+    def _start(self, msg: State, manifest: Manifest) -> _Fetch:
+        """The transfer of the state the first manifest of a round offers: the one whose
+        donors were all lost, with the pieces in hand, if it is that state (the caller holds the
+        lock)."""
+        expected = [d for d in self._round if d not in self._refused]
+        old, self._resume = self._resume, None
+        if old is not None and (old.user_step, old.digest, old.ledger.manifest) == (msg.user_step, msg.digest,
+                                                                                    manifest):
+            log.info("rank %d resumes the training state as of step %d with %d of its %d pieces in hand",
+                     self.ar.rank, msg.user_step, len(old.ledger.have), manifest.total)
+            old.ledger = Ledger(manifest=manifest, joiner=self.ar.rank, have=old.ledger.have,
+                                refetched=old.ledger.refetched)
+            old.expected, old.donors = expected, []
+            return old
+        if old is not None:
+            self._refetched += old.ledger.refetched
+        return _Fetch(user_step=msg.user_step, digest=msg.digest, ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
+                      expected=expected)
 
     def _on_piece(self, msg: State) -> None:
         assert msg.payload is not None
@@ -390,6 +515,7 @@ class StateTransfer:
                 log.error("rank %d: the training state from ranks %s does not match its digest; asking again",
                           self.ar.rank, fetch.donors)
                 self._given_up |= set(fetch.donors)
+                self._refetched += led.refetched
                 self.request(user_step)
                 return None
             fetch.checked = True
@@ -408,4 +534,5 @@ class StateTransfer:
                                      nbytes=len(data), seconds=time.monotonic() - self._started_at,
                                      donors_asked=tuple(self._asked), refetched=self._refetched + led.refetched,
                                      replayed=0)
+        self._stateless = False  # loaded by the caller now: from here on this rank can give it
         return fetch.user_step, state

@@ -7,13 +7,16 @@ costs - is tested without processes.
 
 - `Manifest`: the state split into pieces of `piece_bytes`, each with its digest, and the
   whole's digest. Every donor derives the same manifest from the same bytes.
-- `Ledger`: the joiner's book of one transfer. `plan` spreads the missing pieces over the
-  donors round-robin, each donor taking pieces in proportion to its weight (its uplink), and
+- `Ledger`: the joiner's book of one transfer. `deal` reserves the missing pieces for every
+  donor asked, round-robin, each donor taking pieces in proportion to its weight (its uplink),
   starting at an offset derived from the joiner's rank so that several joiners at once begin
-  at different donors instead of all pulling piece 0 from the first one. `lose` hands a dead
-  donor's missing pieces to the others; `overdue` names donors whose pieces are late; a piece
-  whose digest is wrong is dropped and its donor lost. A piece arrived and checked is never
-  asked for again: a donor dying costs the joiner only its missing pieces.
+  at different donors instead of all pulling piece 0 from the first one. `plan` asks each ready
+  donor for a window of its share; a donor whose share is done takes unasked pieces of a ready
+  donor's, never of one not yet ready, so every live donor serves a share however late its
+  answer comes. `lose` hands a dead donor's missing pieces and share to the others;
+  `overdue` names donors whose pieces are late; a piece whose digest is wrong is dropped and
+  its donor lost. A piece arrived and checked is never asked for again: a donor dying costs
+  the joiner only its missing pieces.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class Ledger:
     owed: dict[int, int] = field(default_factory=dict)  # piece -> the donor asked for it
     asked_at: dict[int, float] = field(default_factory=dict)  # donor -> when it was last asked
     lost: set[int] = field(default_factory=set)  # donors no longer asked (dead, late, lying)
+    share: dict[int, list[int]] = field(default_factory=dict)  # donor -> pieces dealt to it, not yet asked
     refetched: int = 0  # pieces asked of a second donor because the first did not deliver
 
     @property
@@ -124,15 +128,20 @@ class Ledger:
     def owed_by(self, donor: int) -> list[int]:
         return sorted(p for p, d in self.owed.items() if d == donor)
 
-    def plan(self, donors: Sequence[int], now: float, weights: Mapping[int, float] | None = None,
-             limit: int | None = None) -> dict[int, list[int]]:
-        """Assign unassigned pieces to live donors of `donors`: round-robin weighted by
-        `weights` (default 1 each), beginning at the joiner's offset, each donor owing at most
-        `limit` pieces at once (None: all of them now). A limit keeps a window in flight per
-        donor, so a fast donor asks for more sooner and a donor joining late still gets a share.
-        Returns donor -> the pieces newly asked of it (to send as requests)."""
-        live = [d for d in donors if d not in self.lost and d != self.joiner]
-        pieces = self.unassigned()
+    def reserved(self) -> set[int]:
+        """Pieces dealt to a donor's share and not yet asked of it."""
+        return {p for ps in self.share.values() for p in ps}
+
+    def deal(self, donors: Sequence[int], weights: Mapping[int, float] | None = None) -> dict[int, list[int]]:
+        """Reserve every missing piece that no donor owes or holds in its share for the live
+        donors of `donors`: round-robin weighted by `weights` (default 1 each), beginning at the
+        joiner's offset. A share is asked of its donor as its window allows (`plan`); only a
+        donor that is ready (`plan`'s donors) gives up unasked pieces of its share to a faster
+        one, so every donor dealt a share delivers at least its first window unless it is lost.
+        Returns donor -> the pieces newly dealt to it."""
+        live = [d for d in dict.fromkeys(donors) if d not in self.lost and d != self.joiner]
+        held = self.reserved()
+        pieces = [p for p in self.unassigned() if p not in held]
         if not pieces:
             return {}
         if not live:
@@ -144,23 +153,54 @@ class Ledger:
             raise ValueError(f"donor weights must be positive, got {[(d, w[d]) for d in bad]}")
         first = start_offset(self.joiner, len(live))
         order = live[first:] + live[:first]
-        # smooth weighted round-robin: each turn every donor gains its weight, the richest sends
+        # smooth weighted round-robin: each turn every donor gains its weight, the richest takes
+        credit = dict.fromkeys(order, 0.0)
+        total = sum(w.values())
+        dealt: dict[int, list[int]] = {}
+        for piece in pieces:
+            for d in order:
+                credit[d] += w[d]
+            donor = max(order, key=lambda d: credit[d])  # ties: the first in the joiner's order
+            credit[donor] -= total
+            dealt.setdefault(donor, []).append(piece)
+            self.share.setdefault(donor, []).append(piece)
+        return dealt
+
+    def plan(self, donors: Sequence[int], now: float, weights: Mapping[int, float] | None = None,
+             limit: int | None = None) -> dict[int, list[int]]:
+        """Ask the ready donors `donors` for pieces: first deal any piece nobody owes or holds
+        in a share among them (`deal`), then fill each one's window of `limit` pieces owed at
+        once (None: all of its share now) from its own share and, once that is empty, from the back
+        of the largest share of another ready donor. A window keeps a fast donor asking for more
+        sooner. Returns donor -> the pieces newly asked of it (to send as requests)."""
         if limit is not None and limit <= 0:
             raise ValueError(f"a plan's limit must be positive, got {limit}")
-        room = {d: len(pieces) if limit is None else limit - len(self.owed_by(d)) for d in order}
-        credit = dict.fromkeys(order, 0.0)
+        self.deal(donors, weights)
+        ready = [d for d in dict.fromkeys(donors) if d not in self.lost and d != self.joiner]
+        if ready:
+            first = start_offset(self.joiner, len(ready))
+            ready = ready[first:] + ready[:first]
         asked: dict[int, list[int]] = {}
-        for piece in pieces:
-            open_ = [d for d in order if room[d] > 0]
-            if not open_:
-                break
-            for d in open_:
-                credit[d] += w[d]
-            donor = max(open_, key=lambda d: credit[d])  # ties: the first in the joiner's order
-            credit[donor] -= sum(w[d] for d in open_)
-            room[donor] -= 1
-            asked.setdefault(donor, []).append(piece)
+
+        def ask(donor: int, piece: int) -> None:
             self.owed[piece] = donor
+            asked.setdefault(donor, []).append(piece)
+
+        for donor in ready:  # each from its own share first...
+            own = self.share.get(donor, [])
+            room = len(own) if limit is None else limit - len(self.owed_by(donor))
+            while room > 0 and own:
+                ask(donor, own.pop(0))
+                room -= 1
+        if limit is not None:  # ...then a ready one with room left takes from the largest ready share
+            for donor in ready:
+                room = limit - len(self.owed_by(donor))
+                while room > 0:
+                    victims = [d for d in ready if d != donor and self.share.get(d)]
+                    if not victims:
+                        break
+                    ask(donor, self.share[max(victims, key=lambda d: len(self.share[d]))].pop())
+                    room -= 1
         for donor in asked:
             self.asked_at[donor] = now
         return asked
@@ -180,12 +220,14 @@ class Ledger:
         return Verdict.ACCEPTED
 
     def lose(self, donor: int) -> list[int]:
-        """`donor` is dead, gone, late or lying: ask it nothing more; its missing pieces become
-        unassigned (the next `plan` gives them to others). Returns those pieces."""
+        """`donor` is dead, gone, late or lying: ask it nothing more; the pieces it owes and its
+        unasked share become unassigned (the next `plan` deals them to the others). Returns the
+        pieces it owed (asked again elsewhere: `refetched`)."""
         self.lost.add(donor)
         freed = self.owed_by(donor)
         for piece in freed:
             del self.owed[piece]
+        self.share.pop(donor, None)  # never asked: dealt again, not refetched
         self.refetched += len(freed)
         self.asked_at.pop(donor, None)
         return freed
