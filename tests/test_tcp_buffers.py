@@ -115,6 +115,36 @@ def test_backlog_is_counted_as_frames_come_and_go() -> None:
     asyncio.run(run())
 
 
+def test_a_queue_behind_a_slow_link_holds_the_steps_in_flight_not_every_step() -> None:
+    """A link that drains slower than steps finish (a loss burst; here a peer that does not
+    listen, with no await between the sends, so the writer task never runs): frames of finished
+    steps are dropped as the queue grows, so it holds the steps still in flight. Without that,
+    200 steps of 1 MiB sat in the queue."""
+    async def run() -> None:
+        addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]
+        t = TcpTransport(0, addrs, connect_timeout_s=0.2)
+        newest = [0]
+
+        class _InFlight(_Events):
+            def is_stale(self, msg: Message) -> bool:
+                return msg.step < newest[0] - 2  # the last three steps are in flight
+
+        t.bind(_InFlight())
+        await t.start()
+        try:
+            most = 0
+            for step in range(200):
+                newest[0] = step
+                t.send(1, _data(step, np.zeros(1 << 18, dtype=np.float32)))  # 1 MiB
+                most = max(most, t.backlog_bytes(1))
+            assert most <= 24 << 20  # MiB; without dropping: 200
+            assert t.status().link(1).stale_dropped >= 150
+        finally:
+            await t.close(flush_s=0)
+
+    asyncio.run(run())
+
+
 async def _started_pair() -> tuple[TcpTransport, TcpTransport, _Events]:
     """Rank 0 (the sender) and rank 1 on loopback, listening; rank 1's events record what came."""
     addrs = [Address("127.0.0.1", free_port()), Address("127.0.0.1", free_port())]

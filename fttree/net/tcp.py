@@ -67,6 +67,12 @@ log = logging.getLogger("fttree.net.tcp")
 
 STREAM_LIMIT = 16 * 1024 * 1024
 DRAIN_ABOVE_BYTES = 256 * 1024  # wait for the socket only when this much is buffered
+# A slow but live link (a loss burst: acknowledgements still come, so nothing is stalled) drains
+# its queue slower than steps finish around it through relays; frames of finished steps then
+# pile up in the queue until the writer reaches them (45 MB in 3 s at 50% loss in a chaos run).
+# Once this many payload bytes are queued, pushing drops the stale ones, and again each time the
+# queue has doubled since: the queue holds the steps still in flight, not every step run.
+PURGE_ABOVE_BYTES = 8 * 1024 * 1024
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 TCP_RTO_MAX_MS = 44  # Linux 6.15+: cap on the retransmission backoff
 TCP_RTO_MIN_US = 45  # Linux 6.16+: the connection's least retransmission timeout (uplink.fast_rto_min)
@@ -180,6 +186,7 @@ class _Channel:
         self.bulk = bulk
         self.queue: deque[Frame] = deque()
         self.queued_bytes = 0  # payload bytes in `queue`, kept as frames come and go
+        self.purge_above = PURGE_ABOVE_BYTES  # queued bytes past which a push drops stale frames
         self.slices: deque[memoryview] = deque()  # what is left of the frame being written (bulk)
         self.slice_bytes = 0
         self.wake = asyncio.Event()
@@ -265,6 +272,9 @@ class _Channel:
         self.queue.append(msg)
         if msg.payload is not None:
             self.queued_bytes += len(msg.payload)
+            if self.queued_bytes > self.purge_above:
+                self._drop_stale()
+                self.purge_above = max(PURGE_ABOVE_BYTES, 2 * self.queued_bytes)
         self.idle.clear()
         self.wake.set()
         self.t.busy()
