@@ -89,6 +89,7 @@ class SimNetwork:
         view = View.initial(world, reach)
         self.nodes: list[Node] = []
         self.notes: list[tuple[int, Note]] = []
+        self.note_listeners: list[Callable[[int, Note], None]] = []  # told each note as it is made
         self.results: dict[tuple[int, int], Outcome] = {}
         self.finished_at: dict[tuple[int, int], float] = {}
         self._futures: dict[tuple[int, int], Future[StepResult]] = {}
@@ -178,6 +179,8 @@ class SimNetwork:
 
     def _note(self, rank: int, note: Note) -> None:
         self.notes.append((rank, note))
+        for listener in self.note_listeners:
+            listener(rank, note)
 
     @property
     def machines(self) -> list[TreeMachine]:
@@ -326,6 +329,19 @@ class SimNetwork:
 
     def _restart(self, rank: int) -> None:
         self.start_process(rank, self._settled)
+
+    def restart(self, rank: int) -> Node:
+        """A new process of `rank` (after a crash, an eviction or a leave) starts now, as
+        `restart R @S` starts one: the process listeners hear whether the group admitted it."""
+        self.crash(rank)  # whatever was left of the old one ends (a process that left exits)
+        return self.start_process(rank, self._settled)
+
+    def forget(self, rank: int, step: int) -> None:
+        """Drop what is kept of `rank`'s outcome of `step`: a long run that has checked it keeps
+        memory bounded (1,023 ranks hold a million outcomes in a thousand steps)."""
+        self.results.pop((rank, step), None)
+        self.finished_at.pop((rank, step), None)
+        self._futures.pop((rank, step), None)
 
     def _settled(self, node: Node, error: PeerError | None) -> None:
         for listener in self.process_listeners:
