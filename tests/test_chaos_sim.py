@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from fttree.testing.simulate import simulate
 from fttree.tools import chaos_schedule as cs
 from fttree.tools.chaos import chaos
 from fttree.tools.chaos_checks import ChaosFailure
@@ -60,3 +61,15 @@ def test_a_real_run_refuses_more_workers_than_one_machine_starts() -> None:
     out = CliRunner().invoke(chaos, ["-n", "255", "--duration", "5"])
     assert out.exit_code != 0
     assert "--simulate" in out.output
+
+
+def test_a_quick_start_reaches_the_same_first_steps_as_asking_every_peer() -> None:
+    asked = simulate(7, "crash 3 @2", 5, wire=False)
+    quick = simulate(7, "crash 3 @2", 5, wire=False, quick_start=True)
+    asked.check()
+    quick.check()
+    assert quick.network.nodes[0].life.phase is asked.network.nodes[0].life.phase
+    assert {s: r.contributors for s, r in quick.results(0).items()} == \
+        {s: r.contributors for s, r in asked.results(0).items()}
+    assert [quick.results(s)[0].contributors for s in range(5)] == [asked.results(s)[0].contributors for s in range(5)]
+    assert quick.network.now < asked.network.now  # it skipped the questions

@@ -119,7 +119,7 @@ class SimChaos:
             lambda rank, step: tamper(rank, step, self.clean(rank, step)))
         self.run: Simulation = start(s.world, None, 2**62, contribution=submitted, seed=s.seed,
                                      on_outcome=self._outcome, on_admitted=self._admitted, step_gap_s=s.step_s,
-                                     wire=False)
+                                     wire=False, quick_start=True)
         self.net: SimNetwork = self.run.network
         self.clock = self.net.clock
         self.checks: dict[int, StepCheck] = {}
