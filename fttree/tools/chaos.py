@@ -484,7 +484,7 @@ def _stats(xs: list[float]) -> str:
 @click.option("-n", "world", type=click.IntRange(3, 4096), default=7, show_default=True,
               help=f"Workers (a real run: at most {MAX_REAL_WORLD}).")
 @click.option("--duration", type=click.FloatRange(min=1), default=60, show_default=True,
-              help="Seconds of each run (fault-free, then chaos).")
+              help="Seconds of each run (fault-free, then chaos; simulated seconds with --simulate).")
 @click.option("--fault-every", type=click.FloatRange(min=0.1), default=10, show_default=True,
               help="Mean seconds between faults (exponential gaps).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault schedule and the job.")
