@@ -61,6 +61,7 @@ from ..core.replica import (
     Deliver,
     Farewells,
     Finish,
+    FirstStart,
     Foreign,
     Heard,
     JoinInEffect,
@@ -191,6 +192,11 @@ class Node:
         return self.replica.machine.peers
 
     # ---- starting, joining, leaving, finishing (timer-driven: session.py awaits them) ----------
+
+    def first_start(self) -> None:
+        """Take part at once as one of the first processes, as after every peer said it is
+        starting too (the simulator's quick start, which skips asking)."""
+        self._replica_step(FirstStart())
 
     def find_group(self, end: float, done: Callable[[bool], None]) -> None:
         """Is a group running already? `done(True)` if so (this process joins it)."""

@@ -68,11 +68,14 @@ class SimNetwork:
     def __init__(self, world: int, *, config: Config | None = None, latency_s: float = 0.001,
                  jitter_s: float = 0.0, duplicate_p: float = 0.0, seed: int = 0, wire: bool = True,
                  faults: FaultSchedule | str | None = None, uplink: float | Mapping[int, float] | None = None,
-                 loss: float = 0.0, fifo: bool = False, reach: Reach = EVERYONE, **settings: Any) -> None:
+                 loss: float = 0.0, fifo: bool = False, reach: Reach = EVERYONE, quick_start: bool = False,
+                 **settings: Any) -> None:
         """`reach`: which ranks can connect (core/reach.py). The views place the members by it,
         as workers do from their peers file, and a pair that cannot connect is a link that is
         always down here (the simulator has no relays: what a relay carries over TCP, the
-        protocol carries around the link here)."""
+        protocol carries around the link here). `quick_start`: the first processes take part at
+        once, as they do once every peer said it is starting too, without asking (a world of
+        1,023 asks a million questions first: minutes of CPU before the first step)."""
         self.world = world
         self.reach = reach
         self.config = Config.build(config, **settings)
@@ -89,6 +92,7 @@ class SimNetwork:
         view = View.initial(world, reach)
         self.nodes: list[Node] = []
         self.notes: list[tuple[int, Note]] = []
+        self.note_listeners: list[Callable[[int, Note], None]] = []  # told each note as it is made
         self.results: dict[tuple[int, int], Outcome] = {}
         self.finished_at: dict[tuple[int, int], float] = {}
         self._futures: dict[tuple[int, int], Future[StepResult]] = {}
@@ -110,7 +114,11 @@ class SimNetwork:
         end = self.config.startup_timeout_s
         for rank in range(world):  # the first start: each asks the others whether a group runs
             node = self._new_process(rank, view)
-            node.find_group(end, functools.partial(self._answered, node, end, self._settled, False))
+            if not quick_start:
+                node.find_group(end, functools.partial(self._answered, node, end, self._settled, False))
+        for node in self.nodes if quick_start else ():
+            node.first_start()
+            node.connected()
         # as `fttree launch` does, the first steps come once every worker has started
         while any(n.replica.phase is Phase.STARTING for n in self.nodes) and self.clock.next_at is not None:
             self.clock.run(until=self.clock.next_at)
@@ -178,6 +186,8 @@ class SimNetwork:
 
     def _note(self, rank: int, note: Note) -> None:
         self.notes.append((rank, note))
+        for listener in self.note_listeners:
+            listener(rank, note)
 
     @property
     def machines(self) -> list[TreeMachine]:
@@ -326,6 +336,19 @@ class SimNetwork:
 
     def _restart(self, rank: int) -> None:
         self.start_process(rank, self._settled)
+
+    def restart(self, rank: int) -> Node:
+        """A new process of `rank` (after a crash, an eviction or a leave) starts now, as
+        `restart R @S` starts one: the process listeners hear whether the group admitted it."""
+        self.crash(rank)  # whatever was left of the old one ends (a process that left exits)
+        return self.start_process(rank, self._settled)
+
+    def forget(self, rank: int, step: int) -> None:
+        """Drop what is kept of `rank`'s outcome of `step`: a long run that has checked it keeps
+        memory bounded (1,023 ranks hold a million outcomes in a thousand steps)."""
+        self.results.pop((rank, step), None)
+        self.finished_at.pop((rank, step), None)
+        self._futures.pop((rank, step), None)
 
     def _settled(self, node: Node, error: PeerError | None) -> None:
         for listener in self.process_listeners:

@@ -58,6 +58,7 @@ class Simulation:
     on_outcome: OutcomeHook | None = None  # told each outcome before the loop goes on (a layer above steps)
     on_admitted: AdmittedHook | None = None  # told a restarted or new process's first step before it submits
     hook_errors: list[Exception] = field(default_factory=list)  # raised by the hooks (simulate() raises the first)
+    step_gap_s: float = STEP_GAP_S  # the compute between two steps of every loop, simulated seconds
 
     def results(self, step: int) -> dict[int, StepResult]:
         """Every rank's StepResult of `step` (ranks that failed it are left out)."""
@@ -83,20 +84,14 @@ class Simulation:
         longer holds it."""
         if self.pending:
             raise AssertionError(f"steps without an outcome (rank, step): {sorted(self.pending)}")
-        for step in sorted({s for _r, s in self.outcomes}):
-            results = self.results(step)
-            first: StepResult | None = None
+        by_step: dict[int, dict[int, StepResult]] = {}
+        for (rank, step), outcome in self.outcomes.items():
+            if isinstance(outcome, StepResult):
+                by_step.setdefault(step, {})[rank] = outcome
+        for step, results in sorted(by_step.items()):
+            same = StepCheck(step, self.contribution)
             for rank, res in sorted(results.items()):
-                want = sum((self.contribution(c, step) for c in res.contributors),
-                           start=np.zeros_like(res.data))
-                if len(set(res.contributors)) != len(res.contributors) or not np.array_equal(res.data, want):
-                    raise AssertionError(f"step {step}: rank {rank}'s result is not the sum over the "
-                                         f"contributors it names {list(res.contributors)}")
-                if first is None:
-                    first = res
-                elif res.contributors != first.contributors or not np.array_equal(res.data, first.data):
-                    raise AssertionError(f"step {step}: ranks hold different results: contributors "
-                                         f"{list(first.contributors)} and rank {rank}'s {list(res.contributors)}")
+                same.add(rank, res)
         last = self.steps - 1
         # a join decided for a training step after the last is no process kept out: the job ended first
         decided = {r for node in self.network.nodes if node.stopped is None
@@ -120,6 +115,34 @@ class Simulation:
             if held and not any(rank in res.contributors for res in held):  # (none: the group stopped)
                 raise AssertionError(f"rank {rank}, admitted at step {start}, is in no result of steps "
                                      f"{window.start}..{window.stop - 1}")
+
+
+class StepCheck:
+    """The oracle for one step, fed its results as they come: the first must be the sum of the
+    contributions of the ranks it names, each once, and every later one the same result. The
+    expected sum is computed once (a step of 1,023 ranks, checked on every rank, stays linear)."""
+
+    def __init__(self, step: int, contribution: Contribution) -> None:
+        self.step, self.contribution = step, contribution
+        self.first: tuple[int, StepResult] | None = None
+        self.want = np.zeros(0)  # the first result's expected sum
+
+    def add(self, rank: int, res: StepResult) -> None:
+        """Raises AssertionError naming the step and ranks at the first wrong result."""
+        first = None if self.first is None else self.first[1]
+        same = first is not None and res.contributors == first.contributors
+        want = self.want if same else self._sum(res.contributors, res.data)
+        if len(set(res.contributors)) != len(res.contributors) or not np.array_equal(res.data, want):
+            raise AssertionError(f"step {self.step}: rank {rank}'s result is not the sum over the "
+                                 f"contributors it names {list(res.contributors)}")
+        if first is None:
+            self.first, self.want = (rank, res), want
+        elif not same or not np.array_equal(res.data, first.data):
+            raise AssertionError(f"step {self.step}: ranks hold different results: contributors "
+                                 f"{list(first.contributors)} and rank {rank}'s {list(res.contributors)}")
+
+    def _sum(self, contributors: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+        return sum((self.contribution(c, self.step) for c in contributors), start=np.zeros_like(like))
 
 
 class _Loop:
@@ -159,7 +182,7 @@ class _Loop:
         if isinstance(error, GroupLeft):
             return  # out of the group: a training loop stops here
         clock = run.network.clock
-        clock.call_later(STEP_GAP_S, lambda: run.network.run_as(rank, lambda: self.step(user_step + 1),
+        clock.call_later(run.step_gap_s, lambda: run.network.run_as(rank, lambda: self.step(user_step + 1),
                                                                   process=self.process))
 
 
@@ -172,9 +195,21 @@ def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribu
     (latency_s, jitter_s, step_timeout_s, ...); links keep their frames in order, as TCP does,
     unless `fifo=False`. `on_outcome` and `on_admitted` let a layer above the steps (an outer
     optimizer, a sampler) keep each process's state. Returns every outcome; `check()` is the oracle."""
+    run = start(world, faults, steps, contribution=contribution, seed=seed, on_outcome=on_outcome,
+                on_admitted=on_admitted, **settings)
+    drive(run, limit_s)
+    return run
+
+
+def start(world: int, faults: str | None = None, steps: int = 10, *, contribution: Contribution | None = None,
+          seed: int = 0, on_outcome: OutcomeHook | None = None, on_admitted: AdmittedHook | None = None,
+          step_gap_s: float = STEP_GAP_S, **settings: Any) -> Simulation:
+    """simulate()'s first half: the network started and every rank's loop submitting step 0.
+    A caller that strikes by simulated time (`fttree chaos --simulate`) sets its timers on
+    `run.network` before `drive(run, limit_s)` runs the rest."""
     network = SimNetwork(world, faults=faults, seed=seed, **{"fifo": True, **settings})
     run = Simulation(world=world, steps=steps, contribution=contribution or counted(), network=network,
-                     on_outcome=on_outcome, on_admitted=on_admitted)
+                     on_outcome=on_outcome, on_admitted=on_admitted, step_gap_s=step_gap_s)
 
     def settled(rank: int, node: Node, error: PeerError | None) -> None:
         if error is not None:
@@ -191,14 +226,19 @@ def simulate(world: int, faults: str | None = None, steps: int = 10, *, contribu
     network.process_listeners.append(settled)
     for rank in range(world):
         _Loop(run, network.nodes[rank], 0, 0, 0).step(0)
-    clock = network.clock
+    return run
+
+
+def drive(run: Simulation, limit_s: float = 600.0) -> None:
+    """simulate()'s second half: run events until nothing but background timers is left."""
+    clock = run.network.clock
     # Events run until nothing but a live node's background timers is left (probes of failed
     # links go on forever, as in a real node) and no live process waits for a step.
     while (clock.busy or run.waiting()) and clock.next_at is not None and clock.next_at <= limit_s:
         clock.run(until=clock.next_at)
+        if run.hook_errors:  # at once: the run went wrong, what follows would only bury why
+            raise run.hook_errors[0]
     # a crashed or hung process's step has no outcome, nor has the step a restart cut short
     run.pending = run.waiting()
     if run.hook_errors:
         raise run.hook_errors[0]
-    return run
-

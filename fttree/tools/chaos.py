@@ -47,6 +47,7 @@ from . import chaos_schedule as cs
 from .chaos_checks import ChaosFailure, Checks
 from .chaos_files import EXIT_EVICTED, STOP_FILE
 
+MAX_REAL_WORLD = 64  # worker processes one machine starts for a real run
 POLL_S = 0.05  # how often the runner reads the records and the children's exits (files and pids: no event)
 STRAGGLE_S = (0.4, 0.4)  # a straggler's SIGSTOP bursts: stopped, then running, seconds
 DETECT_GRACE_S = 2.0  # a link or stop fault is detected by a step at most this long after its end
@@ -567,9 +568,10 @@ def _stats(xs: list[float]) -> str:
 
 
 @click.command()
-@click.option("-n", "world", type=click.IntRange(3, 64), default=7, show_default=True, help="Workers.")
+@click.option("-n", "world", type=click.IntRange(3, 4096), default=7, show_default=True,
+              help=f"Workers (a real run: at most {MAX_REAL_WORLD}).")
 @click.option("--duration", type=click.FloatRange(min=1), default=60, show_default=True,
-              help="Seconds of each run (fault-free, then chaos).")
+              help="Seconds of each run (fault-free, then chaos; simulated seconds with --simulate).")
 @click.option("--fault-every", type=click.FloatRange(min=0.1), default=10, show_default=True,
               help="Mean seconds between faults (exponential gaps).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault schedule and the job.")
@@ -585,14 +587,26 @@ def _stats(xs: list[float]) -> str:
                    "change in the machine's load meets both; goodput sums over all of them.")
 @click.option("--heal-limit", type=click.FloatRange(min=1), default=180, show_default=True,
               help="Fail (a hang) if a restarted worker does not contribute within this many seconds.")
+@click.option("--simulate", is_flag=True,
+              help="Run the same schedule on the simulator (chaos_sim.py): every second simulated, up to "
+                   "thousands of ranks; goodput in simulated time.")
+@click.option("--step-s", type=click.FloatRange(min=0.001), default=0.1, show_default=True,
+              help="--simulate: the simulated compute between two steps of every rank, seconds.")
 def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str, hidden: int,
-          rss_limit_mb: float, pairs: int, heal_limit: float, keep: Path | None) -> None:
+          rss_limit_mb: float, pairs: int, heal_limit: float, keep: Path | None, simulate: bool,
+          step_s: float) -> None:
     """Goodput under a seeded random mix of real faults, against a fault-free run of the same job."""
     began = time.monotonic()
 
     def echo(line: str) -> None:
         click.echo(f"[{time.monotonic() - began:6.1f} s] {line}")
 
+    if simulate:
+        _simulate(world, duration, fault_every, seed, kinds, step_s, heal_limit, echo)
+        return
+    if world > MAX_REAL_WORLD:
+        raise click.BadParameter(f"a real run starts at most {MAX_REAL_WORLD} workers on this machine, got {world}; "
+                                 "--simulate runs more", param_hint="-n")
     try:
         s = Settings(world=world, duration_s=duration, every_s=fault_every, seed=seed, kinds=cs.parse_kinds(kinds),
                      hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, heal_s=heal_limit, keep=keep,
@@ -606,3 +620,20 @@ def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str
         (keep / SUMMARY).write_text(json.dumps(summary(base, result, goodput, skipped), indent=1) + "\n")
     click.echo(f"goodput {goodput:.2f} ({result.rate:.1f} / {base.rate:.1f} samples/s, {len(result.measures)} faults"
                + (f"; skipped without root: {', '.join(skipped)}" if skipped else "") + ")")
+
+
+def _simulate(world: int, duration: float, fault_every: float, seed: int, kinds: str, step_s: float,
+              heal_limit: float, echo: Callable[[str], None]) -> None:
+    from .chaos_sim import SimSettings, run_sim_chaos
+    from .chaos_sim import report as sim_report
+
+    try:
+        s = SimSettings(world=world, duration_s=duration, every_s=fault_every, seed=seed, kinds=cs.parse_kinds(kinds),
+                        step_s=step_s, heal_s=heal_limit, echo=echo)
+        base, result = run_sim_chaos(s)
+        goodput = sim_report(base, result, world, echo)
+    except FTTreeError as exc:
+        click.echo(f"FAILED: {exc}")
+        sys.exit(1)
+    click.echo(f"goodput {goodput:.2f} ({result.rate:.1f} / {base.rate:.1f} contributions per simulated s, "
+               f"{len(result.measures)} faults, {world} simulated ranks)")
