@@ -4,6 +4,7 @@ launcher and the progress line. Nothing here touches the network."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import struct
@@ -110,15 +111,31 @@ def load_data(images: str | None, labels: str | None, synthetic: int = 0) -> Dat
         y = torch.from_numpy(_read_idx(Path(labels)).astype(np.int64))
         name = Path(images).name
     else:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        small = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
+        images8, target = _digits()
+        small = torch.from_numpy(images8.astype(np.float32) / 16.0).unsqueeze(1)
         x = nn.functional.interpolate(small, size=(28, 28), mode="bilinear", align_corners=False).reshape(-1, 784)
-        y = torch.from_numpy(digits.target.astype(np.int64))
+        y = torch.from_numpy(target.astype(np.int64))
         name = "sklearn digits upsampled to 28x28"
     n_test = max(1, len(x) // 6)
     return Dataset(x[:-n_test], y[:-n_test], x[-n_test:], y[-n_test:], name)
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (images, labels) as load_digits() gives them, read from
+    its data file without importing scikit-learn: that import costs each worker process about
+    1 s of CPU, as much as its training steps in a short run. load_digits() if the file moved."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                data = np.loadtxt(f, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.images, digits.target
 
 
 class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -21,7 +21,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a worker script: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.test_torch_ddp import BATCH, STEPS, WORLD, data, mlp
+from tests.test_torch_ddp import BATCH, STEPS, WORKER_IMPORTS, WORLD, data, mlp
 
 DEATH = 2  # rank 2 exits before this step
 VICTIM = 2
@@ -94,7 +94,7 @@ def run(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
                           timeout=timedelta(seconds=120))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTTREE_TIMEOUT": "0.2", "FTTREE_STEP_TIMEOUT": "60"}
     logs = run_all([[sys.executable, __file__, scenario, str(rank), str(store.port), str(tmp_path)]
-                    for rank in range(WORLD)], env, 150)
+                    for rank in range(WORLD)], env, 150, preload=WORKER_IMPORTS)  # imports once, ranks forked
     out = []
     for rank in range(WORLD):
         path = tmp_path / f"rank{rank}.pt"

@@ -150,7 +150,10 @@ def test_a_killed_worker_process_leaves_the_others_alike_with_eager() -> None:
     worker = str(Path(__file__).resolve().parent / "eager_worker.py")
     commands = [[sys.executable, worker, "--rank", str(r), "--peers", peers, "--rounds", "6",
                  *(["--die", "2"] if r == 3 else [])] for r in range(4)]
-    logs = run_all(commands, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, deadline_s=180)
+    # forked from one server that imported torch (and torch._dynamo, which each worker's first
+    # optimizer imports) once: the workers seed everything they draw, so need no fresh interpreter
+    logs = run_all(commands, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, deadline_s=180,
+                   preload=("torch", "torch._dynamo", "fttree"))
     results = {}
     for r, log in enumerate(logs[:3]):
         lines = [line for line in log.splitlines() if line.startswith("{")]

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 WORLD = 3
-WORKER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "fttree")
+# torch._dynamo too: each worker's first optimizer imports it (SGD's add_param_group), about a
+# second of CPU per process, paid once in the fork server instead (it starts no thread)
+WORKER_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "fttree")
 BATCH = 8
 STEPS = 5
 

@@ -63,6 +63,7 @@ class _Stream:
     bulk: bool
     frames: deque[tuple[int, Frame]] = field(default_factory=deque)  # (end offset, frame), not yet delivered
     unsent: deque[tuple[int, int]] = field(default_factory=deque)  # (start, end) of bytes not yet in the queue
+    unsent_bytes: int = 0  # their total, kept as they change: read for every segment queued
     written: int = 0  # bytes handed to the stream (its next frame starts here)
     acked: int = 0  # cumulatively acknowledged
     arrived: set[int] = field(default_factory=set)  # starts of segments received beyond the in-order point
@@ -91,6 +92,7 @@ class _Uplink:
     rate: float
     segment: int
     queue: deque[_Segment] = field(default_factory=deque)
+    queued_bytes: int = 0  # the queue's total, kept as it changes: read on every acknowledgement
     busy: bool = False
     meter: UplinkMeter = field(default_factory=UplinkMeter)
     backlogged: bool = False  # bulk bytes wait for room in the budget: acknowledgements measure the link
@@ -237,11 +239,13 @@ class ShapedNetwork:
         up = self.uplinks.get(rank)
         if up is not None:
             up.queue.clear()
+            up.queued_bytes = 0
         now = self.clock.now()
         for s in [s for ss in self._by_src.values() for s in ss if s.dst == rank]:
             if s.outstanding:  # the connection is reset: what it held is lost
                 self.lost_at[(s.src, rank)] = now
             s.unsent.clear()
+            s.unsent_bytes = 0
             s.waiting.clear()
             s.voided.clear()
             s.frames.clear()
@@ -293,6 +297,7 @@ class ShapedNetwork:
         s.written += size
         s.frames.append((s.written, msg))
         s.unsent.append((start, s.written))
+        s.unsent_bytes += size
         if s.bulk:
             s.waiting[start] = msg
         s.frames_sent += 1
@@ -319,7 +324,7 @@ class ShapedNetwork:
         share = max(up.meter.budget() // max(1, len(busy)), MIN_CHANNEL_BUDGET)
         while waiting:
             for s in list(waiting):
-                if s.outstanding - sum(e - b for b, e in s.unsent) >= share:
+                if s.outstanding - s.unsent_bytes >= share:
                     waiting.remove(s)
                     continue
                 self._segment_out(up, s)
@@ -342,6 +347,8 @@ class ShapedNetwork:
                 s.voided.add(end)
         size = min(end - start, up.segment)
         up.queue.append(_Segment(stream=s, start=start, size=size))
+        up.queued_bytes += size
+        s.unsent_bytes -= size
         if start + size >= end:
             s.unsent.popleft()
         else:
@@ -350,6 +357,7 @@ class ShapedNetwork:
 
     def _send_next(self, src: int, up: _Uplink) -> None:
         seg = up.queue.popleft()
+        up.queued_bytes -= seg.size
         up.busy = True
         self.clock.call_later(seg.size / up.rate, functools.partial(self._sent, src, seg))
 
@@ -404,6 +412,7 @@ class ShapedNetwork:
             self.check_stall(s, report=True)
         up = self.uplinks[s.src]
         up.queue.appendleft(seg)  # TCP sends a timed-out segment before new data
+        up.queued_bytes += seg.size
         if not up.busy:
             self._send_next(s.src, up)
 
@@ -417,8 +426,8 @@ class ShapedNetwork:
             return
         up = self.uplinks[s.src]
         segs_out = max(1, s.bytes_sent // up.segment)
-        in_flight = s.outstanding - sum(e - b for b, e in s.unsent)
-        queue_s = sum(seg.size for seg in up.queue) / up.rate
+        in_flight = s.outstanding - s.unsent_bytes
+        queue_s = up.queued_bytes / up.rate
         others = sum(o.outstanding for o in self.streams_of(s.src) if o is not s and not o.stalled)
         counters = TcpCounters(rtt_s=2 * (self.latency_s + self._delay.get(pair(s.src, s.dst), 0.0)) + queue_s,
                                rttvar_s=0.0,
@@ -492,7 +501,7 @@ class ShapedNetwork:
         up = self.uplinks[s.src]
         # a queue formed when what waits in the uplink's queue takes QUEUE_SEEN_S to go out (the
         # TCP transport reads the same from the round trip's rise)
-        queue_s = sum(seg.size for seg in up.queue) / up.rate
+        queue_s = up.queued_bytes / up.rate
         queued = queue_s > QUEUE_SEEN_S
         if queued:
             up.meter.saw_queue()
