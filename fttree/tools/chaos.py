@@ -44,7 +44,7 @@ import click
 from ..errors import FTTreeError
 from ..net.address import free_port, local_hosts, local_peers
 from . import chaos_schedule as cs
-from .chaos_checks import ChaosFailure, Checks
+from .chaos_checks import RSS_LIMIT_MB, ChaosFailure, Checks
 from .chaos_files import EXIT_EVICTED, STOP_FILE
 
 MAX_REAL_WORLD = 64  # worker processes one machine starts for a real run
@@ -67,7 +67,7 @@ class Settings:
     heal_s: float = 180.0  # a restarted or new process contributes within this
     end_s: float = 120.0  # every worker ends within this after the stop step
     stop_margin: int = 20  # steps between the newest seen and the stop step
-    rss_limit_mb: float = 64.0
+    rss_limit_mb: float = RSS_LIMIT_MB
     pairs: int = 1  # fault-free and chaos runs alternate this many times, duration_s / pairs each
     keep: Path | None = None  # keep the records here (default: a temporary folder, deleted)
     echo: Callable[[str], None] = print
@@ -578,7 +578,7 @@ def _stats(xs: list[float]) -> str:
 @click.option("--kinds", default=",".join(cs.KINDS), show_default=True, help="Fault kinds to mix.")
 @click.option("--hidden", type=click.IntRange(1), default=512, show_default=True,
               help="Hidden units of the MLP (512: the thesis's 407,050 parameters).")
-@click.option("--rss-limit-mb", type=click.FloatRange(min=1), default=64, show_default=True,
+@click.option("--rss-limit-mb", type=click.FloatRange(min=1), default=RSS_LIMIT_MB, show_default=True,
               help="Fail if a worker's RSS grows by more than this after its first steps.")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the workers' records and logs in this new folder (default: deleted).")
