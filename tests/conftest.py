@@ -11,13 +11,16 @@ import pytest
 
 from fttree import FTTreeAllreduce
 from fttree.net import address
+from fttree.status.cli import HTTP_PORT_OFFSET
 
 
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1 to 127.0.0.16: workers bind 127.0.0.(r+1) with
     the same port, and one free on 127.0.0.1 alone could be held on 127.0.0.3 by an earlier
-    test's rank 2 (a connection it bound there, still closing), failing this test's rank 2."""
-    return address.free_port(address.local_hosts(16))
+    test's rank 2 (a connection it bound there, still closing), failing this test's rank 2.
+    Its control-server twin (port + 1000, where `fttree worker` serves HTTP) is free too: a
+    CI run once failed on "cannot serve HTTP on 127.0.0.1:38577: address already in use"."""
+    return address.free_port(address.local_hosts(16), also=(HTTP_PORT_OFFSET,))
 
 
 def local_peers(n: int, port: int | None = None) -> list[str]:

@@ -107,15 +107,23 @@ def local_peers(n: int, host_base: str = "127.0.0.1", port: int = 29500) -> list
     return [".".join([*parts[:3], str(last + r)]) + f":{port}" for r in range(n)]
 
 
-def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
-    """A port free on every one of `hosts` right now. Local workers listen on 127.0.0.(r+1)
-    with one port, so a port free only on the first address is not enough: an earlier run's
-    rank 2, say, may still hold it on 127.0.0.3 (a connection it bound there, closing)."""
+def free_port(hosts: Sequence[str] = ("127.0.0.1",), also: Sequence[int] = ()) -> int:
+    """A port free on every one of `hosts` right now, and with it port + each of `also` (a
+    worker's control server listens at its port + 1000: the kernel hands out ports from the
+    ephemeral range, where that twin can be any connection's). Local workers listen on
+    127.0.0.(r+1) with one port, so a port free only on the first address is not enough: an
+    earlier run's rank 2, say, may still hold it on 127.0.0.3 (a connection it bound there)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind((hosts[0], 0))
             port = int(s.getsockname()[1])
+        if any(port + offset > 65535 for offset in also):
+            continue
         try:
+            for host in hosts:
+                for offset in also:
+                    with socket.socket() as s:
+                        s.bind((host, port + offset))
             for host in hosts[1:]:
                 with socket.socket() as s:
                     s.bind((host, port))
