@@ -46,6 +46,7 @@ from ..net.address import free_port, local_hosts, local_peers
 from . import chaos_schedule as cs
 from .chaos_checks import RSS_LIMIT_MB, ChaosFailure, Checks
 from .chaos_files import EXIT_EVICTED, STOP_FILE
+from .chaos_report import kind_line
 
 MAX_REAL_WORLD = 64  # worker processes one machine starts for a real run
 POLL_S = 0.05  # how often the runner reads the records and the children's exits (files and pids: no event)
@@ -531,9 +532,7 @@ def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> fl
     for kind, ms in sorted(by_kind.items()):
         det = [m.detected_s for m in ms if m.detected_s is not None]
         heal = [m.healed_s for m in ms if m.healed_s is not None]
-        echo(f"  {kind:9s} x{len(ms):<3d} detected {len(det)}/{len(ms)}" + _stats(det)
-             + (f"; healed {len(heal)}/{len(ms)}" + _stats(heal) if kind in cs.REJOINS else "")
-             + (f"; evicted and restarted {len(heal)}, healed" + _stats(heal) if kind == cs.STOP and heal else ""))
+        echo(kind_line(kind, len(ms), det, heal))
         parts = [p for p in (m.heal_parts() for m in ms) if p is not None]
         if parts:
             medians = (statistics.median(getattr(p, name) for p in parts) for name in HEAL_PART_NAMES)
@@ -558,13 +557,6 @@ def summary(base: RunResult, chaos: RunResult, goodput: float, skipped: list[str
                     "heal_parts": None if (p := m.heal_parts()) is None else dataclasses.asdict(p)}
                    for m in chaos.measures],
     }
-
-
-def _stats(xs: list[float]) -> str:
-    if not xs:
-        return ""
-    xs = sorted(xs)
-    return f" (median {xs[len(xs) // 2]:.2f} s, max {xs[-1]:.2f} s)"
 
 
 @click.command()

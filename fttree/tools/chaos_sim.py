@@ -53,6 +53,7 @@ from ..testing.sim import Outcome, SimNetwork
 from ..testing.simulate import JOINED_WITHIN, Contribution, Simulation, StepCheck, counted, start
 from . import chaos_schedule as cs
 from .chaos_checks import ChaosFailure
+from .chaos_report import kind_line, stats
 
 Tamper = Callable[[int, int, np.ndarray], np.ndarray]  # (rank, step, its true contribution) -> what it submits
 
@@ -468,14 +469,11 @@ def report(base: SimResult, chaos: SimResult, world: int, echo: Callable[[str], 
     for kind, ms in sorted(by_kind.items()):
         det = [m.detected_s for m in ms if m.detected_s is not None]
         heal = [m.healed_s for m in ms if m.healed_s is not None]
-        echo(f"  {kind:9s} x{len(ms):<3d} detected {len(det)}/{len(ms)}" + _stats(det)
-             + (f"; healed {len(heal)}/{len(ms)}" + _stats(heal) if kind in cs.REJOINS else "")
-             + (f"; evicted and restarted {len(heal)}, healed" + _stats(heal) if kind not in cs.REJOINS and heal
-                else ""))
+        echo(kind_line(kind, len(ms), det, heal))
     evict = [m.view_s for m in chaos.measures if m.view_s is not None]
     join = [m.join_view_s for m in chaos.measures if m.join_view_s is not None]
-    echo(f"  view changes: {len(evict)} without a victim, fault to first install" + _stats(evict)
-         + f"; {len(join)} with a new process, its start to first install" + _stats(join))
+    echo(f"  view changes: {len(evict)} without a victim, fault to first install" + stats(evict)
+         + f"; {len(join)} with a new process, its start to first install" + stats(join))
     faults = max(1, len(chaos.measures))
     per_step = chaos.steps / max(1, base.steps)  # the chaos run's steps over the fault-free run's
     extra = {k: n - base.by_kind.get(k, 0) * per_step for k, n in chaos.by_kind.items()}
@@ -485,10 +483,3 @@ def report(base: SimResult, chaos: SimResult, world: int, echo: Callable[[str], 
     echo(f"  frames per rank per fault: {beyond / world / faults:.1f} beyond the fault-free run's per step "
          f"({chaos.frames / world:.0f} per rank in the window, fault-free {base.frames / world:.0f}; most: {top})")
     return goodput
-
-
-def _stats(xs: list[float]) -> str:
-    if not xs:
-        return ""
-    xs = sorted(xs)
-    return f" (median {xs[len(xs) // 2]:.2f} s, max {xs[-1]:.2f} s)"
