@@ -46,7 +46,7 @@ from ..net.address import free_port, local_hosts, local_peers
 from . import chaos_schedule as cs
 from .chaos_checks import RSS_LIMIT_MB, ChaosFailure, Checks
 from .chaos_files import EXIT_EVICTED, STOP_FILE
-from .chaos_report import kind_line
+from .chaos_report import by_kind, kind_line
 
 MAX_REAL_WORLD = 64  # worker processes one machine starts for a real run
 POLL_S = 0.05  # how often the runner reads the records and the children's exits (files and pids: no event)
@@ -526,13 +526,8 @@ def report(base: RunResult, chaos: RunResult, echo: Callable[[str], None]) -> fl
     goodput = chaos.rate / base.rate
     echo(f"chaos: {chaos.samples} samples in {chaos.seconds:g} s: {chaos.rate:.1f}/s over {chaos.steps} steps, "
          f"{chaos.epochs_once} epochs each once, {chaos.evictions} stopped ranks evicted and restarted")
-    by_kind: dict[str, list[Measure]] = {}
-    for m in chaos.measures:
-        by_kind.setdefault(m.fault.kind, []).append(m)
-    for kind, ms in sorted(by_kind.items()):
-        det = [m.detected_s for m in ms if m.detected_s is not None]
-        heal = [m.healed_s for m in ms if m.healed_s is not None]
-        echo(kind_line(kind, len(ms), det, heal))
+    for kind, ms in by_kind(chaos.measures):
+        echo(kind_line(kind, ms))
         parts = [p for p in (m.heal_parts() for m in ms) if p is not None]
         if parts:
             medians = (statistics.median(getattr(p, name) for p in parts) for name in HEAL_PART_NAMES)

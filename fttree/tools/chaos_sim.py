@@ -53,7 +53,7 @@ from ..testing.sim import Outcome, SimNetwork
 from ..testing.simulate import JOINED_WITHIN, Contribution, Simulation, StepCheck, counted, start
 from . import chaos_schedule as cs
 from .chaos_checks import ChaosFailure
-from .chaos_report import kind_line, stats
+from .chaos_report import by_kind, kind_line, stats
 
 Tamper = Callable[[int, int, np.ndarray], np.ndarray]  # (rank, step, its true contribution) -> what it submits
 
@@ -463,13 +463,8 @@ def report(base: SimResult, chaos: SimResult, world: int, echo: Callable[[str], 
     echo(f"chaos: {chaos.contributions} contributions in {chaos.seconds:g} s: {chaos.rate:.1f}/s over "
          f"{chaos.steps} steps, {chaos.evictions} evicted ranks restarted, {chaos.failed_steps} step errors "
          f"({chaos.wall_s:.0f} s wall)")
-    by_kind: dict[str, list[SimMeasure]] = {}
-    for m in chaos.measures:
-        by_kind.setdefault(m.fault.kind, []).append(m)
-    for kind, ms in sorted(by_kind.items()):
-        det = [m.detected_s for m in ms if m.detected_s is not None]
-        heal = [m.healed_s for m in ms if m.healed_s is not None]
-        echo(kind_line(kind, len(ms), det, heal))
+    for kind, ms in by_kind(chaos.measures):
+        echo(kind_line(kind, ms))
     evict = [m.view_s for m in chaos.measures if m.view_s is not None]
     join = [m.join_view_s for m in chaos.measures if m.join_view_s is not None]
     echo(f"  view changes: {len(evict)} without a victim, fault to first install" + stats(evict)
