@@ -126,6 +126,27 @@ def test_a_lost_connection_of_a_rank_nobody_can_dial_comes_back_from_its_side() 
         exact_steps(handles, 3)
 
 
+def test_a_rank_nobody_can_dial_that_dies_is_evicted_without_waiting_for_a_steps_silence() -> None:
+    """Rank 3 (`-`) is killed between steps. Its peers cannot dial it to learn that it is gone
+    (a dialled peer's connection would be refused): its connections closed and it did not dial
+    again within the grace, which counts as refused. The node deadline is two minutes and no
+    step is in flight, so silence could not have evicted it within the test's deadline; through
+    a NAT this cost a 2.4 s step (issue 40)."""
+    with cluster(4, listed=unlisted(3), insecure=True, timeout_s=0.3, step_timeout_s=20,
+                 node_deadline_s=120) as handles:
+        exact_steps(handles, 2)
+        handles[3].crash("test: rank 3 is killed")
+        survivors = handles[:3]
+        deadline = time.monotonic() + 30
+        while not all(h.view.members is not None and 3 not in h.view.members for h in survivors):
+            assert time.monotonic() < deadline, f"rank 3 not evicted within 30 s: {[h.view for h in survivors]}"
+            time.sleep(0.05)
+        evicted = [e for h in survivors if h.node is not None for e in h.node.status().membership.evictions
+                   if e.rank == 3]
+        assert len(evicted) == 3, evicted
+        assert all(len(e.suspected_by) >= 2 for e in evicted), evicted
+
+
 def test_ranks_behind_one_site_dial_each_other_and_the_public_ones_only_are_dialled_by_them() -> None:
     """Ranks 2 and 3 are behind site `home`: they dial each other at their site addresses;
     ranks 0 and 1 never dial them and send to them on their connections."""

@@ -130,6 +130,10 @@ IDLE_UNKNOWN_S = 60.0  # such a rank's proven connection that carries no byte th
 UNKNOWN_UNFINISHED_BYTES = 64 << 20
 REDIAL_FIRST_S = 0.05  # a failed dial is tried again after this long, then twice as long ...
 REDIAL_MAX_S = 1.0  # ... up to this
+# A peer nobody here can dial, whose connection closed, dials again at once if it lives (it keeps
+# its connections up: they are its peers' only way to it). Not dialled again within this long
+# (or eight of the link's round trips, if longer), it counts as refused: its process is likely gone.
+REDIAL_GRACE_S = 0.5
 # Receive buffers the pool tracks: a 100 MB step in 4 MiB chunks holds one per chunk until its
 # result lingers out (linger_s), about two steps' worth; 24 missed most reuses there.
 RECEIVE_BUFFERS = 96
@@ -200,6 +204,8 @@ class _Channel:
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
         self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
         self.eof_watch: asyncio.Task[None] | None = None  # reads the dialled connection (_receive)
+        self.rtt_s = 0.0  # the last connection's smoothed round trip, as the kernel last told it
+        self.redial_due: asyncio.TimerHandle | None = None  # a passive peer's grace to dial again
         # acknowledgement progress of the current connection (uplink.py; Linux's SIOCOUTQ)
         self.written = 0  # bytes handed to the connection
         self.acked = 0  # of those, acknowledged by the peer
@@ -373,6 +379,10 @@ class _Channel:
     def _attach(self, conn: _Conn) -> None:
         """A proven connection, dialled or adopted, carries this channel's frames from now on."""
         self.writer = conn
+        self.rtt_s = tcp_rtt_s(conn) or self.rtt_s
+        if self.redial_due is not None:  # the peer dialled again within its grace
+            self.redial_due.cancel()
+            self.redial_due = None
         self.unreachable = False
         self.written = self.acked = 0
         self._read_at = -float("inf")
@@ -411,9 +421,23 @@ class _Channel:
         """The connection the peer dialled, which carried our frames, is gone: it dials again."""
         if self.writer is None or self.writer.inbound is not inbound or self.t.closed:
             return
+        self.rtt_s = tcp_rtt_s(inbound.transport) or self.rtt_s
         self._drop_connection(f"rank {self.peer} closed the connection it dialled")
         self.t.events.on_link_down(self.peer, "closed by the peer")
+        if not self.bulk and self.redial_due is None:  # one grace per peer: the control channel's
+            grace = max(REDIAL_GRACE_S, 8 * self.rtt_s)
+            self.redial_due = asyncio.get_running_loop().call_later(grace, self._redial_overdue, grace)
         self.wake.set()
+
+    def _redial_overdue(self, grace: float) -> None:
+        """A peer we cannot dial closed its connection and has not dialled again: it is down as a
+        dialled peer whose connection is refused is, and the membership hears so at once (without
+        this, only a step's silence would suspect it: the node deadline and an unanswered ping)."""
+        self.redial_due = None
+        if self.writer is None and not self.t.closed:
+            self.t.events.on_link_down(
+                self.peer, f"rank {self.peer} closed the connection it dialled and did not dial again within "
+                f"{grace:.2f} s (it cannot be dialled from here)", True)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: Address) -> str:
         """Say who we are and whom we dial, check that the peer holds the job's key, and prove
@@ -1125,6 +1149,8 @@ class TcpTransport:
         channels = self._channels()
         for ch in channels:
             ch.task.cancel()
+            if ch.redial_due is not None:
+                ch.redial_due.cancel()
             ch.wake.set()  # a writer whose cancel a finishing wait_for swallowed (asyncio 3.11) ends too
             if ch.writer is not None:
                 if abort:
