@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
+import logging
 import os
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -38,6 +41,7 @@ from .net.node import Node, StepResult
 from .net.scheduler import AsyncioScheduler
 from .net.session import Session
 from .net.tcp import TcpTransport
+from .status import listener
 from .status.monitor import Monitor
 
 if TYPE_CHECKING:
@@ -47,6 +51,8 @@ if TYPE_CHECKING:
 # result the caller still holds. Few: each is as large as a submitted tensor, and one nobody
 # holds stays allocated until the pool drops it.
 STAGING_BUFFERS = 4
+
+log = logging.getLogger("fttree.api")
 
 
 def _private_copy(array: np.ndarray, staging: BufferPool, dtype: np.dtype | None = None) -> np.ndarray:
@@ -187,7 +193,8 @@ class FTTreeAllreduce:
         self._lock = threading.Lock()
         self.http_port, self.http_host, self.http_token = http_port, http_host, http_token
         self.monitor: Monitor | None = None
-        self.control: ControlServer | None = None
+        self.control: ControlServer | None = None  # serving once aiohttp is imported (_serve_control)
+        self._http_sock: socket.socket | None = None  # its listening socket, bound by start()
         self.join = bool(join)
         self.crashed: str | None = None  # why crash() stopped this rank (fault injection), if it did
         self._known = known
@@ -261,10 +268,13 @@ class FTTreeAllreduce:
                          contact=self.contact)
         self.session = session = Session(self.node)
         self.monitor = Monitor(self.node, world=self.world)
+        serving: asyncio.Task[None] | None = None
         try:
             loop.run_until_complete(session.start())
-            if self.http_port is not None:
-                loop.run_until_complete(self._start_control())
+            if self.http_port is not None:  # bound now (a port in use fails the start), served soon
+                host = self.http_host or listener.default_http_host(self.peers[self.rank].host)
+                self._http_sock = listener.bind(self.rank, host, self.http_port)
+                serving = loop.create_task(self._serve_control(self._http_sock, host))
         except BaseException as exc:
             self.monitor.close()
             loop.run_until_complete(self.node.close())
@@ -275,30 +285,40 @@ class FTTreeAllreduce:
         try:
             loop.run_forever()
         finally:
+            if serving is not None and not serving.done():
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(serving)
             if self.control is not None:
                 loop.run_until_complete(self.control.close())
+            if self._http_sock is not None:
+                self._http_sock.close()
             self.monitor.close()
             loop.run_until_complete(self.node.close())
             loop.close()
 
-    async def _start_control(self) -> None:
-        from .status.control import ControlServer, default_http_host
-
-        assert self.node is not None
-        assert self.monitor is not None
-        assert self.http_port is not None
-        host = self.http_host or default_http_host(self.peers[self.rank].host)
-        assert self.transport is not None
-        token = self.http_token or http_token(self.credentials.key)
-        control = ControlServer(self.node, self.monitor, self.transport, world=self.world, host=host,
-                                port=self.http_port, token=token)
-        await control.start()
-        self.control = control
+    async def _serve_control(self, sock: socket.socket, host: str) -> None:
+        """Serve /status, /metrics and /faults on the bound `sock`. aiohttp takes a second to
+        import on a loaded machine, so it is imported on a thread of its own and nothing waits
+        for it: not the start, not a restarted worker's join (issue 40: its heal in steps)."""
+        loop = asyncio.get_running_loop()
+        try:
+            module = await loop.run_in_executor(None, importlib.import_module, "fttree.status.control")
+            assert self.node is not None
+            assert self.monitor is not None
+            assert self.transport is not None
+            token = self.http_token or http_token(self.credentials.key)
+            control = module.ControlServer(self.node, self.monitor, self.transport, world=self.world, host=host,
+                                           port=sock.getsockname()[1], token=token, sock=sock)
+            await control.start()
+            self.control = control
+        except (OSError, FTTreeError, ImportError) as exc:
+            log.error("rank %d: the control server on %s did not start: %s", self.rank, listener.address_of(sock), exc)
 
     @property
     def http_address(self) -> str | None:
-        """host:port of the control server, once started (None without one)."""
-        return None if self.control is None else self.control.address
+        """host:port of the control server (bound by start(); None without one)."""
+        return None if self._http_sock is None else listener.address_of(self._http_sock)
 
     def _join(self) -> None:
         if self._thread is not None:

@@ -68,4 +68,7 @@ def test_a_rank_behind_a_nat_killed_and_restarted_rejoins_through_its_nat(tmp_pa
     assert back > 15, report
     assert result.exit_codes[3] == 0, report
     assert any(line.startswith("rank 3 restarted: among the contributors again") for line in lines), report
+    up = result.up_after.get(3)  # its new process said it was up: the heal from there is fttree's
+    assert up is not None, report
+    assert 14 <= up <= back, report
     assert not [n for n in our_networks() if n.startswith("fttreenat")], "a NAT network was left behind"

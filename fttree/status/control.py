@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +39,7 @@ from aiohttp import web
 from ..core.faults import NODE_KINDS, FaultRule, FaultSchedule, parse
 from ..errors import ConfigError, PeerError
 from . import metrics
+from .listener import address_of, is_loopback
 from .monitor import Monitor
 
 if TYPE_CHECKING:
@@ -55,20 +56,6 @@ WRITE_STALL_S = 5.0  # a response the reader leaves unread (its send buffer full
 LINGER_S = 1.0  # after an answer, how long a body still coming is read and dropped before the close
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
         b"Content-Length: 36\r\n\r\ntoo many status connections; retry\n")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def default_http_host(data_host: str) -> str:
-    """The worker's own address when it is a loopback one (127.0.0.x launches), else 127.0.0.1."""
-    return data_host if is_loopback(data_host) else "127.0.0.1"
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -211,9 +198,10 @@ class _Gate:
 class _CappedSite(web.BaseSite):
     """web.TCPSite with _Gate in front of the app's handlers."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, gate: _Gate) -> None:
+    def __init__(self, runner: web.AppRunner, host: str, port: int, gate: _Gate,
+                 sock: socket.socket | None = None) -> None:
         super().__init__(runner)
-        self.host, self.port, self.gate = host, port, gate
+        self.host, self.port, self.gate, self.sock = host, port, gate, sock
 
     @property
     def name(self) -> str:
@@ -224,8 +212,11 @@ class _CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
-        self._server = await loop.create_server(lambda: _Connection(self.gate, server, loop), self.host,
-                                                self.port, reuse_address=True)
+        if self.sock is not None:  # bound by the worker's start (listener.py)
+            self._server = await loop.create_server(lambda: _Connection(self.gate, server, loop), sock=self.sock)
+        else:
+            self._server = await loop.create_server(lambda: _Connection(self.gate, server, loop), self.host,
+                                                    self.port, reuse_address=True)
 
 
 @web.middleware
@@ -246,11 +237,12 @@ class ControlServer:
     """Serves one node. `start()` and `close()` run on the node's loop."""
 
     def __init__(self, node: Node, monitor: Monitor, faults: FaultyTransport, *, world: int, host: str, port: int,
-                 token: str | None = None) -> None:
+                 token: str | None = None, sock: socket.socket | None = None) -> None:
         self.node, self.monitor, self.faults = node, monitor, faults
         self.world = world
         self.host, self.port = host, port
         self.token = token or None
+        self.sock = sock  # already bound and listening (the worker's start), else bound here
         self.admin_open = self.token is not None or is_loopback(host)
         self._runner: web.AppRunner | None = None
         self.address: str | None = None  # host:port actually bound
@@ -280,7 +272,7 @@ class ControlServer:
         runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await runner.setup()
         self._gate.rank = self.node.rank
-        site = _CappedSite(runner, self.host, self.port, self._gate)
+        site = _CappedSite(runner, self.host, self.port, self._gate, self.sock)
         try:
             await site.start()
         except OSError as exc:
@@ -290,8 +282,7 @@ class ControlServer:
         self._runner = runner
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
-        port = sockets[0].getsockname()[1] if sockets else self.port
-        self.address = f"{self.host}:{port}"
+        self.address = address_of(sockets[0]) if sockets else f"{self.host}:{self.port}"
         log.info("rank %d: control server on http://%s (admin %s)", self.node.rank, self.address,
                  "with token" if self.token else "loopback only" if self.admin_open else "disabled: no token")
         return self.address

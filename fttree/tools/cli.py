@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -257,6 +258,8 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
             **uplinks, auth_key_file=_path(auth_key_file), tls_dir=_path(tls_dir),
             tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_ca_file=_path(tls_ca), insecure=insecure)
         fields.update(extra)  # --set NAME=VALUE wins over a flag of the same setting
+        if as_json:  # for fttree launch: a restarted worker's heal from here is fttree's part
+            click.echo(json.dumps({"up": rank}))
         ar = FTTreeAllreduce(rank, peers, faults=faults, join=join or False, **http_kwargs(rank, peers), **fields)
         ar.start()
     except FTTreeError as exc:

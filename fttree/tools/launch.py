@@ -44,6 +44,9 @@ class LaunchResult:
     node_faults: list[NodeFault] = field(default_factory=list)
     fates: dict[int, str] = field(default_factory=dict)  # rank -> what fault injection did to it
     rules: list[FaultRule] = field(default_factory=list)  # the whole schedule, to explain who left the group
+    # restarted rank -> the newest step any rank had reported when its new process was up (its
+    # Python and imports done, fttree about to start): what follows is fttree's part of the heal
+    up_after: dict[int, int] = field(default_factory=dict)
 
     def struck_at(self, rank: int) -> int | None:
         """The step from which a node fault took `rank` out (None: no node fault)."""
@@ -98,6 +101,18 @@ class LaunchResult:
             if others and all(rank in rec.ranks for rec in others):
                 return step
         return None
+
+    def heal_line(self, rank: int) -> str:
+        """Where a restarted rank came back, and how many steps of that were fttree's: from its
+        new process being up (its interpreter and imports take seconds on a loaded machine)."""
+        back = self.back_at(rank)
+        if back is None:
+            return "never among the contributors again"
+        up = self.up_after.get(rank)
+        if up is None:
+            return f"among the contributors again from step {back}"
+        return (f"among the contributors again from step {back}, {back - up} steps after its new process was up "
+                f"(after step {up})")
 
     def relayed_per_step(self) -> float:
         """Envelope bytes sent and carried through relays per step, over all ranks, from step
@@ -364,7 +379,12 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
                 open_streams.discard(-1 - rank)
                 continue
             try:
-                rec = StepRecord(**json.loads(line))
+                said = json.loads(line)
+                if isinstance(said, dict) and said.keys() == {"up"}:  # a (re)started worker is up
+                    if rank in restarted and rank not in result.up_after:
+                        result.up_after[rank] = max(result.records, default=-1)
+                    continue
+                rec = StepRecord(**said)
             except (ValueError, TypeError):
                 echo(f"[rank {rank}] {line.rstrip()}")
                 continue
@@ -390,9 +410,7 @@ def launch(n: int, worker_args: Sequence[str], *, steps: int, host_base: str = "
         echo(f"node fault injection failed: {driver.error}")
     result.fates = {r: fate for r in range(n) if (fate := driver.fate(r)) is not None}
     for rank in sorted(restarted):
-        back = result.back_at(rank)
-        echo(f"rank {rank} restarted: " + (f"among the contributors again from step {back}" if back is not None
-                                           else "never among the contributors again"))
+        echo(f"rank {rank} restarted: {result.heal_line(rank)}")
     _explain_exits(result, stderr_lines, echo)
     if result.records:
         survivors = result.survivors
