@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +203,42 @@ def test_an_eviction_is_credited_to_the_stop_that_caused_it() -> None:
 # ---- a short chaos run of real processes ----------------------------------------------------
 
 
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie waiting for init to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_worker_ends_when_its_runner_is_killed(tmp_path: Path) -> None:
+    """A runner killed with SIGKILL (a test's deadline does that) has no time to end its workers:
+    the kernel ends them (die_with_parent), where they were left running before."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = ("import subprocess, sys, time\n"
+            "from fttree.tools.chaos import die_with_parent\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], preexec_fn=die_with_parent)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    runner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    assert runner.stdout is not None
+    worker = int(runner.stdout.readline())
+    try:
+        assert not _gone(worker)
+        runner.kill()
+        runner.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(worker):
+            assert time.monotonic() < deadline, f"worker {worker} still running 30 s after its runner was killed"
+            time.sleep(0.05)
+    finally:
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+
+
+@pytest.mark.timeout(900)  # the command's own deadline below; a loaded machine takes minutes
 def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
     """5 workers (a small MLP), 20 s fault-free and 20 s under a fault every 2 s: stragglers,
     kills with restarts, and as root cuts and loss bursts of random links. The run passes every check (same digests,
@@ -225,6 +263,10 @@ def test_a_short_seeded_chaos_run(tmp_path: Path) -> None:
     assert any(r["kind"] == "epoch" and r["once"] for r in records)
     summary = json.loads((keep / "summary.json").read_text())
     assert f"{summary['goodput']:.2f}" == last.split()[1]
+    [pair] = summary["pairs"]  # the one pair's rates make the goodput, each with the load it met
+    assert pair["chaos_rate"] / pair["base_rate"] == pytest.approx(summary["goodput"])
+    assert pair["base_load"] > 0, pair  # measured: five workers were running
+    assert pair["chaos_load"] > 0, pair
     kinds = {f["kind"] for f in summary["faults"]}
     assert {"straggler", "kill"} <= kinds, summary["faults"]  # the schedule fired both
     for f in summary["faults"]:

@@ -20,6 +20,8 @@ the host's loopback and those kinds are skipped, which the output says.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -125,6 +127,9 @@ class RunResult:
     epochs_once: int
     measures: list[Measure] = field(default_factory=list)
     evictions: int = 0
+    # per segment: (samples per second, the machine's 5-minute load average at its end), so that a
+    # goodput taken beside other work shows whether the load met both runs alike
+    segments: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -134,7 +139,19 @@ class RunResult:
         """Two segments of one run (the --pairs runs) as one."""
         return RunResult(self.samples + other.samples, self.seconds + other.seconds, self.steps + other.steps,
                          self.epochs_once + other.epochs_once, self.measures + other.measures,
-                         self.evictions + other.evictions)
+                         self.evictions + other.evictions, self.segments + other.segments)
+
+
+def die_with_parent() -> None:
+    """In a worker, before it runs: SIGKILL it when the runner dies, however the runner ends (a
+    test's deadline kills the runner with SIGKILL, which leaves it no time to end its workers).
+    The runner starts every worker from its one thread, as Linux's PR_SET_PDEATHSIG requires."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def segment(faults: list[cs.Fault], start_s: float, length_s: float) -> list[cs.Fault]:
@@ -169,7 +186,7 @@ class Cluster:
         log = open(self.records / f"rank-{rank}.log", "ab")  # noqa: SIM115
         try:
             self.procs[rank] = subprocess.Popen(cmd, env={**self.env, "FTTREE_RANK": str(rank)}, stdout=log,
-                                                stderr=subprocess.STDOUT)
+                                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         finally:
             log.close()
         self.started[rank] = time.time()
@@ -468,7 +485,7 @@ class Run:
                                f"{self.checks.newest}")
         samples = self.checks.committed_between(t0, t0 + duration_s)
         return RunResult(samples, duration_s, self.checks.newest + 1, self.checks.epochs_once, self.measures,
-                         self.evictions)
+                         self.evictions, [(samples / duration_s, os.getloadavg()[1])])
 
 
 # ---- one invocation: fault-free, then chaos ------------------------------------------------------
@@ -511,12 +528,14 @@ def run_chaos(s: Settings) -> tuple[RunResult, RunResult, list[str]]:
             port = 29500 if ns else free_port(local_hosts(s.world))
             s.echo(f"fault-free run {i + 1}/{s.pairs}: {s.world} workers for {length:g} s")
             b = Run(s, folder / f"base-{i}", peers(port), key, prefix, ns, []).run(length)
-            s.echo(f"  {b.samples} samples in {b.seconds:g} s: {b.rate:.1f}/s over {b.steps} steps")
+            s.echo(f"  {b.samples} samples in {b.seconds:g} s: {b.rate:.1f}/s over {b.steps} steps "
+                   f"(load {b.segments[0][1]:.1f})")
             port = 29600 if ns else free_port(local_hosts(s.world))
             mine = segment(faults, i * length, length)
             s.echo(f"chaos run {i + 1}/{s.pairs}: {len(mine)} faults for {length:g} s")
             c = Run(s, folder / f"chaos-{i}", peers(port), key, prefix, ns, mine).run(length)
-            s.echo(f"  {c.samples} samples in {c.seconds:g} s: {c.rate:.1f}/s over {c.steps} steps")
+            s.echo(f"  {c.samples} samples in {c.seconds:g} s: {c.rate:.1f}/s over {c.steps} steps "
+                   f"(load {c.segments[0][1]:.1f}; this pair's goodput {c.rate / b.rate:.2f})")
             bases.append(b)
             chaoses.append(c)
         return functools.reduce(operator.add, bases), functools.reduce(operator.add, chaoses), skipped
@@ -548,6 +567,8 @@ def summary(base: RunResult, chaos: RunResult, goodput: float, skipped: list[str
     return {
         "goodput": goodput, "base_rate": base.rate, "chaos_rate": chaos.rate, "chaos_steps": chaos.steps,
         "epochs_once": chaos.epochs_once, "evictions": chaos.evictions, "skipped": skipped,
+        "pairs": [{"base_rate": b[0], "base_load": b[1], "chaos_rate": c[0], "chaos_load": c[1]}
+                  for b, c in zip(base.segments, chaos.segments, strict=True)],
         "faults": [{**m.fault.to_dict(), "detected_s": m.detected_s, "healed_s": m.healed_s,
                     "heal_parts": None if (p := m.heal_parts()) is None else dataclasses.asdict(p)}
                    for m in chaos.measures],
