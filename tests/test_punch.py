@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,8 @@ from fttree.net.punch import Punches, coordinators, note, read_note
 from fttree.net.relay import Relayed
 from fttree.net.tcp import TcpTransport
 from fttree.net.transport import TransportStatus
+from fttree.status.metrics import render as render_metrics
+from fttree.status.monitor import Snapshot
 
 from .conftest import cluster
 from .conftest import exact_steps as exact_sums
@@ -156,6 +159,23 @@ def test_a_punch_connects_each_pair_and_their_frames_stop_taking_the_relay(
         direct = sum(after[a].link(b).bytes_sent - before[a].link(b).bytes_sent for a, b in PAIRS)
         assert direct > 4 * 20_000 * 4, direct  # tensors went on the punched connections
         assert all(st.refusals == 0 and st.relay_drops == 0 for st in after)
+        doc, metrics = status_and_metrics(handles[1])
+        assert [(p["peer"], p["state"], p["tries"], p["connected"], p["via"]) for p in doc["hole_punches"]] \
+            == [(2, "connected", 1, 1, 0), (3, "connected", 1, 1, 0)]
+        assert 'fttree_hole_punch_state{peer="2",state="connected"} 1' in metrics
+        assert 'fttree_hole_punch_connected_total{peer="3"} 1' in metrics
+
+
+def status_and_metrics(h: FTTreeAllreduce) -> tuple[dict[str, Any], str]:
+    """The worker's /status document and /metrics text, taken on its loop."""
+    async def take() -> Snapshot:
+        assert h.monitor is not None
+        return h.monitor.snapshot()
+
+    loop = h._loop
+    assert loop is not None
+    snap = asyncio.run_coroutine_threadsafe(take(), loop).result(timeout=30)
+    return snap.to_dict(), render_metrics(snap)
 
 
 def test_a_punched_connection_that_breaks_puts_the_pair_back_on_the_relay_and_is_punched_again(
@@ -200,6 +220,12 @@ def test_a_punch_that_fails_leaves_the_relay_carrying_the_pair_and_says_so_once(
             assert link.relay == 0, link
             assert link.punch_connected == 0, link
             assert "within 5 s" in link.punch_error, link
+        doc, metrics = status_and_metrics(handles[1])
+        punches = [(p["peer"], p["state"], p["tries"]) for p in doc["hole_punches"]]
+        assert punches == [(2, "failed", 3), (3, "failed", 3)]
+        assert "within 5 s" in doc["hole_punches"][0]["error"]
+        assert 'fttree_hole_punch_state{peer="2",state="failed"} 1' in metrics
+        assert 'fttree_hole_punch_connected_total{peer="2"} 0' in metrics
         assert sum(relayed(st) for st in after) - sum(relayed(st) for st in before) > 4 * 20_000 * 4
     logged = [rec.getMessage() for rec in caplog.records if "no hole punch" in rec.getMessage()]
     assert len(logged) == 2 * len(PAIRS), logged  # one line per rank and peer, not one per try
