@@ -150,6 +150,7 @@ class Punches:
     def __init__(self, host: PunchHost, *, enabled: bool = True) -> None:
         self.host = host
         self.enabled = enabled  # off: this rank neither punches nor follows (it still coordinates)
+        self.started = False  # start() ran (on the transport's loop)
         self.deadline_s, self.answer_s = PUNCH_DEADLINE_S, ANSWER_S
         self.tries, self.retry_s = PUNCH_TRIES, PUNCH_RETRY_S
         self.outcomes: dict[int, PunchOutcome] = {}
@@ -172,9 +173,11 @@ class Punches:
                 and bool(coordinators(host.addresses, host.rank, peer)))
 
     def start(self) -> None:
-        """Punch to every peer this rank leads (the lower rank of a pair leads)."""
+        """Punch to every peer this rank leads (the lower rank of a pair leads) and has not tried
+        yet: at the start, and again when a rank joins."""
+        self.started = True
         for peer in sorted(self.host.addresses):
-            if peer > self.host.rank and self.wanted(peer) and peer not in self._tasks:
+            if peer > self.host.rank and self.wanted(peer) and peer not in self._tasks and peer not in self.outcomes:
                 self._spawn(peer, self._lead(peer))
 
     def _spawn(self, peer: int, work: Awaitable[None]) -> None:

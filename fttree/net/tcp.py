@@ -1032,6 +1032,8 @@ class TcpTransport:
             link.peer_is_up()
         if self._server is not None or self._tls_listener is not None or not self.me.listed:  # started
             self._stay_reachable(rank)
+        if self.punches.started:  # a rank behind another NAT that joined: punch to it too
+            self.punches.start()
 
     def address_of(self, rank: int) -> str:
         found = self.addresses.get(rank)
