@@ -58,6 +58,14 @@ def test_the_sockets_punch_through_a_nat_that_keeps_ports_and_not_through_one_th
     assert left_behind(name) == []
 
 
+def test_the_nat_port_mapping_is_one_of_three_named_before_anything_is_built() -> None:
+    out = subprocess.run([str(NAT), "up", "punchbad", "--public", "0", "--site", "1", "--nat-ports", "fixed"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "--nat-ports is keep, random or random-fully: got 'fixed'" in out.stderr
+    assert left_behind("punchbad") == []
+
+
 @pytest.fixture
 def key(tmp_path: Path) -> Path:
     path = tmp_path / "job.key"
