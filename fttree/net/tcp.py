@@ -18,7 +18,10 @@ the same budget, stall detection and acknowledgement counters as a connection it
 the dialler reads frames on it (`_Channel._receive`). A pair neither of which can dial the other
 exchanges its frames through a relay, a rank both can reach (relay.py); the hooks here are
 `send`, `deliver`, `link_state` and `wait_for_peers`, and a channel writes an envelope
-(relay.Relayed) as it would a frame.
+(relay.Relayed) as it would a frame. Such a pair may get connections of its own by a TCP hole
+punch (punch.py): the lower rank's channels take theirs as if dialled (`take_punched`), the
+other's adopt them as accepted ones, and while both of the pair's are up its frames go on them
+(`_relayed`); when one breaks, back on the relay.
 """
 
 from __future__ import annotations
