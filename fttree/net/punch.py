@@ -7,16 +7,18 @@ connection, and their frames stop taking the detour. A public rank connected to 
 coordinates: the first of the pair's relays everybody can dial whose connection is up.
 
     a (the lower rank) probes c from two fresh ports (control, bulk): c sees their mappings
-    a -> c  ASK b
+    a -> c  ASK b, naming the two mappings c answered
     c -> b  OFFER a
     b       probes c from two fresh ports of its own
-    b -> c  READY a
-    c -> a, c -> b  GO: the other's two mappings, as c saw them; dial in GO_AFTER_S
+    b -> c  READY a, naming its two
+    c -> a, c -> b  GO: the other's two mappings; dial in GO_AFTER_S
     a, b    dial each other, port to mapped port, until PUNCH_DEADLINE_S (simultaneous open)
 
 A probe is a connection like any other (HELLO, CHALLENGE, PROOF: handshake.py) on which c
-answers SEEN, the address the connection came from, and which the prober then closes; a rank
-learns its mapping only from a member that proved the job's key. The notes (ASK ... GO) are
+answers SEEN, the address the connection came from, and closes it; a rank learns its mapping
+only from a member that proved the job's key, and c passes on only mappings it saw that
+rank's probes come from (a rank may punch to several peers at once, so the ASK and READY say
+which of its probes are this pair's). The notes (ASK ... GO) are
 transport-level frames on proven connections, never handed to the node. A punched connection
 opens with the same handshake as any (and TLS under TLS): the lower rank sends the HELLO,
 the other takes it as an accepted connection. It is no way in for anyone without the key,
