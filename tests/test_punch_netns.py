@@ -13,7 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from fttree.tools.cli import main
 from fttree.tools.launch import LaunchResult
 from fttree.tools.punch_rate import measure
 from fttree.tools.realfaults import launch_behind_nat
@@ -64,6 +66,15 @@ def test_the_nat_port_mapping_is_one_of_three_named_before_anything_is_built() -
     assert out.returncode != 0
     assert "--nat-ports is keep, random or random-fully: got 'fixed'" in out.stderr
     assert left_behind("punchbad") == []
+
+
+def test_launch_takes_a_port_mapping_only_for_ranks_behind_nats() -> None:
+    out = CliRunner().invoke(main, ["launch", "-n", "3", "--nat-ports", "random-fully"])
+    assert out.exit_code == 2
+    assert "--nat-ports is how the --behind-nat routers map ports" in out.output
+    out = CliRunner().invoke(main, ["launch", "-n", "3", "--behind-nat", "2", "--nat-ports", "fixed"])
+    assert out.exit_code == 2
+    assert "'fixed' is not one of 'keep', 'random', 'random-fully'" in out.output
 
 
 @pytest.fixture

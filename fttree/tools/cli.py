@@ -366,6 +366,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     if uplink is not None:
         uplink_settings(uplink)  # a bad rate fails here, not in every worker
     sites: list[list[int]] = []
+    if nat_ports != "keep" and not behind_nat:
+        raise click.UsageError("--nat-ports is how the --behind-nat routers map ports: give --behind-nat too")
     if behind_nat:
         from .realfaults import parse_sites
 
