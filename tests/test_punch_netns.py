@@ -9,6 +9,7 @@ Needs root, network namespaces and iptables; skips with the reason otherwise. Ev
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def test_the_nat_port_mapping_is_one_of_three_named_before_anything_is_built() -
                          capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "--nat-ports is keep, random or random-fully: got 'fixed'" in out.stderr
-    assert left_behind("punchbad") == []
+    if shutil.which("ip") is not None:
+        assert left_behind("punchbad") == []
 
 
 def test_launch_takes_a_port_mapping_only_for_ranks_behind_nats() -> None:
