@@ -261,7 +261,7 @@ class FTTreeAllreduce:
                            stall_timeout_s=cfg.stall_timeout_s, max_payload_bytes=cfg.max_payload_bytes,
                            credentials=self.credentials, handshake_timeout_s=cfg.handshake_timeout_s,
                            max_pending_handshakes=cfg.max_pending_handshakes,
-                           receive_pool_bytes=cfg.receive_pool_bytes)
+                           receive_pool_bytes=cfg.receive_pool_bytes, hole_punch=cfg.hole_punch)
         self.transport = FaultyTransport(tcp, self.faults, scheduler, self._marks)
         reach = Reach.of(reach_classes(self._known))  # the trees place ranks behind NATs as leaves (core/reach.py)
         self.node = Node(self.rank, View.initial(self.world, reach), cfg, self.transport, scheduler, join=self.join,

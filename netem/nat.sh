@@ -11,7 +11,7 @@ NAT_TAG="$FTTREE_TAG nat"
 
 usage() {
     cat <<HELP
-Usage: $PROG up    NAME --public RANKS [--site RANKS]...
+Usage: $PROG up    NAME --public RANKS [--site RANKS]... [--nat-ports keep|random|random-fully]
        $PROG exec  NAME RANK -- COMMAND [ARGS...]
        $PROG peers NAME [--port P] [--site-local]
        $PROG down  NAME
@@ -27,6 +27,10 @@ Builds a small internet in network namespaces, one namespace per rank (NAME-rR):
                  $PUBLIC_NET.(200+K). No port is forwarded and new connections from outside
                  are dropped: site ranks dial the public ranks and their site-mates, nobody
                  else can dial them, and two sites cannot dial each other.
+  --nat-ports M  how the routers map source ports: keep (default: MASQUERADE keeps a
+                 connection's source port where it is free, as most home routers do, so a
+                 TCP hole punch can work), random (MASQUERADE --random) or random-fully
+                 (--random-fully: a new port for every connection, as carrier NATs do)
 
   up     create it all (fails, removing what it made, if any step fails)
   exec   run COMMAND as rank RANK (inside NAME-rRANK)
@@ -57,7 +61,7 @@ case $CMD in
     *) die "unknown command '$CMD': use up, exec, peers, down or list (see --help)" ;;
 esac
 
-NAME="" PUBLIC="" SITES=() RANK="" REST=() NAT_PORT=29500 SITE_LOCAL=0
+NAME="" PUBLIC="" SITES=() RANK="" REST=() NAT_PORT=29500 SITE_LOCAL=0 NAT_PORTS=keep
 while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -65,6 +69,10 @@ while [[ $# -gt 0 ]]; do
         --site) [[ $# -ge 2 ]] || die "--site needs a list of ranks (3,4)"; SITES+=("$2"); shift 2 ;;
         --port) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || die "--port needs a port number"; NAT_PORT=$2; shift 2 ;;
         --site-local) SITE_LOCAL=1; shift ;;
+        --nat-ports)
+            [[ $# -ge 2 && $2 =~ ^(keep|random|random-fully)$ ]] \
+                || die "--nat-ports is keep, random or random-fully: got '${2:-}'"
+            NAT_PORTS=$2; shift 2 ;;
         --) shift; REST=("$@"); break ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *)
@@ -169,7 +177,9 @@ up() {
         NETNS=$nat
         pick_iptables
         # masquerade what leaves for the public network; let in only what answers it
-        ipt -t nat -A POSTROUTING -o wan -m comment --comment "$NAT_TAG" -j MASQUERADE
+        local mapping=()
+        [[ $NAT_PORTS == keep ]] || mapping=("--$NAT_PORTS")
+        ipt -t nat -A POSTROUTING -o wan -m comment --comment "$NAT_TAG" -j MASQUERADE "${mapping[@]}"
         ipt -A FORWARD -i wan -o lan -m conntrack --ctstate ESTABLISHED,RELATED -m comment --comment "$NAT_TAG" -j ACCEPT
         ipt -A FORWARD -i wan -m comment --comment "$NAT_TAG" -j DROP
         ipt -A INPUT -i wan -p tcp --syn -m comment --comment "$NAT_TAG" -j DROP

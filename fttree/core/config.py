@@ -146,6 +146,9 @@ class Config:
     startup_timeout_s: float = 60.0  # wait this long for the tree neighbours at start
     connect_timeout_s: float = 2.0  # one attempt to connect to a peer gives up after this long
     stall_timeout_s: float = 5.0  # a link whose writes stall this long is dropped and reconnected
+    # two ranks behind different NATs try a TCP hole punch, coordinated by a public rank, and
+    # stop relaying their frames if it connects (docs/nat.md)
+    hole_punch: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uplinks_by_rank", _rank_rates(self.uplinks_by_rank))

@@ -33,6 +33,10 @@ NONCE_BYTES = 16
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_HANDSHAKE_BYTES = 1024  # a handshake frame's header; a frame before the proof may be no larger
 CONTROL, BULK = 0, 1  # the two connections to a peer (net/tcp.py), as the HELLO names them
+# a probe from a port a rank will punch from (net/punch.py): the acceptor answers with the
+# address it saw the connection come from and carries nothing else on it
+PROBE_CONTROL, PROBE_BULK = 2, 3
+CHANNELS = (CONTROL, BULK, PROBE_CONTROL, PROBE_BULK)
 CONTACT = -2  # the rank a joiner dials when it knows only an address (whoever listens there)
 
 

@@ -18,7 +18,10 @@ the same budget, stall detection and acknowledgement counters as a connection it
 the dialler reads frames on it (`_Channel._receive`). A pair neither of which can dial the other
 exchanges its frames through a relay, a rank both can reach (relay.py); the hooks here are
 `send`, `deliver`, `link_state` and `wait_for_peers`, and a channel writes an envelope
-(relay.Relayed) as it would a frame.
+(relay.Relayed) as it would a frame. Such a pair may get connections of its own by a TCP hole
+punch (punch.py): the lower rank's channels take theirs as if dialled (`take_punched`), the
+other's adopt them as accepted ones, and while both of the pair's are up its frames go on them
+(`_relayed`); when one breaks, back on the relay.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
+from .punch import Punches, is_note, read_seen, seen_frame
 from .relay import Relayed, Relays, is_envelope
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
 from .uplink import (
@@ -424,7 +428,9 @@ class _Channel:
         self.rtt_s = tcp_rtt_s(inbound.transport) or self.rtt_s
         self._drop_connection(f"rank {self.peer} closed the connection it dialled")
         self.t.events.on_link_down(self.peer, "closed by the peer")
-        if not self.bulk and self.redial_due is None:  # one grace per peer: the control channel's
+        # one grace per peer (the control channel's), for a peer that dials us again if it lives: not
+        # one of a punched pair, which the relay carries on (punch.py)
+        if not self.bulk and self.redial_due is None and not self.t.relays.needed(self.peer):
             grace = max(REDIAL_GRACE_S, 8 * self.rtt_s)
             self.redial_due = asyncio.get_running_loop().call_later(grace, self._redial_overdue, grace)
         self.wake.set()
@@ -439,34 +445,29 @@ class _Channel:
                 self.peer, f"rank {self.peer} closed the connection it dialled and did not dial again within "
                 f"{grace:.2f} s (it cannot be dialled from here)", True)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: Address) -> str:
-        """Say who we are and whom we dial, check that the peer holds the job's key, and prove
-        that we do (handshake.py). '' once done; otherwise why the peer was refused."""
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         addr: Address | str) -> str:
+        return await _dial_handshake(self.t, self.peer, BULK if self.bulk else CONTROL, reader, writer, addr)
+
+    async def take_punched(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> str:
+        """A hole punched to the peer (punch.py), this rank opening the handshake as the
+        dialler: '' once it carries this channel's frames, else why the peer was refused."""
         t = self.t
-        hello = hs.Hello(src=t.rank, dst=self.peer, world=t.world, channel=BULK if self.bulk else CONTROL,
-                         address=str(t.me), job=t.credentials.job, nonce=hs.new_nonce())
-        writer.write(hs.encode(hello))
-        try:
-            prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), t.handshake_timeout_s)
-            head_len, payload_len = decode_prefix(prefix)
-            hs.check_prefix(head_len, payload_len)
-            answer = hs.decode(await asyncio.wait_for(reader.readexactly(head_len), t.handshake_timeout_s))
-        except asyncio.IncompleteReadError:
-            return (f"rank {self.peer} at {addr} closed the connection during the handshake (a worker of another "
-                    f"job, with another key, or not rank {self.peer}?)")
-        except (OSError, TimeoutError) as exc:
-            return f"handshake with {addr}: {exc or type(exc).__name__}"
-        except FrameError as exc:
-            return f"handshake with {addr}: {exc}"
-        if not isinstance(answer, hs.Challenge) or (answer.src != self.peer and self.peer != hs.CONTACT):
-            return f"{addr} did not answer as rank {self.peer} does"
-        if t.credentials.tls is not None:
-            shown = rank_of(writer.get_extra_info("peercert"))
-            if shown != answer.src:
-                return f"{addr} answered as rank {answer.src} with a certificate of {_cert_rank(shown)}"
-        if not hs.verify(hs.accept_mac(t.credentials.key, hello, answer.nonce), answer.mac):
-            return f"rank {self.peer} at {addr} did not prove the job's key"
-        writer.write(hs.encode(hs.Proof(src=t.rank, mac=hs.dial_mac(t.credentials.key, hello, answer.nonce))))
+        sock = self._tune(writer.get_extra_info("socket"))
+        refused = await self._handshake(reader, writer, where)
+        if refused or t.closed:
+            writer.transport.abort()
+            if refused:
+                t.refused(f"punched {where}", refused)
+            return refused or "closed"
+        if self.writer is not None:
+            self._drop_connection(f"a newer hole punched to rank {self.peer}")
+        self.sock = sock
+        conn = _Conn(writer.transport, writer.drain)
+        self._attach(conn)
+        t.stats[self.peer].connects += 1
+        self.eof_watch = asyncio.get_running_loop().create_task(self._receive(reader, conn))
+        self.wake.set()
         return ""
 
     async def _receive(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
@@ -520,6 +521,8 @@ class _Channel:
         self.sock = None
         self.stalled = False
         self.connected.clear()
+        if self.t.relays.needed(self.peer) and not self.t.closed:  # a punched connection: back to the relay
+            self.t.punch_lost(self.peer, why)
 
     def _drop_stale(self) -> None:
         kept = deque(m for m in self.queue if not self.t.is_stale(m))
@@ -687,6 +690,37 @@ class _Channel:
         return True
 
 
+async def _dial_handshake(t: TcpTransport, peer: int, channel: int, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter, addr: Address | str) -> str:
+    """Say who we are and whom we dial, check that the peer holds the job's key, and prove
+    that we do (handshake.py). '' once done; otherwise why the peer was refused."""
+    hello = hs.Hello(src=t.rank, dst=peer, world=t.world, channel=channel, address=str(t.me),
+                     job=t.credentials.job, nonce=hs.new_nonce())
+    writer.write(hs.encode(hello))
+    try:
+        prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), t.handshake_timeout_s)
+        head_len, payload_len = decode_prefix(prefix)
+        hs.check_prefix(head_len, payload_len)
+        answer = hs.decode(await asyncio.wait_for(reader.readexactly(head_len), t.handshake_timeout_s))
+    except asyncio.IncompleteReadError:
+        return (f"rank {peer} at {addr} closed the connection during the handshake (a worker of another "
+                f"job, with another key, or not rank {peer}?)")
+    except (OSError, TimeoutError) as exc:
+        return f"handshake with {addr}: {str(exc) or type(exc).__name__}"
+    except FrameError as exc:
+        return f"handshake with {addr}: {exc}"
+    if not isinstance(answer, hs.Challenge) or (answer.src != peer and peer != hs.CONTACT):
+        return f"{addr} did not answer as rank {peer} does"
+    if t.credentials.tls is not None:
+        shown = rank_of(writer.get_extra_info("peercert"))
+        if shown != answer.src:
+            return f"{addr} answered as rank {answer.src} with a certificate of {_cert_rank(shown)}"
+    if not hs.verify(hs.accept_mac(t.credentials.key, hello, answer.nonce), answer.mac):
+        return f"rank {peer} at {addr} did not prove the job's key"
+    writer.write(hs.encode(hs.Proof(src=t.rank, mac=hs.dial_mac(t.credentials.key, hello, answer.nonce))))
+    return ""
+
+
 class _OutLink:
     """Both outgoing channels to one peer; a frame takes the bulk one when its payload is large."""
 
@@ -780,7 +814,7 @@ class TcpTransport:
                  credentials: Credentials | None = None,
                  handshake_timeout_s: float = HELLO_TIMEOUT_S,
                  max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
-                 receive_pool_bytes: int | None = None) -> None:
+                 receive_pool_bytes: int | None = None, hole_punch: bool = True) -> None:
         # a joiner that knows only itself and a contact passes {rank: address}
         self.addresses: dict[int, Address] = dict(addresses) if isinstance(addresses, Mapping) \
             else dict(enumerate(addresses))
@@ -823,6 +857,7 @@ class TcpTransport:
         self._work = asyncio.Event()  # set while anything is queued or unacknowledged
         self._loop: asyncio.AbstractEventLoop | None = None  # the one this transport runs on (clock)
         self.relays = Relays(self)  # frames to and for ranks this one cannot connect with (relay.py)
+        self.punches = Punches(self, enabled=hole_punch)  # direct connections for some of those (punch.py)
 
     def clock(self) -> float:
         """The event loop's clock: what LinkState.lost_at and the stall times are measured on."""
@@ -940,6 +975,7 @@ class TcpTransport:
             _LIVE.add(self)
             for peer in list(self.addresses):
                 self._stay_reachable(peer)
+            self.punches.start()
             return
         try:
             loop = asyncio.get_running_loop()
@@ -955,6 +991,7 @@ class TcpTransport:
             raise PeerError(f"rank {self.rank} cannot listen on {self.me}: {exc.strerror or exc}{hint}") from None
         for peer in list(self.addresses):
             self._stay_reachable(peer)
+        self.punches.start()
 
     def _stay_reachable(self, peer: int) -> None:
         """A peer that cannot dial this rank and that this rank can dial: open both connections
@@ -983,6 +1020,11 @@ class TcpTransport:
         relayed for `src` (relay.py)."""
         if is_envelope(head):
             self.relays.receive(src, head, payload)
+            return
+        if is_note(head):
+            if payload is not None:
+                raise FrameError("a hole punch note with a payload")
+            self.punches.receive(src, head)
             return
         msg = decode_header(head, payload)
         if msg.src != src:
@@ -1019,6 +1061,8 @@ class TcpTransport:
             link.peer_is_up()
         if self._server is not None or self._tls_listener is not None or not self.me.listed:  # started
             self._stay_reachable(rank)
+        if self.punches.started:  # a rank behind another NAT that joined: punch to it too
+            self.punches.start()
 
     def address_of(self, rank: int) -> str:
         found = self.addresses.get(rank)
@@ -1032,8 +1076,8 @@ class TcpTransport:
 
     def send(self, dst: int, msg: Frame) -> None:
         """Queue a frame for `dst`; never blocks. A rank this one cannot connect with gets it
-        through a relay."""
-        if self.relays.needed(dst):
+        through a relay (unless a hole was punched to it)."""
+        if self._relayed(dst):
             self.relays.send(dst, msg)
             return
         self._link(dst).push(msg)
@@ -1056,9 +1100,101 @@ class TcpTransport:
             return msg.inner is not None and self.events.is_stale(msg.inner)
         return self.events.is_stale(msg)
 
+    # ---- hole punching (punch.PunchHost) --------------------------------------------------------
+
+    def _relayed(self, peer: int) -> bool:
+        """Do frames for `peer` take a relay now: the two cannot connect, and no hole was punched?"""
+        return self.relays.needed(peer) and not self.punched(peer)
+
+    def punched(self, peer: int) -> bool:
+        """Is a punched connection up for each of the pair's channels (control and bulk)? A
+        rank this one cannot connect with has connections only through a punch."""
+        link = self._out.get(peer)
+        return (link is not None and link._bulk is not None and link.control.writer is not None
+                and link._bulk.writer is not None and self.relays.needed(peer))
+
+    def punch_lost(self, peer: int, why: str) -> None:
+        """One of the pair's punched connections broke: close the other, send what was queued
+        on them through the relay, and let the punch know."""
+        link = self._out.get(peer)
+        if link is None:
+            return
+        for ch in link.channels:
+            if ch.writer is not None:
+                ch._drop_connection(f"the other punched connection to rank {peer} broke ({why})")
+        for ch in link.channels:
+            queued, ch.queue, ch.queued_bytes = ch.queue, deque(), 0
+            for msg in queued:
+                if not self.is_stale(msg):
+                    self.relays.send(peer, msg)
+        self.punches.lost(peer, why)
+
+    async def connected(self, peer: int, timeout_s: float) -> bool:
+        """Is the control connection to `peer` up, or up within `timeout_s`?"""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._link(peer).control.connected.wait(), timeout_s)
+        return self.link_up(peer)
+
+    async def _open(self, sock: socket.socket, host: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream over a connected socket this rank dialled (TLS client under TLS)."""
+        tls = self.credentials.tls
+        return await asyncio.open_connection(
+            sock=sock, limit=STREAM_LIMIT, ssl=None if tls is None else tls.client,
+            server_hostname=None if tls is None else host,
+            ssl_handshake_timeout=None if tls is None else self.handshake_timeout_s)
+
+    async def probe(self, coordinator: int, channel: int, sock: socket.socket) -> tuple[str, int]:
+        """Dial `coordinator` from `sock`'s port, prove the key on a probe connection, and read
+        back the address it saw the connection come from (the port's mapping through a NAT)."""
+        addr = self.addresses[coordinator]
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.sock_connect(sock, (addr.host, addr.port)), self.connect_timeout_s)
+        reader, writer = await asyncio.wait_for(self._open(sock, addr.host), self.handshake_timeout_s)
+        try:
+            refused = await _dial_handshake(self, coordinator, channel, reader, writer, addr)
+            if refused:
+                raise ConnectionError(f"probe refused: {refused}")
+            return await read_seen(reader, self.handshake_timeout_s)
+        finally:
+            writer.transport.abort()
+
+    async def take_punched(self, peer: int, channel: int, sock: socket.socket) -> str:
+        """A connection punched to `peer` for `channel`: through the handshake, the lower rank
+        as the dialler, the other as for an accepted connection (which it then adopts). ''
+        once it carries the channel's frames, else why not."""
+        link = self._link(peer)
+        ch = link.channel(channel)
+        where = "{}:{}".format(*sock.getpeername()[:2])
+        if self.rank < peer:
+            try:
+                reader, writer = await asyncio.wait_for(self._open(sock, where.rsplit(":", 1)[0]),
+                                                        self.handshake_timeout_s)
+            except (OSError, TimeoutError) as exc:
+                sock.close()
+                return f"TLS with rank {peer} at {where}: {str(exc) or type(exc).__name__}"
+            return await ch.take_punched(reader, writer, where)
+        tls = self.credentials.tls
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: _Inbound(self), sock, ssl=None if tls is None else tls.server,
+                ssl_handshake_timeout=None if tls is None else self.handshake_timeout_s)
+            await asyncio.wait_for(ch.connected.wait(), self.handshake_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            return (f"rank {peer} at {where} proved nothing within {self.handshake_timeout_s:g} s "
+                    f"({str(exc) or type(exc).__name__})")
+        return ""
+
+    def _punch_status(self, peer: int) -> dict[str, Any]:
+        out = self.punches.outcomes.get(peer)
+        if out is None:
+            return {}
+        return {"punch": out.state, "punch_tries": out.tries, "punch_connected": out.connected,
+                "punch_s": round(out.took_s, 6), "punch_error": out.why, "punch_via": out.via}
+
     def _relay_for(self, peer: int) -> int:
         """The rank whose connection carries frames to `peer` (itself, unless it needs a relay)."""
-        if not self.relays.needed(peer):
+        if not self._relayed(peer):
             return peer
         relay = self.relays.via(peer)
         return peer if relay is None else relay
@@ -1085,7 +1221,7 @@ class TcpTransport:
                 frames_sent=st.frames_sent, bytes_sent=st.bytes_sent, frames_received=st.frames_received,
                 bytes_received=st.bytes_received, stale_dropped=st.stale_dropped, connects=st.connects,
                 adopted=st.adopted, errors=st.errors, last_error=st.last_error, rtt_s=tcp_rtt_s(writer),
-                relay=self._relay_for(peer) if self.relays.needed(peer) else -1))
+                relay=self._relay_for(peer) if self._relayed(peer) else -1, **self._punch_status(peer)))
         relayed = self.relays.counters
         return TransportStatus(rank=self.rank, address=str(self.me), links=tuple(links),
                                frame_errors=self.frame_errors, last_frame_error=self.last_frame_error,
@@ -1142,6 +1278,7 @@ class TcpTransport:
         if not abort:
             await self._flush(flush_s)
         self.closed = True
+        await self.punches.close()
         if self._server is not None:
             self._server.close()
         if self._tls_listener is not None:
@@ -1198,9 +1335,9 @@ class TcpTransport:
         if hello.dst not in (self.rank, hs.CONTACT):
             raise FrameError(f"peer dialled rank {hello.dst}, but this is rank {self.rank} (a wrong address in "
                              f"its peers?)")
-        if hello.channel not in (CONTROL, BULK):
-            raise FrameError(f"HELLO names connection kind {hello.channel}, expected {CONTROL} (control) or "
-                             f"{BULK} (bulk)")
+        if hello.channel not in hs.CHANNELS:
+            raise FrameError(f"HELLO names connection kind {hello.channel}, expected {CONTROL} (control), "
+                             f"{BULK} (bulk) or {hs.PROBE_CONTROL}/{hs.PROBE_BULK} (a hole punch's probe)")
         if not 0 <= hello.src <= MAX_RANK or hello.src == self.rank:
             raise FrameError(f"peer claims rank {hello.src}, which is not another rank of 0..{MAX_RANK}")
         self.check_unknown(hello.src)
@@ -1573,6 +1710,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         self.unknown_held = 0  # bytes of the payload being read counted in t.unknown_unfinished
         self.writable: asyncio.Event | None = None  # cleared while the transport's write buffer is full
+        self.probe = False  # a hole punch's probe (punch.py): answered, then nothing more is read
 
     # ---- writing, where a channel adopted this connection (its peer cannot be dialled) ---------
 
@@ -1775,6 +1913,14 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.hello_timer is not None:
             self.hello_timer.cancel()
         t._pending_done(self)
+        if self.hello.channel in (hs.PROBE_CONTROL, hs.PROBE_BULK):
+            if not t.knows(self.src):
+                raise FrameError(f"rank {self.src}, not a rank of this job yet, probed for a hole punch")
+            self.probe = True
+            assert self.transport is not None
+            self.transport.writelines(seen_frame(t.punches.seen(self.src, self.hello.channel, self.peer)))
+            self.transport.close()  # (after the answer: a probe carries nothing else)
+            return
         # one connection a rank and channel: a newer one (a restart, a reconnect) replaces the old
         older = t._proven.get(self._slot())
         t._proven[self._slot()] = self
@@ -1799,4 +1945,6 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.src < 0:
             self._handshake(head)
             return
+        if self.probe:
+            raise FrameError(f"rank {self.src} sent a frame on a hole punch's probe connection")
         self.t.deliver(self.src, head, payload)

@@ -55,6 +55,14 @@ class LinkStatus:
     last_error: str = ""
     rtt_s: float | None = None  # the kernel's smoothed round-trip time, where there is one
     relay: int = -1  # the rank that relays frames to this peer (they cannot connect: relay.py); -1: direct
+    # hole punching to a peer reached through a relay (punch.py): "" never tried, trying,
+    # connected (its frames go direct), failed (they stay on the relay), lost (back on it)
+    punch: str = ""
+    punch_tries: int = 0
+    punch_connected: int = 0  # punches that connected
+    punch_s: float = 0.0  # the last that connected: from GO to both connections proven
+    punch_error: str = ""  # why the last one failed or broke
+    punch_via: int = -1  # the rank that coordinated the last one
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ STEP_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
 LINK_STATES = ("up", "suspect", "failed", "probing")
 MEMBER_STATES = ("active", "changing", "minority", "evicted")
 UPLINK_STATES = ("up", "failed", "probing")  # link memory about a link to a parent (monitor.TreeView)
+PUNCH_STATES = ("trying", "connected", "failed", "lost")  # hole punching to a peer (monitor.PunchView)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,4 +193,13 @@ def render(snap: Snapshot) -> str:
               for lk in links for st in LINK_STATES])
     w.family("fttree_link_rtt_seconds", "gauge", "Kernel smoothed TCP round-trip time to each neighbour.",
              [({"peer": lk.peer}, lk.rtt_s) for lk in links if lk.rtt_s is not None])
+    punches = snap.punches
+    w.family("fttree_hole_punch_state", "gauge",
+             "Hole punching to each peer reached only through a relay, one series per state: 1 for the current "
+             "one (connected: its frames go direct; failed or lost: they take the relay).",
+             [({"peer": p.peer, "state": st}, int(p.state == st)) for p in punches for st in PUNCH_STATES])
+    w.family("fttree_hole_punch_tries_total", "counter", "Hole punches tried to each such peer.",
+             [({"peer": p.peer}, p.tries) for p in punches])
+    w.family("fttree_hole_punch_connected_total", "counter", "Hole punches to each such peer that connected.",
+             [({"peer": p.peer}, p.connected) for p in punches])
     return "\n".join(w.lines) + "\n"

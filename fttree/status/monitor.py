@@ -137,6 +137,19 @@ class TreeView:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PunchView:
+    """Hole punching to a peer this worker reaches only through a relay (net/punch.py)."""
+
+    peer: int
+    state: str  # trying, connected (frames go direct), failed (they stay on the relay), lost (back on it)
+    tries: int
+    connected: int  # punches that connected
+    took_s: float  # the last that connected, from the coordinator's GO to both connections proven
+    error: str  # why the last one failed or broke
+    via: int  # the rank that coordinated the last one
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     rank: int
     world: int
@@ -187,6 +200,7 @@ class Snapshot:
     observed: tuple[LinkView, ...]
     events: tuple[EventView, ...]
     histogram: HistogramView
+    punches: tuple[PunchView, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The /status JSON document."""
@@ -225,6 +239,7 @@ class Snapshot:
                            "waited_past_deadline": self.computing_waits},
             "links": [link(v) for v in self.links],
             "observed_links": [link(v) for v in self.observed],
+            "hole_punches": [asdict(p) for p in self.punches],
             "recent_events": [asdict(e) for e in self.events],
             "faults": self.faults,
         }
@@ -500,4 +515,7 @@ class Monitor:
             observed=tuple(self._view(lk, current, status) for _, lk in sorted(self._observed.items())),
             events=tuple(self.events),
             histogram=self.histogram.view(),
+            punches=tuple(PunchView(peer=lk.peer, state=lk.punch, tries=lk.punch_tries, connected=lk.punch_connected,
+                                    took_s=lk.punch_s, error=lk.punch_error, via=lk.punch_via)
+                          for lk in status.transport.links if lk.punch),
         )

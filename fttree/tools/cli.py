@@ -328,6 +328,11 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @click.option("--behind-nat", "behind_nat", multiple=True, metavar="RANKS",
               help="Put these ranks (3,4) behind a NAT router of their own (repeat for more sites), each rank in a "
                    "namespace of its own (netem/nat.sh). Needs root.")
+@click.option("--nat-ports", type=click.Choice(["keep", "random", "random-fully"]), default="keep",
+              show_default=True,
+              help="How the --behind-nat routers map source ports: keep (MASQUERADE, as most home routers: a hole "
+                   "punch between sites connects), random or random-fully (a new port per connection, as carrier "
+                   "NATs: punches fail and the relay stays).")
 @click.option("--no-key", is_flag=True,
               help="Make no job key: the workers prove nothing (loopback only, unless --insecure; a baseline "
                    "for what the key costs).")
@@ -343,7 +348,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
            trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None,
            tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, tls: bool,
-           no_key: bool, behind_nat: tuple[str, ...], settings: tuple[str, ...]) -> None:
+           no_key: bool, behind_nat: tuple[str, ...], nat_ports: str, settings: tuple[str, ...]) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
@@ -364,6 +369,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     if uplink is not None:
         uplink_settings(uplink)  # a bad rate fails here, not in every worker
     sites: list[list[int]] = []
+    if nat_ports != "keep" and not behind_nat:
+        raise click.UsageError("--nat-ports is how the --behind-nat routers map ports: give --behind-nat too")
     if behind_nat:
         from .realfaults import parse_sites
 
@@ -425,7 +432,8 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
                 from .realfaults import launch_behind_nat
 
                 result = launch_behind_nat(sites, world, args, steps=steps, port=port, launch_dir=launch_dir,
-                                           deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose)
+                                           deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose,
+                                           nat_ports=nat_ports)
             else:
                 result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
                                     deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose)

@@ -354,12 +354,15 @@ def parse_sites(sites: Sequence[str], world: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def nat_network(sites: Sequence[Sequence[int]], world: int, name: str | None = None) -> Iterator[str]:
+def nat_network(sites: Sequence[Sequence[int]], world: int, name: str | None = None,
+                nat_ports: str = "keep") -> Iterator[str]:
     """netem/nat.sh's network for `world` ranks, `sites` behind NATs of their own and the
-    rest public; removed on exit, processes inside included."""
+    rest public; removed on exit, processes inside included. `nat_ports`: how the routers
+    map source ports (keep, random, random-fully: nat.sh --nat-ports)."""
     name = name or f"fttreenat{os.getpid()}"
     behind = {r for site in sites for r in site}
-    args = ["up", name, "--public", ",".join(str(r) for r in range(world) if r not in behind)]
+    args = ["up", name, "--public", ",".join(str(r) for r in range(world) if r not in behind),
+            "--nat-ports", nat_ports]
     for site in sites:
         args += ["--site", ",".join(map(str, site))]
     try:
@@ -372,17 +375,19 @@ def nat_network(sites: Sequence[Sequence[int]], world: int, name: str | None = N
 def launch_behind_nat(sites: Sequence[Sequence[int]], world: int, worker_args: Sequence[str], *, steps: int,
                       port: int = 29500, launch_dir: Path | None = None, deadline_s: float = 600.0,
                       echo: Callable[[str], None] = print, schedule: FaultSchedule | None = None,
-                      site_local: bool = True, verbose: int = 0) -> LaunchResult:
+                      site_local: bool = True, verbose: int = 0, name: str | None = None,
+                      nat_ports: str = "keep") -> LaunchResult:
     """`fttree launch --behind-nat`: each rank in a namespace of its own (netem/nat.sh), the
     ranks of each site behind a NAT router. The peers file lists a site rank as `HOST:PORT
-    behind siteK` (its site-mates dial it there), or `-` without `site_local`."""
+    behind siteK` (its site-mates dial it there), or `-` without `site_local`. `name`: the
+    network's (its namespaces' prefix); `nat_ports`: how the routers map ports (nat.sh)."""
     if os.geteuid() != 0:
         raise RealFaultError("--behind-nat needs root: it builds network namespaces and NAT rules")
     for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
         if shutil.which(tool) is None:
             raise RealFaultError(f"--behind-nat needs the '{tool}' command: apt-get install {package}")
     nat = str(netem_dir() / "nat.sh")
-    with sigterm_as_interrupt(), nat_network(sites, world) as name:
+    with sigterm_as_interrupt(), nat_network(sites, world, name=name, nat_ports=nat_ports) as name:
         peers = run_script("nat.sh", "peers", name, "--port", str(port), *(["--site-local"] if site_local else []))
         echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
         from .launch import launch
