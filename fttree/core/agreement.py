@@ -66,7 +66,7 @@ class ViewChange:
     def __init__(self, m: Membership) -> None:
         self.m = m
         self.max_round = 0
-        self.no_change = ""  # why the last look for a view change started none ("": it started one)
+        self.no_change = ""  # why the last look for a view change started none (MemberStatus.no_change)
 
     @property
     def b(self) -> Ballots:

@@ -219,3 +219,4 @@ class MemberStatus:
     evicted_total: int
     node_deadline_s: float
     suspicions_total: int = 0  # neighbours this rank has suspected (each once per suspicion)
+    no_change: str = ""  # why the last look for a view change started none ("": it started one, or none looked yet)

@@ -144,7 +144,8 @@ class Membership:
                             suspects={p: tuple(sorted(r)) for p, r in sorted(self.term.suspicions.reports.items())
                                       if r},
                             evictions=tuple(d.evictions), evicted_total=d.evicted_total,
-                            node_deadline_s=d.node_deadline_s, suspicions_total=d.suspicions_total)
+                            node_deadline_s=d.node_deadline_s, suspicions_total=d.suspicions_total,
+                            no_change=self.change.no_change)
 
     # ---- events ----------------------------------------------------------------------------------
 
