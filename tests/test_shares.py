@@ -151,7 +151,7 @@ def test_a_blocking_wait_allows_for_a_big_step_behind_the_slowest_declared_uplin
     assert slow.outcome_limit_s(4096) < slow.config.step_timeout_s + slow.config.submit_wait_s + 11
 
 
-# ---- measured uplinks, agreed through the view (membership.py "Pace", View.uplinks) ---------------
+# ---- measured uplinks, agreed through the view (joins.py "Pace", View.uplinks) ---------------
 
 MLP = 407_050  # the thesis MLP's float32 parameters: 1.63 MB
 

@@ -123,7 +123,7 @@ class Kind(IntEnum):
     # `size` zeros of `dtype` (not counted: you are late), and pass it on to your children
     # whose sums have not come
     META_CLOSE = 38
-    # slow compute is not broken (membership.py): an answer to a PING for `step` from a rank
+    # slow compute is not broken (detection.py): an answer to a PING for `step` from a rank
     # whose caller has not submitted `step` yet, to every member: I am alive and still computing
     COMPUTING = 39
 
@@ -246,7 +246,7 @@ class Message(Frame):
 
 @dataclass(slots=True, kw_only=True)
 class Detection(Frame):
-    """Failure detection (membership.py): a ping and its answer, what a member reports of
+    """Failure detection (detection.py): a ping and its answer, what a member reports of
     another (`target`), and a member that is alive but has not submitted a step yet."""
 
     RULES: ClassVar[Mapping[Kind, Sender]] = dict.fromkeys(
@@ -260,7 +260,7 @@ class Detection(Frame):
 
 @dataclass(slots=True, kw_only=True)
 class Agreement(Frame):
-    """The view change (membership.py): single-decree Paxos over the view after `epoch`, whose
+    """The view change (agreement.py): single-decree Paxos over the view after `epoch`, whose
     value is (`proposed` epoch, `members`, `committed` steps, catch-up `plan`, `user_step`,
     `pace`); MINORITY when it finds no majority. Relayed copies name their first sender in
     `origin` and their addressee in `target`."""

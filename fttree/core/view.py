@@ -8,7 +8,7 @@ this one. The first view of a job is `View.initial(world)`: epoch 0, rank r in s
 The view also carries the group's pace: the uplink speed (bytes per second) that decides how a
 step is cut into chunks (Config.chunk_bytes_for), so every member cuts the same step the same
 way. It starts at `Config.uplink_bytes_per_s` and follows the members' measured uplinks through
-agreed view changes (membership.py, "Pace"). The same rounds record each member's own measured
+agreed view changes (joins.py, "Pace"). The same rounds record each member's own measured
 uplink (`uplinks`), which the rotated trees' shares follow (shares.py): figures every member
 holds alike, changed only with the view.
 
