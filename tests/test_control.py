@@ -283,6 +283,7 @@ def test_a_dead_worker_shows_in_status_metrics_and_the_status_command() -> None:
             assert evicted["epoch"] == 1
             assert evicted["detected_after_s"] >= 0
             assert evicted["suspected_by"], evicted  # the ranks that reported it dead
+            assert isinstance(member["no_change"], str), member  # why no view change now (membership's words)
         figures = metrics(hs[0])
         assert figures[("fttree_evictions_total", ())] == 1
         assert figures[("fttree_view_epoch", ())] == 1

@@ -161,6 +161,7 @@ class Snapshot:
     evictions: tuple[EvictionView, ...]  # newest last
     evicted_total: int
     suspicions_total: int  # neighbours this worker suspected (a healthy group has none)
+    no_change: str  # why the last look for a view change started none (membership's decision)
     node_deadline_s: float
     reruns: int
     address: str
@@ -217,7 +218,7 @@ class Snapshot:
             "membership": {"state": self.member_state, "stopped": self.stopped,
                            "suspects": {str(r): list(by) for r, by in self.suspects.items()},
                            "evictions": [asdict(e) for e in self.evictions], "evicted_total": self.evicted_total,
-                           "suspicions_total": self.suspicions_total,
+                           "suspicions_total": self.suspicions_total, "no_change": self.no_change,
                            "node_deadline_s": round(self.node_deadline_s, 3), "reruns": self.reruns},
             "address": self.address,
             "uptime_s": round(self.at - self.started_at, 3),
@@ -494,7 +495,7 @@ class Monitor:
                                          detected_after_s=e.detected_after_s, suspected_by=e.suspected_by)
                               for e in member.evictions),
             evicted_total=member.evicted_total, suspicions_total=member.suspicions_total,
-            node_deadline_s=member.node_deadline_s, reruns=status.reruns,
+            no_change=member.no_change, node_deadline_s=member.node_deadline_s, reruns=status.reruns,
             address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
             trees=tuple(_tree_view(t) for t in status.machine.trees),
