@@ -80,6 +80,7 @@ from .effects import (
     NoteKind as NoteKind,  # re-exported: the effect types' old home
 )
 from .messages import COMPRESSIONS, Kind, Message, from_wire, to_wire, wire_numel, wire_unit
+from .op_state import Op, OpId
 from .reduce_ops import REDUCE_OPS
 from .shares import measured_rates, plan, tree_of_planned, uniform
 from .stragglers import CLOSE_AHEAD_STEPS, ZERO_DTYPES, close_at, data_dtype, identity_zeros
@@ -96,7 +97,6 @@ SUM_BUFFERS = 32
 # cost more than the decoding: 147 us against 17 us for a 333 KB chunk, in page faults.
 SCRATCH_BUFFERS = 4
 
-OpId = tuple[int, int]  # (step, chunk)
 # A backup node acts on a watch only after this many checks went unanswered: one answer that
 # waited behind a slow uplink's data is not a dead sender.
 UNANSWERED_CHECKS = 2
@@ -258,70 +258,6 @@ class _Tree:
         return f" (tree {self.tree})" if self.tree else ""
 
 
-@dataclass(slots=True)
-class _Op:
-    """Everything one node knows about one op (step, chunk)."""
-
-    step: int
-    chunk: int
-    epoch: int = 0  # the view it runs in
-    chunks: int = 1  # how many chunks its step has (which tree it runs on depends on it)
-    tree: int = 0  # the tree it runs on (TreeMachine.tree_of)
-    submitted: bool = False
-    signature: str = ""
-    dtype: str = ""
-    own: np.ndarray | None = None  # our contribution, never written to: a step may run again on it
-    acc: np.ndarray | None = None  # own contribution plus children's subtree sums (a buffer of its own)
-    contributors: set[int] = field(default_factory=set)
-    got_children: set[int] = field(default_factory=set)
-    held: dict[int, Message] = field(default_factory=dict)  # child -> its data, not added yet (see _take)
-    added: int = 0  # how many children, in slot order, are in `acc`
-    combine: np.ufunc = np.add  # how contributions meet (Submit.reduce)
-    reduce_sent: bool = False
-    result: np.ndarray | None = None
-    wire: str = ""  # what our sums and the result we make travel as (Submit.compression; "" before the submit)
-    result_wire: tuple[np.ndarray, str] | None = None  # the result as it travels, when encoded
-    acc_wire: tuple[np.ndarray, str] | None = None  # our sum as it travels, once sent up (it no longer changes)
-    result_contributors: tuple[int, ...] = ()
-    done: bool = False  # Complete or Fail was emitted
-    failure: Fail | None = None
-    aborted: bool = False  # ABORT already flooded from here
-    # observer duties
-    reduce_confirmed: set[int] = field(default_factory=set)
-    reduce_tries: dict[int, int] = field(default_factory=dict)
-    relayed_for: set[int] = field(default_factory=set)
-    detoured_for: set[int] = field(default_factory=set)  # of those, relayed on a planned detour
-    bcast_confirmed: set[int] = field(default_factory=set)
-    bcast_tries: dict[int, int] = field(default_factory=dict)
-    bcast_pending: set[int] = field(default_factory=set)
-    watch_started: dict[tuple[Phase, int], tuple[float, int, float]] = field(default_factory=dict)  # (at, bytes, rate)
-    watch_fired: set[tuple[Phase, int]] = field(default_factory=set)  # Karn: no samples from these
-    checked_at: dict[tuple[Phase, int], float] = field(default_factory=dict)  # a check asked, not answered yet
-    delivered_told: dict[int, int] = field(default_factory=dict)  # observer -> times told our data was delivered
-    delivered_heard: dict[tuple[Phase, int], int] = field(default_factory=dict)  # watch -> "delivered" answers
-    started: float = 0.0  # when it was submitted here
-    nbytes: int = 0  # our contribution's size
-    sent_at: float = 0.0  # when our subtree sum went to the parent
-    finished_at: float = 0.0  # when we took the result (and sent it to our children)
-    rerouted: bool = False  # our subtree sum was re-sent through a relay after a link failure
-    rerouted_planned: bool = False  # ... because link memory had marked our uplink failed (a detour)
-    sent_direct: bool = False  # ... and then also straight to the parent, as the way around did not get through
-    requested_by: list[int] = field(default_factory=list)  # observers that asked us for our sum
-    relayed_children: dict[int, int] = field(default_factory=dict)  # child -> relay that brought its sum, this op
-    awaiting_catchup: bool = False  # committed in the view it ran in; its result comes straight from a holder
-    linger_over: bool = False  # its linger ended during a view change: kept until the change is installed
-    # stragglers (stragglers.py)
-    late: set[int] = field(default_factory=set)  # late ranks whose zeros are in `acc`
-    result_late: tuple[int, ...] = ()  # ... and in the result
-    closed_at: float = -1.0  # when this rank's own contribution was closed out (it took part with zeros)
-    computing: tuple[int, ...] = ()  # members whose caller had not submitted the op when a deadline was put off
-    taken: bool = False  # ... and its caller's contribution came after all (not added)
-    arrivals: list[float] = field(default_factory=list)  # (root) when each input came: own, then children's
-    close_armed: bool = False  # (root) its STRAGGLER timer is set
-    closed_children: set[int] = field(default_factory=set)  # children sent META_CLOSE
-    closable: bool = False  # the step may close without late ranks (Submit.closable, or the children's sums say so)
-
-
 class TreeMachine:
     """One rank's protocol state for all ops in flight. Deterministic: the same events at the
     same times give the same actions."""
@@ -334,7 +270,7 @@ class TreeMachine:
         self._earlier_rates: dict[int, tuple[float, ...] | None] = {}  # those of the _same_trees epochs
         self._bf16_up = False  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
         self.trees: tuple[_Tree, ...] = self._build_trees(view)
-        self._ops: dict[OpId, _Op] = {}
+        self._ops: dict[OpId, Op] = {}
         self._retired: set[OpId] = set()
         self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
         self._retired_floor = -1  # ops of steps below this are retired too
@@ -457,8 +393,8 @@ class TreeMachine:
     def result_of(self, step: int) -> list[tuple[int, np.ndarray, tuple[int, ...], tuple[int, ...], str]]:
         """(chunk, result, contributors, late, signature) of every chunk of `step` finished here
         and still kept (a holder serves them to ranks that lack them after a view change)."""
-        return [(op.chunk, op.result, op.result_contributors, op.result_late, op.signature)
-                for (s, _c), op in sorted(self._ops.items()) if s == step and op.done and op.result is not None]
+        return [(op.chunk, op.bcast.result, op.bcast.contributors, op.bcast.late, op.signature)
+                for (s, _c), op in sorted(self._ops.items()) if s == step and op.done and op.bcast.result is not None]
 
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
@@ -481,10 +417,11 @@ class TreeMachine:
         for (step, chunk), op in sorted(self._ops.items()):
             if op.done:
                 continue
-            phase = (OpPhase.WAITING if not op.submitted else OpPhase.BROADCAST if op.reduce_sent
+            phase = (OpPhase.WAITING if not op.submitted else OpPhase.BROADCAST if op.reduce.sent
                      else OpPhase.REDUCE)
-            ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(op.contributors)),
-                                waiting_for=tuple(c for c in self._t(op).me.children if c not in op.got_children)))
+            red = op.reduce
+            ops.append(OpStatus(step=step, chunk=chunk, phase=phase, contributors=tuple(sorted(red.contributors)),
+                                waiting_for=tuple(c for c in self._t(op).me.children if c not in red.got_children)))
         return MachineStatus(rank=self.rank, view=self.view, ops=tuple(ops), footprint=self.footprint(),
                              trees=tuple(self._tree_status(t) for t in self.trees))
 
@@ -500,7 +437,7 @@ class TreeMachine:
         number of ops run (tests check it over many thousands of ops)."""
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
                 "retired": len(self._retired), "closed_steps": len(self._closed_steps),
-                "held": sum(len(op.held) for op in self._ops.values())}
+                "held": sum(len(op.reduce.held) for op in self._ops.values())}
 
     # ---- the trees (trees.py) ---------------------------------------------------------
 
@@ -545,7 +482,7 @@ class TreeMachine:
             return tree_of_planned(plan(rates, chunks), chunk)
         return tree_of(self.cfg.trees, chunk, chunks, self.view.size, self.view.turn(self.cfg.trees))
 
-    def _t(self, op: _Op) -> _Tree:
+    def _t(self, op: Op) -> _Tree:
         return self.trees[op.tree]
 
     @property
@@ -578,11 +515,11 @@ class TreeMachine:
     def _ft(self) -> bool:
         return self.cfg.fault_tolerant
 
-    def _msg(self, op: _Op, kind: Kind, **kw: object) -> Message:
+    def _msg(self, op: Op, kind: Kind, **kw: object) -> Message:
         return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
                        chunks=op.chunks, **kw)  # type: ignore[arg-type]
 
-    def _data_msg(self, op: _Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
+    def _data_msg(self, op: Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
                   **kw: object) -> Message:
         array, dtype = wire
         return self._msg(op, kind, payload=array.data.cast("B"), dtype=dtype,
@@ -591,32 +528,32 @@ class TreeMachine:
 
     # ---- wire compression: float32 data may travel as bf16 or fp16 (Config.compression) ----
 
-    def _accepts(self, op: _Op, wire: str) -> bool:
+    def _accepts(self, op: Op, wire: str) -> bool:
         """Can data of op travel as `wire`? Its own dtype, or float32 in a compressed form (peers
         may differ in compression: every hop decodes what it gets)."""
         return wire == op.dtype or (op.dtype == "<f4" and wire in COMPRESSIONS.values())
 
-    def _acc_wire(self, op: _Op) -> tuple[np.ndarray, str]:
+    def _acc_wire(self, op: Op) -> tuple[np.ndarray, str]:
         """Our subtree sum as it travels: encoded once, when first sent up (it no longer changes
         then), and the same bytes for every copy (relays, the direct retry)."""
-        if op.acc_wire is None:
-            assert op.acc is not None
+        if op.reduce.acc_wire is None:
+            assert op.reduce.acc is not None
             wire = COMPRESSIONS["bf16"] if op.wire == "<f4" and self._bf16_up else op.wire
-            op.acc_wire = (to_wire(op.acc, wire, self.scratch), wire)
-        return op.acc_wire
+            op.reduce.acc_wire = (to_wire(op.reduce.acc, wire, self.scratch), wire)
+        return op.reduce.acc_wire
 
-    def _result_wire(self, op: _Op) -> tuple[np.ndarray, str]:
+    def _result_wire(self, op: Op) -> tuple[np.ndarray, str]:
         """The result as it travels: the encoded form the root made (or we received), never
         encoded again here, so every rank decodes the same bytes."""
-        assert op.result is not None
-        return op.result_wire if op.result_wire is not None else (op.result, op.result.dtype.str)
+        assert op.bcast.result is not None
+        return op.bcast.wire if op.bcast.wire is not None else (op.bcast.result, op.bcast.result.dtype.str)
 
-    def _take_result(self, op: _Op, msg: Message) -> np.ndarray:
+    def _take_result(self, op: Op, msg: Message) -> np.ndarray:
         assert msg.payload is not None
-        op.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
+        op.bcast.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
         if msg.dtype != op.dtype:  # keep the bytes to pass on as they came
             held = np.frombuffer(msg.payload, dtype=wire_unit(msg.dtype))
-            op.result_wire = (held, msg.dtype)
+            op.bcast.wire = (held, msg.dtype)
         return result
 
     def is_past_epoch(self, epoch: int) -> bool:
@@ -629,7 +566,7 @@ class TreeMachine:
         return op_id[0] < self._retired_floor or op_id in self._retired
 
     def _get_op(self, step: int, chunk: int, chunks: int, out: list[Action], src: int,
-                epoch: int | None = None) -> _Op | None:
+                epoch: int | None = None) -> Op | None:
         op_id = (step, chunk)
         op = self._ops.get(op_id)
         if op is not None:
@@ -652,11 +589,11 @@ class TreeMachine:
                             text=f"dropped a message for step {step} chunk {chunk}: {len(self._ops)} ops in flight "
                                  f"already (max_live_ops)"))
             return None
-        op = self._ops[op_id] = _Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
+        op = self._ops[op_id] = Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
                                     chunks=chunks, tree=self.tree_of(chunk, chunks, epoch))
         return op
 
-    def _retire(self, op: _Op) -> None:
+    def _retire(self, op: Op) -> None:
         """Forget a finished op but remember its id, so its late messages are dropped.
 
         At most `retired_memory` ids are kept, oldest retired first out, in O(1) per op. An id
@@ -673,7 +610,7 @@ class TreeMachine:
             self._retired.discard(oldest)
             self._retired_floor = max(self._retired_floor, oldest[0])
 
-    def _timer(self, kind: TimerKind, op: _Op, peer: int = -1) -> TimerKey:
+    def _timer(self, kind: TimerKind, op: Op, peer: int = -1) -> TimerKey:
         return TimerKey(kind, op.step, op.chunk, peer, op.epoch)
 
     # ---- submit ------------------------------------------------------------------------
@@ -681,7 +618,8 @@ class TreeMachine:
     def _on_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
         op_id = (ev.step, ev.chunk)
         held = self._ops.get(op_id)
-        if ev.step in self._closed_steps and not self.is_retired(op_id) and not (held is not None and held.taken):
+        taken = held is not None and held.stragglers.taken
+        if ev.step in self._closed_steps and not self.is_retired(op_id) and not taken:
             self._late_submit(ev, now, out)
             return
         if self.is_retired(op_id) or (held is not None and held.submitted):
@@ -697,12 +635,12 @@ class TreeMachine:
             self._start(replace(ev, data=identity_zeros(ev.data.size, ev.data.dtype.str), contribute=False), now,
                         out, late=True)
             op = self._ops[(ev.step, ev.chunk)]
-        op.taken = True
+        op.stragglers.taken = True
         if ev.chunk == 0:
             out.append(Note(step=ev.step, cause=Cause.LATE_DROPPED, peer=self.rank, seconds=now - closed_at,
                             text=f"rank {self.rank}'s contribution to step {ev.step} came {now - closed_at:.3f} s "
                                  f"after the step closed without it: not added (straggler_policy='deadline')"))
-        if op.done and op.result is not None:  # finished before the caller came: hand it over now
+        if op.done and op.bcast.result is not None:  # finished before the caller came: hand it over now
             out.append(self._completed(op))
         elif op.done and op.failure is not None:
             out.append(op.failure)
@@ -713,23 +651,23 @@ class TreeMachine:
         if ev.data.ndim != 1:
             raise ValueError("Submit.data must be a 1-D array")
         self._max_step_submitted = max(self._max_step_submitted, ev.step)
-        op = self._ops.get(op_id) or self._ops.setdefault(op_id, _Op(step=ev.step, chunk=ev.chunk,
+        op = self._ops.get(op_id) or self._ops.setdefault(op_id, Op(step=ev.step, chunk=ev.chunk,
                                                                     epoch=self.view.epoch, chunks=ev.chunks,
                                                                     tree=self.tree_of(ev.chunk, ev.chunks)))
         t = self._t(op)
         op.submitted, op.signature, op.dtype, op.started = True, ev.signature, ev.data.dtype.str, now
         op.nbytes = ev.data.nbytes
-        op.own = op.acc = ev.data
+        op.own = op.reduce.acc = ev.data
         op.combine = REDUCE_OPS[ev.reduce]
         compression = self.cfg.compression if ev.compression is None else ev.compression
         op.wire = COMPRESSIONS[compression] if compression and op.dtype == "<f4" else op.dtype
         if ev.contribute:
-            op.contributors.add(self.rank)
-        op.closable = op.closable or ev.closable
+            op.reduce.contributors.add(self.rank)
+        op.stragglers.closable = op.stragglers.closable or ev.closable
         if late:
-            op.late.add(self.rank)
-            op.closed_at = now
-        op.arrivals.append(now)
+            op.stragglers.late.add(self.rank)
+            op.stragglers.closed_at = now
+        op.stragglers.arrivals.append(now)
         if op.failure is not None:  # an ABORT arrived before our submit
             self._emit_failure(op, op.failure, now, out)
             return
@@ -743,53 +681,53 @@ class TreeMachine:
         if ev.abort:
             self._abort(op, AbortCode.NONFINITE, ev.abort, (self.rank,), now, out)
             return
-        for msg in list(op.held.values()):  # data that came before our submit
+        for msg in list(op.reduce.held.values()):  # data that came before our submit
             if not self._matches(op, msg, now, out):
                 return
         self._add_in_order(op)
         self._maybe_send_up(op, now, out)
         self._maybe_arm_close(op, now, out)
 
-    def _matches(self, op: _Op, msg: Message, now: float, out: list[Action]) -> bool:
+    def _matches(self, op: Op, msg: Message, now: float, out: list[Action]) -> bool:
         """True if msg's tensor matches ours; otherwise abort the op everywhere."""
         if not op.submitted:
             return True
-        assert op.acc is not None
-        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.acc.size \
+        assert op.reduce.acc is not None
+        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.reduce.acc.size \
                 and msg.chunks == op.chunks:
             return True
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
                   f"for chunk {op.chunk} of {msg.chunks}, rank {self.rank} has {op.signature} "
-                  f"({op.acc.size} x {op.dtype}, chunk {op.chunk} of {op.chunks})")
+                  f"({op.reduce.acc.size} x {op.dtype}, chunk {op.chunk} of {op.chunks})")
         if msg.signature == op.signature and self._accepts(op, msg.dtype):
             reason += (": the same tensor cut into other chunks; chunk_bytes and uplink_bytes_per_s "
                        "(--chunk-bytes, --uplink) must be the same on every worker")
         self._abort(op, AbortCode.MISMATCH, reason, (msg.src,), now, out)
         return False
 
-    def _add_in_order(self, op: _Op) -> None:
+    def _add_in_order(self, op: Op) -> None:
         """Add the children's subtree sums that can be added now: always in slot order, after
         our own contribution, holding one that comes early until those before it are in. Float
         addition is not associative, so this is what makes a sum the same bits on every run,
         whatever order the data arrives in and whichever way a relay took it."""
         if not self.cfg.ordered_sums:  # as they came
-            for origin in list(op.held):
-                self._add(op, op.held.pop(origin))
-                op.added += 1
+            for origin in list(op.reduce.held):
+                self._add(op, op.reduce.held.pop(origin))
+                op.reduce.added += 1
             return
         children = self._t(op).me.children
-        while op.added < len(children) and children[op.added] in op.held:
-            self._add(op, op.held.pop(children[op.added]))
-            op.added += 1
+        while op.reduce.added < len(children) and children[op.reduce.added] in op.reduce.held:
+            self._add(op, op.reduce.held.pop(children[op.reduce.added]))
+            op.reduce.added += 1
 
-    def _add(self, op: _Op, msg: Message) -> None:
-        assert op.acc is not None
+    def _add(self, op: Op, msg: Message) -> None:
+        assert op.reduce.acc is not None
         assert msg.payload is not None
         if not msg.contributors:
             # A subtree sum of no rank (a joiner taking part without contributing, a late leaf):
             # its label says it holds nothing, so nothing of it is added, whatever its bytes
             # (before: they were summed into a result that named only the others).
-            op.late.update(msg.late)
+            op.stragglers.late.update(msg.late)
             self.empty_sums += 1
             return
         if msg.dtype == "<f2" and op.dtype == "<f4":  # fp16 on the wire: numpy widens while it adds
@@ -798,40 +736,40 @@ class TreeMachine:
             incoming = from_wire(msg.payload, msg.dtype, op.dtype, into=self.scratch.array(msg.numel, op.dtype))
         else:
             incoming = from_wire(msg.payload, msg.dtype, op.dtype)
-        if op.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
-            op.acc = op.combine(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
+        if op.reduce.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
+            op.reduce.acc = op.combine(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
         else:
-            op.combine(op.acc, incoming, out=op.acc)
-        op.contributors.update(msg.contributors)
-        op.late.update(msg.late)
+            op.combine(op.reduce.acc, incoming, out=op.reduce.acc)
+        op.reduce.contributors.update(msg.contributors)
+        op.stragglers.late.update(msg.late)
 
-    def _maybe_send_up(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _maybe_send_up(self, op: Op, now: float, out: list[Action]) -> None:
         t = self._t(op)
-        if not op.submitted or op.reduce_sent or op.done or len(op.got_children) < len(t.me.children):
+        if not op.submitted or op.reduce.sent or op.done or len(op.reduce.got_children) < len(t.me.children):
             return
-        assert op.acc is not None
-        op.reduce_sent = True
-        op.sent_at = now
-        contributors = tuple(sorted(op.contributors))
+        assert op.reduce.acc is not None
+        op.reduce.sent = True
+        op.reduce.sent_at = now
+        contributors = tuple(sorted(op.reduce.contributors))
         parent = t.me.parent
         if parent is None:  # the root: its subtree sum is the result
             if self.fenced:
-                op.reduce_sent = False  # a view change is being agreed: no result of this view now
+                op.reduce.sent = False  # a view change is being agreed: no result of this view now
                 return
             if op.wire != op.dtype:
                 # Compressed: the result is what the encoding holds, here as on every other
                 # rank (they decode the bytes we send), so all of them agree bit for bit.
-                encoded = to_wire(op.acc, op.wire, self.scratch)
-                op.result_wire = (encoded, op.wire)
+                encoded = to_wire(op.reduce.acc, op.wire, self.scratch)
+                op.bcast.wire = (encoded, op.wire)
                 # decoded into the sum's own buffer, done with now (never into our contribution)
-                into = None if op.acc is op.own else op.acc
-                op.result = op.acc = from_wire(encoded.data.cast("B"), op.wire, op.dtype, into=into)
+                into = None if op.reduce.acc is op.own else op.reduce.acc
+                op.bcast.result = op.reduce.acc = from_wire(encoded.data.cast("B"), op.wire, op.dtype, into=into)
             else:
-                if op.acc is op.own:  # a root without children: the result is a copy, never our contribution
-                    op.acc = op.acc.copy()
-                op.result = op.acc
-            op.result_contributors = contributors
-            op.result_late = tuple(sorted(op.late))
+                if op.reduce.acc is op.own:  # a root without children: the result is a copy, never our contribution
+                    op.reduce.acc = op.reduce.acc.copy()
+                op.bcast.result = op.reduce.acc
+            op.bcast.contributors = contributors
+            op.bcast.late = tuple(sorted(op.stragglers.late))
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
             out.append(CancelTimer(key=self._timer(TimerKind.STRAGGLER, op)))
             self._finish(op, now, out)
@@ -839,16 +777,16 @@ class TreeMachine:
         if self._ft and t.up.failed and t.up.relays:
             # link memory: straight to every backup, no timeout to pay. Both, because we cannot
             # tell which of them still reaches our parent; the parent adds the first copy only.
-            op.rerouted = op.rerouted_planned = True
+            op.reduce.rerouted = op.reduce.rerouted_planned = True
             for relay in t.up.relays:
                 out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
                                                               contributors, origin=self.rank, target=parent,
-                                                              planned=True, late=tuple(sorted(op.late)),
-                                                              closable=op.closable)))
+                                                              planned=True, late=tuple(sorted(op.stragglers.late)),
+                                                              closable=op.stragglers.closable)))
         else:
             out.append(Send(dst=parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op), contributors,
-                                                           origin=self.rank, late=tuple(sorted(op.late)),
-                                                           closable=op.closable)))
+                                                           origin=self.rank, late=tuple(sorted(op.stragglers.late)),
+                                                           closable=op.stragglers.closable)))
         if self._ft:
             for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
@@ -910,7 +848,7 @@ class TreeMachine:
             return
         self._on_op_frame(op, msg, now, out, link)
 
-    def _on_op_frame(self, op: _Op, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
+    def _on_op_frame(self, op: Op, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
         """A frame of one op, from a neighbour, in the op's view: the thesis' eight messages."""
         match msg.kind:
             case Kind.DATA_REDUCE:
@@ -918,7 +856,7 @@ class TreeMachine:
             case Kind.META_REDUCE_SENT:
                 self._on_meta_reduce_sent(op, msg, now, out)
             case Kind.META_REDUCE_RECEIVED:
-                op.reduce_confirmed.add(msg.origin)
+                op.watches.reduce_confirmed.add(msg.origin)
                 out.append(CancelTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, msg.origin)))
                 self._sample(op, Phase.REDUCE, msg.origin, now)
             case Kind.META_REDUCE_REQUEST:
@@ -934,8 +872,8 @@ class TreeMachine:
             case Kind.META_STALLED:
                 self._on_meta_stalled(op, msg, out)
             case Kind.META_BCAST_RECEIVED:
-                op.bcast_confirmed.add(msg.src)
-                op.bcast_pending.discard(msg.src)
+                op.watches.bcast_confirmed.add(msg.src)
+                op.watches.bcast_pending.discard(msg.src)
                 out.append(CancelTimer(key=self._timer(TimerKind.BCAST_WATCH, op, msg.src)))
                 self._sample(op, Phase.BCAST, msg.src, now)
             case Kind.ABORT:
@@ -946,18 +884,18 @@ class TreeMachine:
                 out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                                 text=f"dropped unexpected {msg.kind.name} from rank {msg.src}"))
 
-    def _on_abort(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_abort(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """A neighbour says the op cannot finish: so it fails here too, with what this rank adds
         to the reason (whom it still waited for, or where its subtree sum went)."""
         t = self.trees[msg.tree]
         codes = {c.value for c in AbortCode}
         code = AbortCode(msg.code) if msg.code in codes else AbortCode.UNREACHABLE
         reason, peers = msg.reason, msg.missing
-        waiting = sorted(set(t.me.children) - op.got_children)
-        if op.submitted and not op.reduce_sent and waiting:
+        waiting = sorted(set(t.me.children) - op.reduce.got_children)
+        if op.submitted and not op.reduce.sent and waiting:
             reason += f"; rank {self.rank} was still waiting for children {waiting}"
             peers = tuple(waiting)
-        elif op.reduce_sent and t.me.parent is not None and op.result is None:
+        elif op.reduce.sent and t.me.parent is not None and op.bcast.result is None:
             reason += f"; rank {self.rank} had sent its subtree sum to rank {t.me.parent}"
         self._abort(op, code, reason, peers, now, out, remote=msg.src)
 
@@ -984,7 +922,7 @@ class TreeMachine:
         out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
                         text=f"dropped {msg.kind.name} from rank {msg.src}: {why}"))
 
-    def _on_data_reduce(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_data_reduce(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         t = self._t(op)
         origin = msg.origin
         if origin not in t.subtrees:
@@ -995,26 +933,26 @@ class TreeMachine:
             t.down_failed.discard(origin)
         if op.done:
             return
-        if origin in op.got_children:
+        if origin in op.reduce.got_children:
             out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
             return
         contributors = set(msg.contributors)
         # (empty is allowed: a joiner still receiving its state takes part without contributing;
         # such a sum counts as the child's arrival, and _add adds none of its bytes)
-        if not contributors <= t.subtrees[origin] or contributors & op.contributors:
+        if not contributors <= t.subtrees[origin] or contributors & op.reduce.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
         late = set(msg.late)
-        if not late <= t.subtrees[origin] or late & (contributors | op.contributors | op.late):
+        if not late <= t.subtrees[origin] or late & (contributors | op.reduce.contributors | op.stragglers.late):
             return self._protocol(out, msg, f"late ranks {sorted(late)} are not a fresh part of rank {origin}'s "
                                             f"subtree apart from its contributors")
         if not self._matches(op, msg, now, out):
             return
-        op.got_children.add(origin)
-        op.held[origin] = msg
-        op.closable = op.closable or msg.closable
-        op.arrivals.append(now)
+        op.reduce.got_children.add(origin)
+        op.reduce.held[origin] = msg
+        op.stragglers.closable = op.stragglers.closable or msg.closable
+        op.stragglers.arrivals.append(now)
         self._maybe_arm_close(op, now, out)
         if op.submitted:
             self._add_in_order(op)
@@ -1028,7 +966,7 @@ class TreeMachine:
                 out.append(Note(step=op.step, cause=Cause.DATA_CAME_AROUND, peer=origin, link=(origin, self.rank),
                                 text=f"step {op.step}: data {origin}->{self.rank} lost, forwarded by {msg.src}"))
             t.down_failed.add(origin)
-            op.relayed_children[origin] = msg.src
+            op.reduce.relayed_children[origin] = msg.src
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (t.me.brother, *t.me.children):
@@ -1037,7 +975,7 @@ class TreeMachine:
         self._maybe_send_up(op, now, out)
         return None
 
-    def _on_meta_reduce_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_meta_reduce_sent(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """The origin sent its subtree sum to `target`: watch for the parent's confirmation. The
         same frame answers a check (the sum is still on its way): the watch starts over."""
         t = self._t(op)
@@ -1045,34 +983,34 @@ class TreeMachine:
         watched = t.view.neighbours(origin)
         if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
-        if origin in op.reduce_confirmed or not self._ft:
+        if origin in op.watches.reduce_confirmed or not self._ft:
             return None
         self._arm_watch(op, Phase.REDUCE, origin, (origin, msg.target, Phase.REDUCE), msg, now, out)
         return None
 
-    def _arm_watch(self, op: _Op, phase: Phase, peer: int, key: tuple[int, int, Phase], msg: Message, now: float,
+    def _arm_watch(self, op: Op, phase: Phase, peer: int, key: tuple[int, int, Phase], msg: Message, now: float,
                    out: list[Action]) -> None:
         """(Re)start the watch of `peer`'s link in `phase` with the figures `msg` carries: what
         its sender had queued, unacknowledged, and the rate its uplink sends at."""
-        checked = op.checked_at.pop((phase, peer), None) if msg.answer else None
+        checked = op.watches.checked_at.pop((phase, peer), None) if msg.answer else None
         if checked is not None:  # the answer to our check: the frame is on its way, the watch starts over
             self.timeouts.observe_check(now - checked)
-            op.watch_fired.add((phase, peer))  # Karn: this watch gives no sample
-            (op.bcast_tries if phase is Phase.BCAST else op.reduce_tries)[peer] = 0
+            op.watches.fired.add((phase, peer))  # Karn: this watch gives no sample
+            (op.watches.bcast_tries if phase is Phase.BCAST else op.watches.reduce_tries)[peer] = 0
             if not msg.queued_bytes:  # delivered to the far end, which has not confirmed: not forever
-                heard = op.delivered_heard[(phase, peer)] = op.delivered_heard.get((phase, peer), 0) + 1
+                heard = op.watches.delivered_heard[(phase, peer)] = op.watches.delivered_heard.get((phase, peer), 0) + 1
                 if heard > self.cfg.watch_retries + 1:
-                    if phase is Phase.BCAST and op.result is not None:
+                    if phase is Phase.BCAST and op.bcast.result is not None:
                         self._push_result(op, peer, out, f"rank {msg.src} delivered it {heard} times "
                                                          f"over without a confirmation")
-                    op.watch_started.pop((phase, peer), None)
+                    op.watches.started.pop((phase, peer), None)
                     return
-        elif msg.answer or (phase, peer) in op.watch_started:
+        elif msg.answer or (phase, peer) in op.watches.started:
             return  # a second announcement of the same watch (an answer that came late)
         else:
-            (op.bcast_tries if phase is Phase.BCAST else op.reduce_tries).setdefault(peer, 0)
+            (op.watches.bcast_tries if phase is Phase.BCAST else op.watches.reduce_tries).setdefault(peer, 0)
         rate = float(msg.rate) or self.cfg.uplink_bytes_per_s
-        op.watch_started[(phase, peer)] = (now, msg.queued_bytes, rate)
+        op.watches.started[(phase, peer)] = (now, msg.queued_bytes, rate)
         kind = TimerKind.BCAST_WATCH if phase is Phase.BCAST else TimerKind.REDUCE_WATCH
         wait = self.timeouts.deadline_s(key, msg.queued_bytes, rate)
         if checked is not None and not msg.queued_bytes:
@@ -1081,55 +1019,55 @@ class TreeMachine:
             wait = max(wait, self.cfg.node_deadline_s)
         out.append(SetTimer(key=self._timer(kind, op, peer), at=now + wait))
 
-    def _on_meta_reduce_request(self, op: _Op, msg: Message, now: float, out: list[Action],
+    def _on_meta_reduce_request(self, op: Op, msg: Message, now: float, out: list[Action],
                                 link: LinkState | None = None) -> None:
         """An observer saw no confirmation of our subtree sum in time. If our link to the parent
         is moving, it is only slow: say so (META_REDUCE_SENT with fresh figures) and the
         observer waits on. If it stalled, or lost frames since we sent, hand the observer our
         sum to relay."""
         t = self._t(op)
-        if op.result is not None:
+        if op.bcast.result is not None:
             return None  # holding the result proves our sum reached the root already
-        if not op.reduce_sent or op.acc is None or t.me.parent is None:
+        if not op.reduce.sent or op.reduce.acc is None or t.me.parent is None:
             return self._protocol(out, msg, "nothing sent yet to relay")
         if msg.src not in (t.me.brother, t.me.uncle):
             return self._protocol(out, msg, "only our brother and uncle relay for us")
-        told = op.delivered_told.get(msg.src, 0)
-        if link is not None and not link.stalled and link.lost_at < op.sent_at and not op.rerouted \
+        told = op.watches.delivered_told.get(msg.src, 0)
+        if link is not None and not link.stalled and link.lost_at < op.reduce.sent_at and not op.reduce.rerouted \
                 and (link.pending_bytes or told < self.cfg.watch_retries):
             # Moving; or delivered to the parent's end, which has not confirmed yet (it may be
             # busy, or its confirmation slow). Said watch_retries times, the sum goes to the
             # observer instead: a frame dropped at the parent's end (an injected fault) comes
             # again no other way.
             if not link.pending_bytes:
-                op.delivered_told[msg.src] = told + 1
+                op.watches.delivered_told[msg.src] = told + 1
             out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_REDUCE_SENT, origin=self.rank, target=t.me.parent,
                                                         queued_bytes=link.pending_bytes, answer=True)))
             return None
-        if msg.src not in op.requested_by:
-            op.requested_by.append(msg.src)
-        contributors = tuple(sorted(op.contributors))
+        if msg.src not in op.reduce.requested_by:
+            op.reduce.requested_by.append(msg.src)
+        contributors = tuple(sorted(op.reduce.contributors))
         out.append(Send(dst=msg.src, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op), contributors,
                                                         origin=self.rank, target=t.me.parent)))
-        if op.rerouted and not op.sent_direct:
+        if op.reduce.rerouted and not op.reduce.sent_direct:
             # Our sum went around our uplink and an observer still sees no sign of it at the
             # parent: the way around is not getting through (the relay's own uplink may be cut
             # too). Try the direct link as well; the parent adds whichever copy comes first.
-            op.sent_direct = True
+            op.reduce.sent_direct = True
             out.append(Send(dst=t.me.parent, msg=self._data_msg(op, Kind.DATA_REDUCE, self._acc_wire(op),
                                                                    contributors, origin=self.rank)))
         return None
 
-    def _on_data_reduce_request(self, op: _Op, msg: Message, out: list[Action]) -> None:
+    def _on_data_reduce_request(self, op: Op, msg: Message, out: list[Action]) -> None:
         t = self._t(op)
         origin = msg.src
         watched = t.view.neighbours(origin)
         if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
             return self._protocol(out, msg, "not an observer of that link")
-        op.relayed_for.add(origin)
+        op.watches.relayed_for.add(origin)
         if msg.planned:
-            op.detoured_for.add(origin)
-        if op.checked_at.pop((Phase.REDUCE, origin), None) is not None:
+            op.watches.detoured_for.add(origin)
+        if op.watches.checked_at.pop((Phase.REDUCE, origin), None) is not None:
             out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, msg.target),
                             text=f"step {op.step}: no sign that rank {msg.target} got rank {origin}'s data in time, "
                                  f"and rank {origin} says it did not get through: relaying it"))
@@ -1145,11 +1083,11 @@ class TreeMachine:
         else:
             out.append(Note(step=op.step, cause=Cause.DATA_RELAYED, peer=origin, link=(origin, msg.target),
                             text=f"step {op.step}: relayed rank {origin}'s data to rank {msg.target}"))
-        if op.result is not None and origin not in op.bcast_confirmed:
+        if op.bcast.result is not None and origin not in op.watches.bcast_confirmed:
             self._push_result(op, origin, out, "its reduce link failed")
         return None
 
-    def _on_data_bcast(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_data_bcast(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         t = self._t(op)
         if msg.src not in (t.me.parent, t.me.brother, t.me.uncle):
             return self._protocol(out, msg, "only parent, brother or uncle send results")
@@ -1157,7 +1095,7 @@ class TreeMachine:
             out.append(Note(step=op.step, cause=Cause.STALE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a result during a view change"))
             return None
-        if op.result is not None or op.done:
+        if op.bcast.result is not None or op.done:
             out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of the result"))
             return None
@@ -1166,9 +1104,9 @@ class TreeMachine:
         if not self._matches(op, msg, now, out):
             return None
         self._take_result(op, msg)
-        op.result_contributors = msg.contributors
-        op.result_late = msg.late
-        if msg.src != t.me.parent and op.requested_by:
+        op.bcast.contributors = msg.contributors
+        op.bcast.late = msg.late
+        if msg.src != t.me.parent and op.reduce.requested_by:
             # Our sum needed a relay AND the result came around too: the link to the parent is
             # down both ways. A request alone is no proof (an observer cut off from our parent
             # asks in vain), so only both together make later steps route around it.
@@ -1176,7 +1114,7 @@ class TreeMachine:
         if msg.src != t.me.parent:
             parent = t.me.parent
             uplink = None if parent is None else (self.rank, parent)
-            if op.rerouted_planned:
+            if op.reduce.rerouted_planned:
                 out.append(Note(step=op.step, cause=Cause.DETOUR, peer=msg.src, link=uplink,
                                 text=f"step {op.step}: result came around link {self.rank}->{parent} through "
                                      f"rank {msg.src} (marked failed)"))
@@ -1186,7 +1124,7 @@ class TreeMachine:
         self._finish(op, now, out)
         return None
 
-    def _on_meta_bcast_sent(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_meta_bcast_sent(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """`target`'s parent sent it the result: watch for its confirmation (or, as the answer
         to a check, the result is still on its way: the watch starts over)."""
         target = msg.target
@@ -1194,12 +1132,12 @@ class TreeMachine:
         watched = t.view.neighbours(target) if target in self.view else None
         if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
             return self._protocol(out, msg, "not an observer of that link")
-        if target in op.bcast_confirmed or not self._ft:
+        if target in op.watches.bcast_confirmed or not self._ft:
             return None
         self._arm_watch(op, Phase.BCAST, target, (msg.src, target, Phase.BCAST), msg, now, out)
         return None
 
-    def _on_meta_bcast_request(self, op: _Op, msg: Message, out: list[Action], link: LinkState | None) -> None:
+    def _on_meta_bcast_request(self, op: Op, msg: Message, out: list[Action], link: LinkState | None) -> None:
         """A backup node of our child `target` saw no confirmation of the result we sent it: say
         whether it is still on its way (META_BCAST_SENT with fresh figures) or stuck
         (META_STALLED: the backup node sends its own copy)."""
@@ -1208,16 +1146,16 @@ class TreeMachine:
         if target not in t.me.children or msg.src not in (t.view.neighbours(target).brother,
                                                            t.view.neighbours(target).uncle):
             return self._protocol(out, msg, "not an observer of our link to that child")
-        if op.result is None:
+        if op.bcast.result is None:
             return None  # not sent yet: its announcement starts the watch over when it is
         pending = 0 if link is None else link.pending_bytes
-        told = op.delivered_told.get(msg.src, 0)
-        if target in op.relayed_children or (link is not None and (link.stalled or link.lost_at >= op.finished_at)) \
-                or (not pending and told >= self.cfg.watch_retries):
+        told = op.watches.delivered_told.get(msg.src, 0)
+        stuck = link is not None and (link.stalled or link.lost_at >= op.bcast.finished_at)
+        if target in op.reduce.relayed_children or stuck or (not pending and told >= self.cfg.watch_retries):
             out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_STALLED, target=target)))
         else:
             if not pending:
-                op.delivered_told[msg.src] = told + 1
+                op.watches.delivered_told[msg.src] = told + 1
             out.append(Send(dst=msg.src, msg=self._msg(op, Kind.META_BCAST_SENT, target=target, queued_bytes=pending,
                                                         answer=True)))
         return None
@@ -1234,23 +1172,23 @@ class TreeMachine:
                                                  chunk=msg.chunk, tree=msg.tree, chunks=msg.chunks, target=msg.target,
                                                  queued_bytes=link.pending_bytes if moving else 0, answer=moving)))
 
-    def _on_meta_stalled(self, op: _Op, msg: Message, out: list[Action]) -> None:
+    def _on_meta_stalled(self, op: Op, msg: Message, out: list[Action]) -> None:
         """The parent of `target` cannot get the result through: send ours (or once we hold it)."""
         target = msg.target
         t = self._t(op)
         watched = t.view.neighbours(target) if target in self.view else None
         if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
             return self._protocol(out, msg, "not an observer of that link")
-        if op.checked_at.pop((Phase.BCAST, target), None) is not None:
+        if op.watches.checked_at.pop((Phase.BCAST, target), None) is not None:
             out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, msg.src),
                             text=f"step {op.step}: no sign that rank {target} got the result in time, and rank "
                                  f"{msg.src} says it does not get through"))
-        if target in op.bcast_confirmed:
+        if target in op.watches.bcast_confirmed:
             return None
-        if op.result is not None:
+        if op.bcast.result is not None:
             self._push_result(op, target, out, f"link {msg.src}->{target} is not getting it through")
         else:
-            op.bcast_pending.add(target)
+            op.watches.bcast_pending.add(target)
         return None
 
     def _on_catchup(self, msg: Message, now: float, out: list[Action]) -> None:
@@ -1263,8 +1201,8 @@ class TreeMachine:
         if not self._matches(op, msg, now, out):
             return
         self._take_result(op, msg)
-        op.result_contributors = msg.contributors
-        op.result_late = msg.late
+        op.bcast.contributors = msg.contributors
+        op.bcast.late = msg.late
         op.done = True
         op.awaiting_catchup = False
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
@@ -1276,14 +1214,14 @@ class TreeMachine:
 
     # ---- finishing ---------------------------------------------------------------------
 
-    def _push_result(self, op: _Op, dst: int, out: list[Action], why: str) -> None:
+    def _push_result(self, op: Op, dst: int, out: list[Action], why: str) -> None:
         t = self._t(op)
-        assert op.result is not None
+        assert op.bcast.result is not None
         out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                    op.result_contributors, late=op.result_late)))
+                                                    op.bcast.contributors, late=op.bcast.late)))
         parent = t.view.neighbours(dst).parent
         link = None if parent is None else (dst, parent)
-        if dst in op.detoured_for:
+        if dst in op.watches.detoured_for:
             out.append(Note(step=op.step, cause=Cause.DETOUR, peer=dst, link=link,
                             text=f"step {op.step}: sent the result to rank {dst} around its link to rank "
                                  f"{parent} (marked failed)"))
@@ -1291,23 +1229,23 @@ class TreeMachine:
             out.append(Note(step=op.step, cause=Cause.RESULT_PUSHED, peer=dst, link=link,
                             text=f"step {op.step}: sent the result to rank {dst} directly ({why})"))
 
-    def _finish(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _finish(self, op: Op, now: float, out: list[Action]) -> None:
         """We hold the result: hand it up to the user and pass it down the tree."""
         t = self._t(op)
-        assert op.result is not None
+        assert op.bcast.result is not None
         op.done = True
-        op.finished_at = now
+        op.bcast.finished_at = now
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in t.me.children:
             if self._ft and self.cfg.link_memory and t.me.brother is not None \
-                    and op.relayed_children.get(child) == t.me.brother:
+                    and op.reduce.relayed_children.get(child) == t.me.brother:
                 # This op's data from it came around a broken link through our brother (its
                 # uncle), who gets the result from our parent and pushes it on. A relay that is
                 # our own child gets the result only from us: never skip for that one, or two
                 # brothers relaying for each other would each wait for the other.
                 continue
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                          op.result_contributors, late=op.result_late)))
+                                                          op.bcast.contributors, late=op.bcast.late)))
         if self._ft:
             for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
@@ -1317,26 +1255,26 @@ class TreeMachine:
                 for observer in (t.me.brother, *t.me.children):
                     if observer is not None and observer != child:
                         out.append(Send(dst=observer, msg=sent))
-            for k in sorted(op.relayed_for | op.bcast_pending):
-                if k not in op.bcast_confirmed:
+            for k in sorted(op.watches.relayed_for | op.watches.bcast_pending):
+                if k not in op.watches.bcast_confirmed:
                     self._push_result(op, k, out, "its primary link failed")
-            op.bcast_pending.clear()
+            op.watches.bcast_pending.clear()
         if t.me.parent is not None:
-            op.acc = op.acc_wire = None  # our sum is in the result now; drop the buffer early (see linger_s)
+            op.reduce.acc = op.reduce.acc_wire = None  # our sum is in the result now: drop the buffer (see linger_s)
         op.own = None  # our contribution too: the caller's buffer may take the next step's now
         out.append(self._completed(op))
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     @staticmethod
-    def _completed(op: _Op) -> Complete:
+    def _completed(op: Op) -> Complete:
         """The op's result for the caller: a read-only view, with whom it holds."""
-        assert op.result is not None
-        view = op.result.view()
+        assert op.bcast.result is not None
+        view = op.bcast.result.view()
         view.flags.writeable = False
-        return Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.result_contributors,
-                        late=op.result_late)
+        return Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.bcast.contributors,
+                        late=op.bcast.late)
 
-    def _emit_failure(self, op: _Op, failure: Fail, now: float, out: list[Action]) -> None:
+    def _emit_failure(self, op: Op, failure: Fail, now: float, out: list[Action]) -> None:
         op.done = True
         op.failure = failure  # a late rank's caller may come for it (_late_submit)
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
@@ -1344,7 +1282,7 @@ class TreeMachine:
         out.append(failure)
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
-    def _abort(self, op: _Op, code: AbortCode, reason: str, peers: tuple[int, ...], now: float,
+    def _abort(self, op: Op, code: AbortCode, reason: str, peers: tuple[int, ...], now: float,
                out: list[Action], *, remote: int = -1) -> None:
         """Fail the op here and flood ABORT to every neighbour so no one waits for a deadline."""
         t = self._t(op)
@@ -1377,7 +1315,8 @@ class TreeMachine:
         if key.kind in (TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH) and op.epoch != self.view.epoch \
                 and op.epoch not in self._same_trees:
             # a committed op of a view whose trees are gone (a member left): no link to watch
-            op.watch_started.pop((Phase.REDUCE if key.kind is TimerKind.REDUCE_WATCH else Phase.BCAST, key.peer), None)
+            phase = Phase.REDUCE if key.kind is TimerKind.REDUCE_WATCH else Phase.BCAST
+            op.watches.started.pop((phase, key.peer), None)
             return
         match key.kind:
             case TimerKind.REDUCE_WATCH:
@@ -1386,42 +1325,42 @@ class TreeMachine:
                 self._bcast_watch_fired(op, key.peer, now, out)
             case TimerKind.DEADLINE:
                 if not op.done and not self._extended(op, event, self.cfg.step_timeout_s, now, out):
-                    if self._t(op).me.parent is None and not op.reduce_sent:
+                    if self._t(op).me.parent is None and not op.reduce.sent:
                         self._root_gives_up(op, now, out)  # its reason names the missing ranks
                     else:
                         self._deadline(op, now, out)
             case TimerKind.STRAGGLER:
                 self._close(op, now, out)
             case TimerKind.ROOT_DEADLINE:
-                if not op.done and not op.reduce_sent and not self._extended(op, event, self.cfg.root_give_up_s, now,
+                if not op.done and not op.reduce.sent and not self._extended(op, event, self.cfg.root_give_up_s, now,
                                                                                  out):
                     self._root_gives_up(op, now, out)
             case TimerKind.LINGER:
                 self._linger_over(op, now, out)
 
-    def _root_gives_up(self, op: _Op, now: float, out: list[Action]) -> None:
-        missing = tuple(sorted(set(self.view.members) - op.contributors
-                               - {r for m in op.held.values() for r in m.contributors}))
-        waiting = sorted(set(self._t(op).me.children) - op.got_children)
+    def _root_gives_up(self, op: Op, now: float, out: list[Action]) -> None:
+        missing = tuple(sorted(set(self.view.members) - op.reduce.contributors
+                               - {r for m in op.reduce.held.values() for r in m.contributors}))
+        waiting = sorted(set(self._t(op).me.children) - op.reduce.got_children)
         reason = (f"no contribution from ranks {list(missing)} within {self._waited(op, now)} "
                   f"(root still waiting for the subtree sums of children {waiting})")
         self._abort(op, AbortCode.UNREACHABLE, reason, missing, now, out)
 
-    def _linger_over(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _linger_over(self, op: Op, now: float, out: list[Action]) -> None:
         if self.fenced:  # a holder may have to serve this result after the view change
             op.linger_over = True
-        elif op.closed_at >= 0 and not op.taken and op.done:
+        elif op.stragglers.closed_at >= 0 and not op.stragglers.taken and op.done:
             # closed without this rank, whose caller has not come for the result yet: kept for
             # it (at most CLOSE_AHEAD_STEPS steps ahead of its newest submit)
             out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
-        elif any(phase is Phase.BCAST for phase, _peer in op.watch_started):
+        elif any(phase is Phase.BCAST for phase, _peer in op.watches.started):
             # still watching a neighbour's result on its way over a slow link: this backup node
             # must be able to send its own copy if that one gets stuck
             out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
         else:
             self._retire(op)
 
-    def _extended(self, op: _Op, event: TimerFired, base_s: float, now: float, out: list[Action]) -> bool:
+    def _extended(self, op: Op, event: TimerFired, base_s: float, now: float, out: list[Action]) -> bool:
         """A step deadline gives up on silence, not on slowness: True (and the deadline moved on)
         if the step's bytes may still be on their way. Behind 1 Mbit/s a 1.63 MB step takes
         twenty seconds and more (a first step, cut for a LAN before a pace was agreed, three
@@ -1444,43 +1383,43 @@ class TreeMachine:
         computing = tuple(sorted(r for r, step in said.items() if step <= op.step and r != self.rank))
         last = op.started + base_s + self.cfg.submit_wait_s
         if computing and now < last:
-            if not op.computing and op.chunk == 0:  # one note a step
+            if not op.stragglers.computing and op.chunk == 0:  # one note a step
                 out.append(Note(step=op.step, cause=Cause.STILL_COMPUTING, peer=computing[0],
                                 seconds=now - op.started,
                                 text=f"step {op.step}: ranks {list(computing)} have not submitted it yet and say they "
                                      f"are computing; waiting for them (at most {self.cfg.submit_wait_s:g} s more)"))
-            op.computing = computing
+            op.stragglers.computing = computing
             out.append(SetTimer(key=key, at=min(now + again, last)))
             return True
         if key.kind is TimerKind.DEADLINE:
             return False
-        waiting = [c for c in self._t(op).me.children if c not in op.got_children]
+        waiting = [c for c in self._t(op).me.children if c not in op.reduce.got_children]
         if not event.alive or now - op.started >= base_s * MAX_DEADLINE_EXTENSIONS \
                 or not any(c in event.alive for c in waiting):
             return False
         out.append(SetTimer(key=key, at=now + again))
         return True
 
-    def _waited(self, op: _Op, now: float) -> str:
+    def _waited(self, op: Op, now: float) -> str:
         """How long a step was waited for, for an abort's reason: with the members it waited on
         as still computing, if it did."""
-        if not op.computing:
+        if not op.stragglers.computing:
             return f"{now - op.started:.3g} s"
-        return (f"{now - op.started:.3g} s, put off while ranks {list(op.computing)} said they were still "
+        return (f"{now - op.started:.3g} s, put off while ranks {list(op.stragglers.computing)} said they were still "
                 f"computing it (by at most submit_wait_s = {self.cfg.submit_wait_s:g} s)")
 
-    def _reduce_watch_fired(self, op: _Op, origin: int, now: float, out: list[Action]) -> None:
+    def _reduce_watch_fired(self, op: Op, origin: int, now: float, out: list[Action]) -> None:
         """No confirmation that `origin`'s sum reached its parent in time. First a check: ask the
         origin (META_REDUCE_REQUEST), which says the sum is still on its way or hands it over
         to relay. Only a check left unanswered is a watch that expired."""
         t = self._t(op)
-        if origin in op.reduce_confirmed or op.result is not None or op.done:
-            op.watch_started.pop((Phase.REDUCE, origin), None)
+        if origin in op.watches.reduce_confirmed or op.bcast.result is not None or op.done:
+            op.watches.started.pop((Phase.REDUCE, origin), None)
             return  # holding the result proves every subtree sum reached the root
-        tries = op.reduce_tries[origin] = op.reduce_tries.get(origin, 0) + 1
+        tries = op.watches.reduce_tries[origin] = op.watches.reduce_tries.get(origin, 0) + 1
         parent = t.view.neighbours(origin).parent
         assert parent is not None
-        op.watch_fired.add((Phase.REDUCE, origin))
+        op.watches.fired.add((Phase.REDUCE, origin))
         if tries > UNANSWERED_CHECKS:
             self.timeouts.timed_out((origin, parent, Phase.REDUCE))
             out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=origin, link=(origin, parent),
@@ -1490,56 +1429,56 @@ class TreeMachine:
             out.append(Note(step=op.step, cause=Cause.LINK_CHECKED, peer=origin, link=(origin, parent),
                             text=f"step {op.step}: no confirmation yet that rank {parent} got rank {origin}'s data; "
                                  f"asking rank {origin} whether it is getting through"))
-        op.checked_at.setdefault((Phase.REDUCE, origin), now)
+        op.watches.checked_at.setdefault((Phase.REDUCE, origin), now)
         out.append(Send(dst=origin, msg=self._msg(op, Kind.META_REDUCE_REQUEST, target=parent)))
         if tries <= self.cfg.watch_retries + UNANSWERED_CHECKS:
             out.append(SetTimer(key=self._timer(TimerKind.REDUCE_WATCH, op, origin), at=now + self.timeouts.check_s()))
         else:
-            op.watch_started.pop((Phase.REDUCE, origin), None)
+            op.watches.started.pop((Phase.REDUCE, origin), None)
 
-    def _bcast_watch_fired(self, op: _Op, target: int, now: float, out: list[Action]) -> None:
+    def _bcast_watch_fired(self, op: Op, target: int, now: float, out: list[Action]) -> None:
         """No confirmation that `target` got the result from its parent in time. First a check:
         ask the parent (META_BCAST_REQUEST), which says the result is still on its way or that
         it is stuck (META_STALLED). Only a check left unanswered is a watch that expired: then
         this backup node sends the result itself."""
         t = self._t(op)
-        if target in op.bcast_confirmed:
-            op.watch_started.pop((Phase.BCAST, target), None)
+        if target in op.watches.bcast_confirmed:
+            op.watches.started.pop((Phase.BCAST, target), None)
             return
-        tries = op.bcast_tries[target] = op.bcast_tries.get(target, 0) + 1
+        tries = op.watches.bcast_tries[target] = op.watches.bcast_tries.get(target, 0) + 1
         parent = t.view.neighbours(target).parent
         assert parent is not None
-        op.watch_fired.add((Phase.BCAST, target))
+        op.watches.fired.add((Phase.BCAST, target))
         wait = self.timeouts.check_s()
         if tries <= UNANSWERED_CHECKS:
-            op.checked_at.setdefault((Phase.BCAST, target), now)
+            op.watches.checked_at.setdefault((Phase.BCAST, target), now)
             out.append(Send(dst=parent, msg=self._msg(op, Kind.META_BCAST_REQUEST, target=target)))
             out.append(Note(step=op.step, cause=Cause.LINK_CHECKED, peer=target, link=(target, parent),
                             text=f"step {op.step}: no confirmation yet that rank {target} got the result from rank "
                                  f"{parent}; asking rank {parent} whether it is getting through"))
         else:
-            op.checked_at.pop((Phase.BCAST, target), None)
+            op.watches.checked_at.pop((Phase.BCAST, target), None)
             self.timeouts.timed_out((parent, target, Phase.BCAST))
             out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, parent),
                             text=f"step {op.step}: no sign that rank {target} got the result from rank {parent} "
                                  f"after a check (try {tries})"))
-            if op.result is not None:
+            if op.bcast.result is not None:
                 self._push_result(op, target, out, f"link {parent}->{target} looks broken")
-                started = op.watch_started.get((Phase.BCAST, target))
+                started = op.watches.started.get((Phase.BCAST, target))
                 if started is not None:  # our copy takes as long to arrive as the parent's
                     wait = max(wait, self.timeouts.deadline_s((parent, target, Phase.BCAST), started[1], started[2]))
             else:
-                op.bcast_pending.add(target)
+                op.watches.bcast_pending.add(target)
         if tries <= self.cfg.watch_retries + UNANSWERED_CHECKS:
             out.append(SetTimer(key=self._timer(TimerKind.BCAST_WATCH, op, target), at=now + wait))
         else:
-            op.watch_started.pop((Phase.BCAST, target), None)
+            op.watches.started.pop((Phase.BCAST, target), None)
 
-    def _deadline(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _deadline(self, op: Op, now: float, out: list[Action]) -> None:
         t = self._t(op)
         me = t.me
-        if not op.reduce_sent:
-            waiting = tuple(sorted(set(me.children) - op.got_children))
+        if not op.reduce.sent:
+            waiting = tuple(sorted(set(me.children) - op.reduce.got_children))
             reason = f"rank {self.rank} got no subtree sum from children {list(waiting)} within {self._waited(op, now)}"
             peers = waiting
         else:
@@ -1552,33 +1491,34 @@ class TreeMachine:
 
     # ---- stragglers (stragglers.py): a root closes a step without its late inputs ----------
 
-    def _maybe_arm_close(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _maybe_arm_close(self, op: Op, now: float, out: list[Action]) -> None:
         """As a tree's root under straggler_policy="deadline": once at most max_late inputs are
         missing and half are in, close the op straggler_grace_s past the median input."""
-        if self.cfg.straggler_policy != "deadline" or not op.closable or op.close_armed or op.reduce_sent or op.done:
+        st = op.stragglers
+        if self.cfg.straggler_policy != "deadline" or not st.closable or st.close_armed or op.reduce.sent or op.done:
             return
         t = self._t(op)
         if t.me.parent is not None or (op.submitted and op.combine is not np.add):
             return  # only roots decide; a closed step's zeros are only neutral in a sum
-        at = close_at(op.arrivals, len(t.me.children) + 1, self.cfg.max_late, self.cfg.straggler_grace_s)
+        at = close_at(st.arrivals, len(t.me.children) + 1, self.cfg.max_late, self.cfg.straggler_grace_s)
         if at is not None:
-            op.close_armed = True
+            st.close_armed = True
             out.append(SetTimer(key=self._timer(TimerKind.STRAGGLER, op), at=max(at, now)))
 
-    def _close(self, op: _Op, now: float, out: list[Action]) -> None:
+    def _close(self, op: Op, now: float, out: list[Action]) -> None:
         """The grace is over: the missing children are told to close (their late ranks take
         part with zeros), and this root takes part with zeros if it is the late one."""
-        if op.done or op.reduce_sent or self.fenced:
+        if op.done or op.reduce.sent or self.fenced:
             return
         if op.submitted:
-            assert op.acc is not None
-            size, dtype, signature = op.acc.size, op.dtype, op.signature
+            assert op.reduce.acc is not None
+            size, dtype, signature = op.reduce.acc.size, op.dtype, op.signature
         else:
-            if not op.held:
+            if not op.reduce.held:
                 return
-            first = next(iter(op.held.values()))
+            first = next(iter(op.reduce.held.values()))
             size, dtype, signature = first.numel, data_dtype(first.dtype), first.signature
-        missing = [c for c in self._t(op).me.children if c not in op.got_children]
+        missing = [c for c in self._t(op).me.children if c not in op.reduce.got_children]
         for child in missing:
             out.append(Note(step=op.step, cause=Cause.STEP_CLOSED, peer=child,
                             text=f"step {op.step} chunk {op.chunk}: closed without the late rank(s) below rank "
@@ -1590,15 +1530,15 @@ class TreeMachine:
                                  f"{self.cfg.straggler_grace_s:g} s past the median input"))
             self._close_here(op, size, dtype, signature, now, out)
 
-    def _close_below(self, op: _Op, children: list[int], size: int, dtype: str, signature: str,
+    def _close_below(self, op: Op, children: list[int], size: int, dtype: str, signature: str,
                      out: list[Action]) -> None:
         for child in children:
-            if child not in op.closed_children:
-                op.closed_children.add(child)
+            if child not in op.stragglers.closed_children:
+                op.stragglers.closed_children.add(child)
                 out.append(Send(dst=child, msg=self._msg(op, Kind.META_CLOSE, size=size, dtype=dtype,
                                                          signature=signature)))
 
-    def _close_here(self, op: _Op, size: int, dtype: str, signature: str, now: float, out: list[Action]) -> None:
+    def _close_here(self, op: Op, size: int, dtype: str, signature: str, now: float, out: list[Action]) -> None:
         """This rank is late for op's step: it takes part in this op with zeros, not counted, and
         so will its caller's contribution to every chunk of the step (_late_submit)."""
         self._closed_steps.setdefault(op.step, now)
@@ -1607,7 +1547,7 @@ class TreeMachine:
         self._start(Submit(step=op.step, chunk=op.chunk, chunks=op.chunks, data=identity_zeros(size, dtype),
                            signature=signature, contribute=False, closable=True), now, out, late=True)
 
-    def _on_close(self, op: _Op, msg: Message, now: float, out: list[Action]) -> None:
+    def _on_close(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """Our parent closed the op without the late ranks below it: pass it on to our missing
         children, and take part with zeros if we have not submitted."""
         t = self._t(op)
@@ -1616,11 +1556,11 @@ class TreeMachine:
         itemsize = np.dtype(msg.dtype).itemsize if msg.dtype in ZERO_DTYPES else 0
         if not itemsize or not 0 < msg.size * itemsize <= self.cfg.max_payload_bytes:
             return self._protocol(out, msg, f"a close for {msg.size} x {msg.dtype!r}, not a chunk a step can have")
-        if op.done or op.reduce_sent:
+        if op.done or op.reduce.sent:
             return None  # our sum went up before the close came
         if not op.submitted and op.step > self._max_step_submitted + CLOSE_AHEAD_STEPS:
             return None  # too far behind to take part with zeros: the step waits for us
-        self._close_below(op, [c for c in t.me.children if c not in op.got_children], msg.size, msg.dtype,
+        self._close_below(op, [c for c in t.me.children if c not in op.reduce.got_children], msg.size, msg.dtype,
                           msg.signature, out)
         if not op.submitted:
             self._close_here(op, msg.size, msg.dtype, msg.signature, now, out)
@@ -1628,13 +1568,13 @@ class TreeMachine:
 
     # ---- link memory, probes, hard failures ----------------------------------------------
 
-    def _sample(self, op: _Op, phase: Phase, peer: int, now: float) -> None:
+    def _sample(self, op: Op, phase: Phase, peer: int, now: float) -> None:
         """A confirmation arrived: feed the watch's duration to the timeout policy (Karn: not
         if the watch already fired)."""
         t = self._t(op)
-        started = op.watch_started.pop((phase, peer), None)
-        op.checked_at.pop((phase, peer), None)
-        if started is None or (phase, peer) in op.watch_fired:
+        started = op.watches.started.pop((phase, peer), None)
+        op.watches.checked_at.pop((phase, peer), None)
+        if started is None or (phase, peer) in op.watches.fired:
             return
         parent = t.view.neighbours(peer).parent
         if parent is not None:
@@ -1710,10 +1650,11 @@ class TreeMachine:
             return
         self._mark_up_failed(t, f"connection to rank {peer} failed: {reason}", now, out)
         for op in self._ops.values():
-            if op.tree == t.tree and op.reduce_sent and op.result is None and not op.done and not op.rerouted \
-                    and op.acc is not None:
-                op.rerouted = True
+            red = op.reduce
+            if op.tree == t.tree and red.sent and op.bcast.result is None and not op.done and not red.rerouted \
+                    and red.acc is not None:
+                op.reduce.rerouted = True
                 for relay in relays:
                     out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
-                                                                  tuple(sorted(op.contributors)),
+                                                                  tuple(sorted(op.reduce.contributors)),
                                                                   origin=self.rank, target=peer)))
