@@ -88,7 +88,7 @@ from .machine_status import UplinkStatus as UplinkStatus
 from .messages import COMPRESSIONS, Kind, Message
 from .op_state import Op, OpId
 from .reduce_ops import REDUCE_OPS
-from .timeouts import Phase, TimeoutPolicy
+from .timeouts import Phase
 from .topology import Neighbours
 from .tree_bcast import Broadcast
 from .tree_close import StragglerClose
@@ -116,28 +116,29 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
     and the routing of every frame and timer to the part that handles it."""
 
     def __init__(self, rank: int, view: View, config: Config | None = None) -> None:
+        # (MachineBase declares each of these with what it holds)
         self.rank = rank
         self.view = view
         self.cfg = config or Config()
-        self._rates: tuple[float, ...] | None = None  # the members' unequal uplinks (None: even shares)
-        self._earlier_rates: dict[int, tuple[float, ...] | None] = {}  # those of the _same_trees epochs
-        self._bf16_up = False  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
-        self.trees: tuple[Tree, ...] = self._build_trees(view)
-        self._ops: dict[OpId, Op] = {}
-        self._retired: set[OpId] = set()
-        self._retired_order: deque[OpId] = deque()  # the same ids, oldest retired first
-        self._retired_floor = -1  # ops of steps below this are retired too
+        self._rates = None
+        self._earlier_rates = {}
+        self._bf16_up = False
+        self.trees = self._build_trees(view)
+        self._ops = {}
+        self._retired = set()
+        self._retired_order = deque()
+        self._retired_floor = -1
         self._max_step_submitted = -1
         self._last_abort_at = -float("inf")
-        self.timeouts: TimeoutPolicy = self.cfg.make_timeouts()
-        self.fenced = False  # a view change is being agreed: take and produce no results
+        self.timeouts = self.cfg.make_timeouts()
+        self.fenced = False
         self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
-        self._expected: View | None = None  # a decided view of the same members, in effect from a later step
-        self._closed_steps: dict[int, float] = {}  # steps this rank took part in with zeros, late -> when
-        self._same_trees: set[int] = set()  # earlier epochs of these very members (pace changes): their ops go on
-        self.buffers = BufferPool(keep=SUM_BUFFERS)  # where subtree sums are added up
-        self.scratch = BufferPool(keep=SCRATCH_BUFFERS)  # compression's working arrays
-        self.empty_sums = 0  # subtree sums that named no contributor: taken as the child's arrival, none of it added
+        self._expected = None
+        self._closed_steps = {}
+        self._same_trees = set()
+        self.buffers = BufferPool(keep=SUM_BUFFERS)
+        self.scratch = BufferPool(keep=SCRATCH_BUFFERS)
+        self.empty_sums = 0
 
     # ---- public ------------------------------------------------------------------------
 

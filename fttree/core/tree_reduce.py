@@ -37,15 +37,16 @@ class Reduce(MachineBase):
 
     def _matches(self, op: Op, msg: Message, now: float, out: list[Action]) -> bool:
         """True if msg's tensor matches ours; otherwise abort the op everywhere."""
+        red = op.reduce
         if not op.submitted:
             return True
-        assert op.reduce.acc is not None
-        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == op.reduce.acc.size \
+        assert red.acc is not None
+        if msg.signature == op.signature and self._accepts(op, msg.dtype) and msg.numel == red.acc.size \
                 and msg.chunks == op.chunks:
             return True
         reason = (f"tensor mismatch: rank {msg.src} sent {msg.signature} ({msg.numel} x {msg.dtype}) "
                   f"for chunk {op.chunk} of {msg.chunks}, rank {self.rank} has {op.signature} "
-                  f"({op.reduce.acc.size} x {op.dtype}, chunk {op.chunk} of {op.chunks})")
+                  f"({red.acc.size} x {op.dtype}, chunk {op.chunk} of {op.chunks})")
         if msg.signature == op.signature and self._accepts(op, msg.dtype):
             reason += (": the same tensor cut into other chunks; chunk_bytes and uplink_bytes_per_s "
                        "(--chunk-bytes, --uplink) must be the same on every worker")
@@ -57,18 +58,20 @@ class Reduce(MachineBase):
         our own contribution, holding one that comes early until those before it are in. Float
         addition is not associative, so this is what makes a sum the same bits on every run,
         whatever order the data arrives in and whichever way a relay took it."""
+        red = op.reduce
         if not self.cfg.ordered_sums:  # as they came
-            for origin in list(op.reduce.held):
-                self._add(op, op.reduce.held.pop(origin))
-                op.reduce.added += 1
+            for origin in list(red.held):
+                self._add(op, red.held.pop(origin))
+                red.added += 1
             return
         children = self._t(op).me.children
-        while op.reduce.added < len(children) and children[op.reduce.added] in op.reduce.held:
-            self._add(op, op.reduce.held.pop(children[op.reduce.added]))
-            op.reduce.added += 1
+        while red.added < len(children) and children[red.added] in red.held:
+            self._add(op, red.held.pop(children[red.added]))
+            red.added += 1
 
     def _add(self, op: Op, msg: Message) -> None:
-        assert op.reduce.acc is not None
+        red = op.reduce
+        assert red.acc is not None
         assert msg.payload is not None
         if not msg.contributors:
             # A subtree sum of no rank (a joiner taking part without contributing, a late leaf):
@@ -83,38 +86,39 @@ class Reduce(MachineBase):
             incoming = from_wire(msg.payload, msg.dtype, op.dtype, into=self.scratch.array(msg.numel, op.dtype))
         else:
             incoming = from_wire(msg.payload, msg.dtype, op.dtype)
-        if op.reduce.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
-            op.reduce.acc = op.combine(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
+        if red.acc is op.own:  # the first sum: into a buffer of its own, so our contribution stays as it was
+            red.acc = op.combine(op.own, incoming, out=self.buffers.array(op.own.size, op.own.dtype))
         else:
-            op.combine(op.reduce.acc, incoming, out=op.reduce.acc)
-        op.reduce.contributors.update(msg.contributors)
+            op.combine(red.acc, incoming, out=red.acc)
+        red.contributors.update(msg.contributors)
         op.stragglers.late.update(msg.late)
 
     def _maybe_send_up(self, op: Op, now: float, out: list[Action]) -> None:
+        red = op.reduce
         t = self._t(op)
-        if not op.submitted or op.reduce.sent or op.done or len(op.reduce.got_children) < len(t.me.children):
+        if not op.submitted or red.sent or op.done or len(red.got_children) < len(t.me.children):
             return
-        assert op.reduce.acc is not None
-        op.reduce.sent = True
-        op.reduce.sent_at = now
-        contributors = tuple(sorted(op.reduce.contributors))
+        assert red.acc is not None
+        red.sent = True
+        red.sent_at = now
+        contributors = tuple(sorted(red.contributors))
         parent = t.me.parent
         if parent is None:  # the root: its subtree sum is the result
             if self.fenced:
-                op.reduce.sent = False  # a view change is being agreed: no result of this view now
+                red.sent = False  # a view change is being agreed: no result of this view now
                 return
             if op.wire != op.dtype:
                 # Compressed: the result is what the encoding holds, here as on every other
                 # rank (they decode the bytes we send), so all of them agree bit for bit.
-                encoded = to_wire(op.reduce.acc, op.wire, self.scratch)
+                encoded = to_wire(red.acc, op.wire, self.scratch)
                 op.bcast.wire = (encoded, op.wire)
                 # decoded into the sum's own buffer, done with now (never into our contribution)
-                into = None if op.reduce.acc is op.own else op.reduce.acc
-                op.bcast.result = op.reduce.acc = from_wire(encoded.data.cast("B"), op.wire, op.dtype, into=into)
+                into = None if red.acc is op.own else red.acc
+                op.bcast.result = red.acc = from_wire(encoded.data.cast("B"), op.wire, op.dtype, into=into)
             else:
-                if op.reduce.acc is op.own:  # a root without children: the result is a copy, never our contribution
-                    op.reduce.acc = op.reduce.acc.copy()
-                op.bcast.result = op.reduce.acc
+                if red.acc is op.own:  # a root without children: the result is a copy, never our contribution
+                    red.acc = red.acc.copy()
+                op.bcast.result = red.acc
             op.bcast.contributors = contributors
             op.bcast.late = tuple(sorted(op.stragglers.late))
             out.append(CancelTimer(key=self._timer(TimerKind.ROOT_DEADLINE, op)))
@@ -124,7 +128,7 @@ class Reduce(MachineBase):
         if self._ft and t.up.failed and t.up.relays:
             # link memory: straight to every backup, no timeout to pay. Both, because we cannot
             # tell which of them still reaches our parent; the parent adds the first copy only.
-            op.reduce.rerouted = op.reduce.rerouted_planned = True
+            red.rerouted = red.rerouted_planned = True
             for relay in t.up.relays:
                 out.append(Send(dst=relay, msg=self._data_msg(op, Kind.DATA_REDUCE_REQUEST, self._acc_wire(op),
                                                               contributors, origin=self.rank, target=parent,
@@ -141,6 +145,7 @@ class Reduce(MachineBase):
                                                                 origin=self.rank, target=parent)))
 
     def _on_data_reduce(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
+        red = op.reduce
         t = self._t(op)
         origin = msg.origin
         if origin not in t.subtrees:
@@ -151,24 +156,24 @@ class Reduce(MachineBase):
             t.down_failed.discard(origin)
         if op.done:
             return
-        if origin in op.reduce.got_children:
+        if origin in red.got_children:
             out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of rank {origin}'s subtree sum"))
             return
         contributors = set(msg.contributors)
         # (empty is allowed: a joiner still receiving its state takes part without contributing;
         # such a sum counts as the child's arrival, and _add adds none of its bytes)
-        if not contributors <= t.subtrees[origin] or contributors & op.reduce.contributors:
+        if not contributors <= t.subtrees[origin] or contributors & red.contributors:
             return self._protocol(out, msg, f"contributors {sorted(contributors)} are not a fresh part "
                                             f"of rank {origin}'s subtree")
         late = set(msg.late)
-        if not late <= t.subtrees[origin] or late & (contributors | op.reduce.contributors | op.stragglers.late):
+        if not late <= t.subtrees[origin] or late & (contributors | red.contributors | op.stragglers.late):
             return self._protocol(out, msg, f"late ranks {sorted(late)} are not a fresh part of rank {origin}'s "
                                             f"subtree apart from its contributors")
         if not self._matches(op, msg, now, out):
             return
-        op.reduce.got_children.add(origin)
-        op.reduce.held[origin] = msg
+        red.got_children.add(origin)
+        red.held[origin] = msg
         op.stragglers.closable = op.stragglers.closable or msg.closable
         op.stragglers.arrivals.append(now)
         self._maybe_arm_close(op, now, out)
@@ -184,7 +189,7 @@ class Reduce(MachineBase):
                 out.append(Note(step=op.step, cause=Cause.DATA_CAME_AROUND, peer=origin, link=(origin, self.rank),
                                 text=f"step {op.step}: data {origin}->{self.rank} lost, forwarded by {msg.src}"))
             t.down_failed.add(origin)
-            op.reduce.relayed_children[origin] = msg.src
+            red.relayed_children[origin] = msg.src
         if self._ft:
             confirm = self._msg(op, Kind.META_REDUCE_RECEIVED, origin=origin)
             for observer in (t.me.brother, *t.me.children):
