@@ -22,18 +22,21 @@ class Broadcast(MachineBase):
     def _result_wire(self, op: Op) -> tuple[np.ndarray, str]:
         """The result as it travels: the encoded form the root made (or we received), never
         encoded again here, so every rank decodes the same bytes."""
-        assert op.bcast.result is not None
-        return op.bcast.wire if op.bcast.wire is not None else (op.bcast.result, op.bcast.result.dtype.str)
+        bc = op.bcast
+        assert bc.result is not None
+        return bc.wire if bc.wire is not None else (bc.result, bc.result.dtype.str)
 
     def _take_result(self, op: Op, msg: Message) -> np.ndarray:
+        bc = op.bcast
         assert msg.payload is not None
-        op.bcast.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
+        bc.result = result = from_wire(msg.payload, msg.dtype, op.dtype)
         if msg.dtype != op.dtype:  # keep the bytes to pass on as they came
             held = np.frombuffer(msg.payload, dtype=wire_unit(msg.dtype))
-            op.bcast.wire = (held, msg.dtype)
+            bc.wire = (held, msg.dtype)
         return result
 
     def _on_data_bcast(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
+        bc = op.bcast
         t = self._t(op)
         if msg.src not in (t.me.parent, t.me.brother, t.me.uncle):
             return self._protocol(out, msg, "only parent, brother or uncle send results")
@@ -41,7 +44,7 @@ class Broadcast(MachineBase):
             out.append(Note(step=op.step, cause=Cause.STALE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a result during a view change"))
             return None
-        if op.bcast.result is not None or op.done:
+        if bc.result is not None or op.done:
             out.append(Note(step=op.step, cause=Cause.DUPLICATE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a second copy of the result"))
             return None
@@ -50,8 +53,8 @@ class Broadcast(MachineBase):
         if not self._matches(op, msg, now, out):
             return None
         self._take_result(op, msg)
-        op.bcast.contributors = msg.contributors
-        op.bcast.late = msg.late
+        bc.contributors = msg.contributors
+        bc.late = msg.late
         if msg.src != t.me.parent and op.reduce.requested_by:
             # Our sum needed a relay AND the result came around too: the link to the parent is
             # down both ways. A request alone is no proof (an observer cut off from our parent
@@ -128,10 +131,11 @@ class Broadcast(MachineBase):
         out.append(SetTimer(key=self._timer(TimerKind.LINGER, op), at=now + self.cfg.linger_s))
 
     def _push_result(self, op: Op, dst: int, out: list[Action], why: str) -> None:
+        bc = op.bcast
         t = self._t(op)
-        assert op.bcast.result is not None
+        assert bc.result is not None
         out.append(Send(dst=dst, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                    op.bcast.contributors, late=op.bcast.late)))
+                                                    bc.contributors, late=bc.late)))
         parent = t.view.neighbours(dst).parent
         link = None if parent is None else (dst, parent)
         if dst in op.watches.detoured_for:
@@ -144,10 +148,12 @@ class Broadcast(MachineBase):
 
     def _finish(self, op: Op, now: float, out: list[Action]) -> None:
         """We hold the result: hand it up to the user and pass it down the tree."""
+        w = op.watches
+        bc = op.bcast
         t = self._t(op)
-        assert op.bcast.result is not None
+        assert bc.result is not None
         op.done = True
-        op.bcast.finished_at = now
+        bc.finished_at = now
         out.append(CancelTimer(key=self._timer(TimerKind.DEADLINE, op)))
         for child in t.me.children:
             if self._ft and self.cfg.link_memory and t.me.brother is not None \
@@ -158,7 +164,7 @@ class Broadcast(MachineBase):
                 # brothers relaying for each other would each wait for the other.
                 continue
             out.append(Send(dst=child, msg=self._data_msg(op, Kind.DATA_BCAST, self._result_wire(op),
-                                                          op.bcast.contributors, late=op.bcast.late)))
+                                                          bc.contributors, late=bc.late)))
         if self._ft:
             for observer in (t.me.brother, t.me.uncle):
                 if observer is not None:
@@ -168,10 +174,10 @@ class Broadcast(MachineBase):
                 for observer in (t.me.brother, *t.me.children):
                     if observer is not None and observer != child:
                         out.append(Send(dst=observer, msg=sent))
-            for k in sorted(op.watches.relayed_for | op.watches.bcast_pending):
-                if k not in op.watches.bcast_confirmed:
+            for k in sorted(w.relayed_for | w.bcast_pending):
+                if k not in w.bcast_confirmed:
                     self._push_result(op, k, out, "its primary link failed")
-            op.watches.bcast_pending.clear()
+            w.bcast_pending.clear()
         if t.me.parent is not None:
             op.reduce.acc = op.reduce.acc_wire = None  # our sum is in the result now: drop the buffer (see linger_s)
         op.own = None  # our contribution too: the caller's buffer may take the next step's now
@@ -181,8 +187,9 @@ class Broadcast(MachineBase):
     @staticmethod
     def _completed(op: Op) -> Complete:
         """The op's result for the caller: a read-only view, with whom it holds."""
-        assert op.bcast.result is not None
-        view = op.bcast.result.view()
+        bc = op.bcast
+        assert bc.result is not None
+        view = bc.result.view()
         view.flags.writeable = False
-        return Complete(step=op.step, chunk=op.chunk, result=view, contributors=op.bcast.contributors,
-                        late=op.bcast.late)
+        return Complete(step=op.step, chunk=op.chunk, result=view, contributors=bc.contributors,
+                        late=bc.late)

@@ -40,25 +40,26 @@ class Watching(MachineBase):
                    now: float, out: list[Action]) -> None:
         """(Re)start the watch of `peer`'s link in `phase` with the figures `msg` carries: what
         its sender had queued, unacknowledged, and the rate its uplink sends at."""
-        checked = op.watches.checked_at.pop((phase, peer), None) if msg.answer else None
+        w = op.watches
+        checked = w.checked_at.pop((phase, peer), None) if msg.answer else None
         if checked is not None:  # the answer to our check: the frame is on its way, the watch starts over
             self.timeouts.observe_check(now - checked)
-            op.watches.fired.add((phase, peer))  # Karn: this watch gives no sample
-            (op.watches.bcast_tries if phase is Phase.BCAST else op.watches.reduce_tries)[peer] = 0
+            w.fired.add((phase, peer))  # Karn: this watch gives no sample
+            (w.bcast_tries if phase is Phase.BCAST else w.reduce_tries)[peer] = 0
             if not msg.queued_bytes:  # delivered to the far end, which has not confirmed: not forever
-                heard = op.watches.delivered_heard[(phase, peer)] = op.watches.delivered_heard.get((phase, peer), 0) + 1
+                heard = w.delivered_heard[(phase, peer)] = w.delivered_heard.get((phase, peer), 0) + 1
                 if heard > self.cfg.watch_retries + 1:
                     if phase is Phase.BCAST and op.bcast.result is not None:
                         self._push_result(op, peer, out, f"rank {msg.src} delivered it {heard} times "
                                                          f"over without a confirmation")
-                    op.watches.started.pop((phase, peer), None)
+                    w.started.pop((phase, peer), None)
                     return
-        elif msg.answer or (phase, peer) in op.watches.started:
+        elif msg.answer or (phase, peer) in w.started:
             return  # a second announcement of the same watch (an answer that came late)
         else:
-            (op.watches.bcast_tries if phase is Phase.BCAST else op.watches.reduce_tries).setdefault(peer, 0)
+            (w.bcast_tries if phase is Phase.BCAST else w.reduce_tries).setdefault(peer, 0)
         rate = float(msg.rate) or self.cfg.uplink_bytes_per_s
-        op.watches.started[(phase, peer)] = (now, msg.queued_bytes, rate)
+        w.started[(phase, peer)] = (now, msg.queued_bytes, rate)
         kind = TimerKind.BCAST_WATCH if phase is Phase.BCAST else TimerKind.REDUCE_WATCH
         wait = self.timeouts.deadline_s(key, msg.queued_bytes, rate)
         if checked is not None and not msg.queued_bytes:
@@ -197,10 +198,11 @@ class Watching(MachineBase):
     def _sample(self, op: Op, phase: Phase, peer: int, now: float) -> None:
         """A confirmation arrived: feed the watch's duration to the timeout policy (Karn: not
         if the watch already fired)."""
+        w = op.watches
         t = self._t(op)
-        started = op.watches.started.pop((phase, peer), None)
-        op.watches.checked_at.pop((phase, peer), None)
-        if started is None or (phase, peer) in op.watches.fired:
+        started = w.started.pop((phase, peer), None)
+        w.checked_at.pop((phase, peer), None)
+        if started is None or (phase, peer) in w.fired:
             return
         parent = t.view.neighbours(peer).parent
         if parent is not None:
