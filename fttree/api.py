@@ -580,8 +580,8 @@ class FTTreeAllreduce:
     def outcome_limit_s(self, nbytes: int) -> float:
         """How long a blocking call waits for a step's outcome before it calls the event loop
         stuck. The node fails a step itself, at a deadline that allows three times the step's
-        bytes at the slowest rate it knows (protocol.TreeMachine._extended); this backstop
-        allows twice that at the slowest rate known here (the view's pace, the declared
+        bytes at the slowest rate it knows (TreeMachine._extended, core/tree_deadlines.py); this
+        backstop allows twice that at the slowest rate known here (the view's pace, the declared
         uplinks), so a healthy 100 MB step behind 10 Mbit/s (80 s and more) is not cut short,
         and the node's wait for a member still computing (submit_wait_s)."""
         cfg = self.config

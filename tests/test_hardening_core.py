@@ -269,7 +269,7 @@ def test_forged_early_data_beyond_the_bound_is_dropped_and_counted() -> None:
         notes += [a for a in out if getattr(a, "cause", None) is not None]
     limit = replica.early_limit()
     assert limit == EARLY_BYTES_FLOOR
-    held = sum(len(m.payload) for op in replica.machine._ops.values() for m in op.held.values()  # type: ignore[arg-type]
+    held = sum(len(m.payload) for op in replica.machine._ops.values() for m in op.reduce.held.values()  # type: ignore[arg-type]
                if m.payload is not None)
     assert replica.early_bytes == held <= limit
     assert held == 4 * big.nbytes

@@ -1,0 +1,218 @@
+"""What every part of the tree machine may use: its state, and the helpers that each part needs.
+
+The tree machine (protocol.py) is one class mixed from parts, a module each: the reduce
+(tree_reduce.py), the broadcast (tree_bcast.py), the backup-node watches (tree_watches.py),
+the straggler close (tree_close.py), deadlines and aborts (tree_deadlines.py) and link memory
+(tree_links.py). Each part derives from `MachineBase`: here are the state they share (set in
+TreeMachine.__init__), the helpers (an op's frames and timers, its tree, finding and retiring
+ops), and, declared abstract, the few methods one part calls on another. Method lookup through
+the mixed-in class costs what it did in one class: the per-frame code gains no layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .buffers import BufferPool
+from .config import Config
+from .effects import AbortCode, Action, Cause, Complete, Note, TimerKey, TimerKind
+from .events import Submit
+from .messages import Kind, Message, wire_numel
+from .op_state import Op, OpId
+from .shares import measured_rates, plan, tree_of_planned, uniform
+from .timeouts import TimeoutPolicy
+from .trees import tree_of
+from .view import View
+
+if TYPE_CHECKING:
+    from .tree_links import Tree
+
+
+class MachineBase(ABC):
+    """The tree machine's shared state and helpers; TreeMachine (protocol.py) is the class to use."""
+
+    rank: int
+    view: View
+    cfg: Config
+    trees: tuple[Tree, ...]  # this rank's place in every tree of the view, tree 0 first (trees.py)
+    timeouts: TimeoutPolicy
+    fenced: bool  # a view change is being agreed: take and produce no results
+    buffers: BufferPool  # where subtree sums are added up
+    scratch: BufferPool  # compression's working arrays
+    empty_sums: int  # subtree sums that named no contributor: taken as the child's arrival, none of it added
+    _ops: dict[OpId, Op]
+    _retired: set[OpId]
+    _retired_order: deque[OpId]  # the same ids, oldest retired first
+    _retired_floor: int  # ops of steps below this are retired too
+    _max_step_submitted: int
+    _last_abort_at: float
+    _closed_steps: dict[int, float]  # steps this rank took part in with zeros, late -> when
+    _same_trees: set[int]  # earlier epochs of these very members (pace changes): their ops go on
+    _expected: View | None  # a decided view of the same members, in effect from a later step
+    _rates: tuple[float, ...] | None  # the members' unequal uplinks (None: even shares)
+    _earlier_rates: dict[int, tuple[float, ...] | None]  # those of the _same_trees epochs
+    _bf16_up: bool  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
+
+    # ---- one part calls these on another (each is implemented in the part named) -----------
+
+    @abstractmethod
+    def _start(self, ev: Submit, now: float, out: list[Action], *, late: bool = False) -> None:
+        """Our contribution to an op (protocol.py)."""
+
+    @abstractmethod
+    def _matches(self, op: Op, msg: Message, now: float, out: list[Action]) -> bool:
+        """Does msg's tensor match ours? Otherwise the op aborts everywhere (tree_reduce.py)."""
+
+    @abstractmethod
+    def _acc_wire(self, op: Op) -> tuple[np.ndarray, str]:
+        """Our subtree sum as it travels (tree_reduce.py)."""
+
+    @abstractmethod
+    def _finish(self, op: Op, now: float, out: list[Action]) -> None:
+        """We hold the result: to the caller and down the tree (tree_bcast.py)."""
+
+    @staticmethod
+    @abstractmethod
+    def _completed(op: Op) -> Complete:
+        """The op's result for the caller (tree_bcast.py)."""
+
+    @abstractmethod
+    def _push_result(self, op: Op, dst: int, out: list[Action], why: str) -> None:
+        """The result straight to `dst`, whose link failed (tree_bcast.py)."""
+
+    @abstractmethod
+    def _maybe_arm_close(self, op: Op, now: float, out: list[Action]) -> None:
+        """A root may close the op without its late inputs (tree_close.py)."""
+
+    @abstractmethod
+    def _abort(self, op: Op, code: AbortCode, reason: str, peers: tuple[int, ...], now: float,
+               out: list[Action], *, remote: int = -1) -> None:
+        """Fail the op here and flood ABORT (tree_deadlines.py)."""
+
+    @abstractmethod
+    def _mark_up_failed(self, t: Tree, why: str, now: float, out: list[Action]) -> None:
+        """Link memory: tree `t`'s uplink is failed (tree_links.py)."""
+
+    # ---- the trees (trees.py) and an op's frames ------------------------------------------
+
+    def _follow_uplinks(self, view: View) -> tuple[tuple[float, ...] | None, bool]:
+        """The members' uplinks the shares follow in `view` (None: even shares), and whether
+        this rank's is slow enough to send its sums as bf16: the declared ones
+        (Config.uplinks_by_rank) or else the measured ones the view holds."""
+        if self.cfg.uplinks_by_rank:
+            rates: tuple[float, ...] | None = tuple(self.cfg.uplink_of(r) for r in view.members)  # in slot order
+            mine = self.cfg.uplink_of(self.rank)
+        else:
+            rates = measured_rates([view.planned_uplink(r) for r in view.members])
+            mine = view.uplink_of(self.rank) or self.cfg.uplink_bytes_per_s
+        if self.cfg.trees != "rotated" or rates is None or uniform(rates) or view.reach:
+            # (the shares plan p trees that rotate everybody: reach.py)
+            rates = None
+        return rates, mine < self.cfg.bf16_uplinks_below
+
+    def _rates_in(self, epoch: int | None) -> tuple[float, ...] | None:
+        """The shares' uplinks in view `epoch`: a pace change keeps the trees, but each view's
+        ops keep that view's shares."""
+        if epoch is None or epoch == self.view.epoch:
+            return self._rates
+        if self._expected is not None and epoch == self._expected.epoch:
+            return self._follow_uplinks(self._expected)[0]
+        return self._earlier_rates.get(epoch, self._rates)
+
+    def tree_of(self, chunk: int, chunks: int, epoch: int | None = None) -> int:
+        """The tree chunk `chunk` of a step of `chunks` chunks runs on in this view (trees.py).
+        A one-chunk step always runs on tree 0: small tensors and their fault costs are those
+        of the single tree. Stateless, so a frame that comes before the local submit is checked
+        against the same rule (and `tree` in its header). With unequal uplinks (declared, or
+        measured and held by the view) the rotated trees carry shares that follow them
+        (shares.py)."""
+        rates = self._rates_in(epoch)
+        if rates is not None and chunks >= 2 and len(rates) >= 2:
+            return tree_of_planned(plan(rates, chunks), chunk)
+        return tree_of(self.cfg.trees, chunk, chunks, self.view.size, self.view.turn(self.cfg.trees))
+
+    def _t(self, op: Op) -> Tree:
+        return self.trees[op.tree]
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Every rank this one exchanges frames with: its neighbours in every tree (the
+        transport connects to these at start)."""
+        if len(self.trees) == 1:
+            return self.trees[0].me.all
+        return tuple(sorted({r for t in self.trees for r in t.me.all}))
+
+    @property
+    def _ft(self) -> bool:
+        return self.cfg.fault_tolerant
+
+    def _msg(self, op: Op, kind: Kind, **kw: object) -> Message:
+        return Message(kind=kind, src=self.rank, epoch=op.epoch, step=op.step, chunk=op.chunk, tree=op.tree,
+                       chunks=op.chunks, **kw)  # type: ignore[arg-type]
+
+    def _data_msg(self, op: Op, kind: Kind, wire: tuple[np.ndarray, str], contributors: tuple[int, ...],
+                  **kw: object) -> Message:
+        array, dtype = wire
+        return self._msg(op, kind, payload=array.data.cast("B"), dtype=dtype,
+                         numel=wire_numel(dtype, array), signature=op.signature,
+                         contributors=contributors, **kw)
+
+    def is_retired(self, op_id: OpId) -> bool:
+        """Has this op finished here long enough ago that its messages are dropped?"""
+        return op_id[0] < self._retired_floor or op_id in self._retired
+
+    def _get_op(self, step: int, chunk: int, chunks: int, out: list[Action], src: int,
+                epoch: int | None = None) -> Op | None:
+        op_id = (step, chunk)
+        op = self._ops.get(op_id)
+        if op is not None:
+            return op
+        if self.is_retired(op_id):
+            out.append(Note(step=step, cause=Cause.STALE_DROPPED, peer=src,
+                            text=f"dropped a late message of retired step {step} chunk {chunk}"))
+            return None
+        if step < 0 or chunk < 0 or step > self._max_step_submitted + self.cfg.max_ops_ahead:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk}: too far ahead"))
+            return None
+        if not chunk < chunks <= self.cfg.max_step_chunks:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk} of {chunks}: not a chunk a step "
+                                 f"can have (at most {self.cfg.max_step_chunks})"))
+            return None
+        if len(self._ops) >= self.cfg.max_live_ops:
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message for step {step} chunk {chunk}: {len(self._ops)} ops in flight "
+                                 f"already (max_live_ops)"))
+            return None
+        op = self._ops[op_id] = Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
+                                    chunks=chunks, tree=self.tree_of(chunk, chunks, epoch))
+        return op
+
+    def _retire(self, op: Op) -> None:
+        """Forget a finished op but remember its id, so its late messages are dropped.
+
+        At most `retired_memory` ids are kept, oldest retired first out, in O(1) per op. An id
+        that falls out raises the floor to its step: every step below the floor was submitted
+        here (steps are submitted in order), so an op below it is active or retired."""
+        op_id = (op.step, op.chunk)
+        self._ops.pop(op_id, None)
+        if op_id in self._retired:
+            return
+        self._retired.add(op_id)
+        self._retired_order.append(op_id)
+        while len(self._retired_order) > self.cfg.retired_memory:
+            oldest = self._retired_order.popleft()
+            self._retired.discard(oldest)
+            self._retired_floor = max(self._retired_floor, oldest[0])
+
+    def _timer(self, kind: TimerKind, op: Op, peer: int = -1) -> TimerKey:
+        return TimerKey(kind, op.step, op.chunk, peer, op.epoch)
+
+    def _protocol(self, out: list[Action], msg: Message, why: str) -> None:
+        out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
+                        text=f"dropped {msg.kind.name} from rank {msg.src}: {why}"))
