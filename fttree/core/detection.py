@@ -212,7 +212,7 @@ class Detector:
     def computing(self, now: float) -> dict[int, int]:
         """Members that said lately that they are alive and have not submitted a step yet ->
         the oldest such step. A step waiting on one of them is slow, not broken: its deadlines
-        are put off (protocol.TreeMachine._extended), up to Config.submit_wait_s."""
+        are put off (tree_deadlines.Deadlines._extended), up to Config.submit_wait_s."""
         fresh = now - COMPUTING_FRESH * self.node_deadline_s
         view = self.m.view
         return {peer: step for peer, (step, said) in self.computing_of.items() if said >= fresh and peer in view}
