@@ -42,6 +42,13 @@ FORGED = [
 ]
 
 
+# How long a connection the workers should close may take to be closed. They close at once (a
+# bad frame) or at their handshake deadline (a silent peer), but on a loaded machine their event
+# loop can be seconds late; the wait tells "never closed" from "closed late", and the report's
+# `slowest_close_s` says how late the latest was. A pass waits only as long as the closes take.
+CLOSE_WAIT_S = 30.0
+
+
 def frames() -> list[bytes]:
     out = [b"".join(bytes(b) for b in encode(m)) for m in FORGED]
     data = Message(kind=Kind.DATA_REDUCE, src=1, origin=1, step=0, contributors=(1,), dtype="<f4", numel=4,
@@ -57,17 +64,19 @@ class Outsider:
         self.not_closed: list[str] = []
         self.answered_after_handshake = 0
         self.challenges = 0
+        self.slowest_close_s = 0.0
 
     def _connect(self, target: tuple[str, int], source: str | None = None) -> socket.socket | None:
         try:
             sock = socket.create_connection(target, timeout=5, source_address=(source or self.source, 0))
         except OSError:
             return None
-        sock.settimeout(5)
+        sock.settimeout(CLOSE_WAIT_S)
         return sock
 
     def _closed(self, sock: socket.socket, what: str) -> None:
-        """Wait for the worker to close `sock`; note it if it does not."""
+        """Wait for the worker to close `sock` (up to the socket's timeout); note it if it does not."""
+        waited = time.monotonic()
         try:
             while True:
                 got = sock.recv(65536)
@@ -80,6 +89,7 @@ class Outsider:
             self.not_closed.append(what)
         finally:
             sock.close()
+            self.slowest_close_s = max(self.slowest_close_s, time.monotonic() - waited)
 
     def _count(self, what: str) -> None:
         self.tried[what] = self.tried.get(what, 0) + 1
@@ -167,7 +177,8 @@ def main() -> int:
     p.add_argument("--source", default="127.0.0.100")
     p.add_argument("--member-source", default="127.0.0.2", help="a member's address, to forge the source")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--idle-wait", type=float, default=5.0)
+    p.add_argument("--idle-wait", type=float, default=CLOSE_WAIT_S,
+                   help="how long a connection that never speaks may stay open")
     args = p.parse_args()
     targets = [(h, int(port)) for h, port in (t.rsplit(":", 1) for t in args.targets.split(","))]
     o = Outsider(targets, args.source, args.job)
@@ -185,6 +196,7 @@ def main() -> int:
         o.idle(target, 30, args.idle_wait)
     print(json.dumps({"tried": o.tried, "not_closed": o.not_closed, "challenges": o.challenges,
                       "answered_after_handshake": o.answered_after_handshake,
+                      "slowest_close_s": round(o.slowest_close_s, 2),
                       "seconds": round(time.monotonic() - started, 2)}))
     return 0
 

@@ -1,10 +1,12 @@
-"""Shared test helpers: free ports and a local cluster of in-process workers."""
+"""Shared test helpers: free ports and a local cluster of in-process workers; and how the suite
+runs in parallel (pytest-xdist), with the tests that change the kernel's network kept apart."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +14,73 @@ import pytest
 from fttree import FTTreeAllreduce
 from fttree.net import address
 from fttree.status.cli import HTTP_PORT_OFFSET
+
+# ---- parallel by default ----------------------------------------------------------------------
+
+# Most tests wait on real processes, sockets and deadlines rather than on the CPU, so the suite
+# runs on this many xdist workers unless the command line says otherwise (`-n 0` runs in this
+# process; `-p no:xdist` leaves xdist out altogether).
+WORKERS = 3
+
+# Tests that create network namespaces, iptables rules or tc qdiscs run one at a time, on one
+# worker, so that no two of them contend for the kernel's xtables lock or measure each other's
+# shaped links: whole modules by file name, and single tests by file::name. The scheduler sees
+# only node ids (it collects nothing), hence lists rather than markers; a test marked `realnet`
+# that they miss stops the collection (see pytest_collection_modifyitems).
+NETNS_MODULES = frozenset({
+    "test_realnet.py", "test_nat_netns.py", "test_nat_restart.py", "test_uplink.py", "test_bench_uplink.py",
+})
+NETNS_TESTS = frozenset({
+    "test_chaos.py::test_a_short_seeded_chaos_run",  # as root it cuts links in a namespace of its own
+    "test_double_tree.py::test_launch_real_cut_of_a_tree_1_link_with_the_double_tree",
+    "test_node_failures_real.py::test_partition_majority_goes_on_minority_stops",
+    "test_slow_links_real.py::test_launch_at_defaults_behind_real_slow_uplinks",
+    "test_torchrun.py::test_ddp_on_the_fttree_backend_across_two_hosts_with_a_link_cut_mid_run",
+    "test_torchrun.py::test_from_env_across_two_hosts_survives_a_killed_worker_under_the_guard",
+})
+NETNS_UNIT = "kernel network (namespaces, iptables, tc)"
+
+
+def kernel_network_test(nodeid: str) -> bool:
+    """Whether the test with this node id changes the kernel's network."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1]
+    return module in NETNS_MODULES or f"{module}::{name.split('[')[0]}" in NETNS_TESTS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`python -m pytest` alone runs on WORKERS workers; not when -n was given, nor under --pdb,
+    nor in a worker (which parses the command line afresh and would start workers of its own)."""
+    if (config.pluginmanager.has_plugin("xdist") and not hasattr(config, "workerinput")
+            and config.option.numprocesses is None and not config.getoption("usepdb", False)):
+        config.option.numprocesses = WORKERS
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under --dist load (what -n gives) or loadgroup: tests one by one to whichever worker is
+    free, except the kernel-network tests, which go to one worker as one unit, first (the
+    scheduler hands out the largest unit first). Not xdist_group: with pytest 9.2, xdist 3.8's
+    worker renames grouped tests through an attribute pytest no longer reads, so no group formed."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class KernelNetworkApart(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return NETNS_UNIT if kernel_network_test(nodeid) else super()._split_scope(nodeid)
+
+    if config.getvalue("dist") in ("load", "loadgroup"):
+        return KernelNetworkApart(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked `realnet` that the lists above miss would run beside the others: refuse."""
+    missed = [item.nodeid for item in items
+              if item.get_closest_marker("realnet") is not None and not kernel_network_test(item.nodeid)]
+    if missed:
+        raise pytest.UsageError("tests marked realnet are missing from NETNS_MODULES or NETNS_TESTS in "
+                                f"tests/conftest.py (they would run beside the other namespace tests): {missed}")
 
 
 def free_port() -> int:

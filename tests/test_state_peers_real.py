@@ -9,6 +9,8 @@ import signal
 
 from fttree.tools import bench_peers
 
+from .conftest import free_port
+
 STATE_MB = 8.0  # about nine 1 MiB pieces beside the model's
 
 
@@ -22,7 +24,7 @@ def _same_model(out: bench_peers.Outcome, ranks: list[int]) -> None:
 def test_a_restarted_worker_takes_its_state_from_every_live_donor() -> None:
     """Every donor holds the state as of the step the join took effect and is dealt a share of
     its pieces, however late its answer: each of the three delivers some."""
-    out = bench_peers.run(4, 2000, state_mb=STATE_MB, port=34200)
+    out = bench_peers.run(4, 2000, state_mb=STATE_MB, port=free_port())
     ev = out.rejoined[3].events
     assert "seconds" in ev, (out.codes, ev)
     assert sorted(ev["pieces"]) == ["0", "1", "2"], ev["pieces"]
@@ -36,7 +38,7 @@ def test_a_donor_killed_mid_transfer_costs_only_its_missing_pieces() -> None:
     """Rank 0 is dealt a share and asked a window of it at once, so it is always asked twice and
     dies after its first piece; its owed pieces and the rest of its share come from ranks 1
     and 2."""
-    out = bench_peers.run(4, 2000, state_mb=STATE_MB, die_after=1, port=34300)
+    out = bench_peers.run(4, 2000, state_mb=STATE_MB, die_after=1, port=free_port())
     assert out.codes[0] == -signal.SIGKILL, out.codes
     assert out.members[0].events.get("dying") == 1
     ev = out.rejoined[3].events
@@ -49,7 +51,7 @@ def test_a_donor_killed_mid_transfer_costs_only_its_missing_pieces() -> None:
 
 
 def test_a_forged_piece_is_rejected_and_fetched_elsewhere() -> None:
-    out = bench_peers.run(4, 2000, state_mb=STATE_MB, forge=True, port=34400)
+    out = bench_peers.run(4, 2000, state_mb=STATE_MB, forge=True, port=free_port())
     ev = out.rejoined[3].events
     assert "seconds" in ev, (out.codes, ev)
     assert "1" not in ev["pieces"], ev["pieces"]

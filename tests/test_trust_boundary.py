@@ -39,7 +39,7 @@ def test_an_outsider_without_the_key_changes_nothing(tmp_path: Path) -> None:
         before = rss_mb()
         targets = ",".join(str(a) for a in handles[0].peers)
         attacker = subprocess.Popen([sys.executable, str(ATTACKER), "--targets", targets, "--job",
-                                     handles[0].credentials.job, "--idle-wait", "6"],
+                                     handles[0].credentials.job],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         step = 0
         while attacker.poll() is None or step < 10:
