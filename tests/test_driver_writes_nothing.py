@@ -86,3 +86,21 @@ def test_the_check_sees_the_side_doors_it_forbids() -> None:
     allowed = "self.replica = replica\nself.replica.step(Connected(), now)\nreplica.admission.asked()\n" \
               "n = self.replica.membership.node_deadline_s\nself.steps.running[3] = run"
     assert violations(allowed, "x.py") == []
+
+
+def _runtime_imports(tree: ast.Module) -> set[str]:
+    """Modules a file imports when it runs (not those under `if TYPE_CHECKING:`, for types only)."""
+    skipped = {id(n) for stmt in tree.body if isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name)
+               and stmt.test.id == "TYPE_CHECKING" for n in ast.walk(stmt)}
+    return {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped}
+
+
+def test_the_node_needs_neither_machine_to_run() -> None:
+    """The node drives the replica: it needs the events, actions and status types, which live in
+    modules of their own, and never the tree machine's or the membership's code (issue 43)."""
+    imports = _runtime_imports(ast.parse((NET / "node.py").read_text()))
+    assert "core.replica" in imports  # (it reads relative imports as their module's name)
+    forbidden = {"core.protocol", "core.membership"}
+    assert not {m for m in imports if m.lstrip(".") in forbidden}, sorted(imports)
+    typed = ast.parse("if TYPE_CHECKING:\n    from ..core.protocol import TreeMachine\nfrom ..core.protocol import X\n")
+    assert _runtime_imports(typed) == {"core.protocol"}  # the check tells the two apart

@@ -17,6 +17,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,11 +36,12 @@ from ..core.effects import (
     TimerKind,
     Void,
 )
-from ..core.membership import (
+from ..core.events import TimerFired
+from ..core.machine_status import MachineStatus
+from ..core.member_events import (
     Busy,
     Hold,
     Installed,
-    Membership,
     MemberStatus,
     MemberTimer,
     Stopped,
@@ -52,7 +54,6 @@ from ..core.messages import (
     Message,
     State,
 )
-from ..core.protocol import MachineStatus, TimerFired, TreeMachine
 from ..core.replica import (
     AckDue,
     Admit,
@@ -86,6 +87,10 @@ from .senses import Senses
 from .steps import Request, StepBook, StepResult
 from .timers import MEMBER_TIMERS, Timers
 from .transport import Transport, TransportStatus
+
+if TYPE_CHECKING:  # the replica's machines, for reading (status pages, tests): the driver never steps them
+    from ..core.membership import Membership
+    from ..core.protocol import TreeMachine
 
 __all__ = ["Node", "NodeStatus", "StepResult"]
 
