@@ -122,7 +122,9 @@ QUANTUM=$MTU
 drop_downlink >/dev/null
 in_ns ip link add "$FTTREE_IFB" type ifb 2>/dev/null ||
     die "cannot create the ifb device $FTTREE_IFB${NETNS:+ in $NETNS} (is the ifb kernel module available? modprobe ifb)"
-in_ns ip link set dev "$FTTREE_IFB" mtu "$MTU" up
+# The queue of DEV (an ifb's default is 32 packets, which drops bursts from several senders
+# at once that DEV itself would have queued).
+in_ns ip link set dev "$FTTREE_IFB" mtu "$MTU" txqueuelen "$(in_ns cat "/sys/class/net/$DEV/tx_queue_len")" up
 {
     # default 0: traffic no filter classifies goes on unshaped (htb's direct queue).
     echo "qdisc add dev $FTTREE_IFB root handle $FTTREE_QDISC_HANDLE htb default 0"

@@ -113,6 +113,9 @@ def test_downlink_without_rate_prints_usage() -> None:
 def test_each_rank_gets_its_own_downlink_class(ns: str) -> None:
     out = netem("downlink.sh", "--netns", ns, "--ranks", "3", "--rank", "2=20mbit", "200mbit")
     assert "ranks 0..2 (127.0.0.1 .. 127.0.0.3) receive at most 200mbit each, rank 2 20mbit" in out.stdout
+    # The ifb device queues as much as lo would (its own default of 32 packets drops bursts).
+    assert in_ns(ns, "cat", "/sys/class/net/fttree-dl/tx_queue_len").stdout == \
+        in_ns(ns, "cat", "/sys/class/net/lo/tx_queue_len").stdout
     # The limit sits on the class of the rank's DESTINATION address.
     assert {r: c[:2] for r, c in counters(ns).items()} == {
         0: ("127.0.0.1", "200Mbit"), 1: ("127.0.0.2", "200Mbit"), 2: ("127.0.0.3", "20Mbit")}
