@@ -307,16 +307,18 @@ rate_bytes_per_s() {
         printf "%d", n * m[u] }'
 }
 
-# uplink_lines DEV: one line per rank limited by uplink.sh on DEV:
-#   RANK ADDRESS RATE SENT_BYTES SENT_PACKETS DROPPED
-# Rank r is class f7:(r+1) (minor in hex); its address is the source its u32 filter matches.
+# uplink_lines DEV [AT]: one line per rank limited by uplink.sh (or downlink.sh) on DEV:
+#   RANK ADDRESS RATE BYTES PACKETS DROPPED
+# Rank r is class f7:(r+1) (minor in hex); its address is the one its u32 filter matches at
+# byte AT of the IP header: 12, the source (uplink.sh, the default), or 16, the destination
+# (downlink.sh).
 uplink_lines() {
-    local dev=$1
+    local dev=$1 at=${2:-12}
     {
         in_ns tc filter show dev "$dev" parent "$FTTREE_QDISC_HANDLE"
         echo "--classes--"
         in_ns tc -s class show dev "$dev" parent "$FTTREE_QDISC_HANDLE"
-    } | awk -v major="${FTTREE_QDISC_HANDLE%:}" '
+    } | awk -v major="${FTTREE_QDISC_HANDLE%:}" -v at="$at" '
         function hex(h,    i, n) {  # mawk has no strtonum
             n = 0
             for (i = 1; i <= length(h); i++) n = n * 16 + index("0123456789abcdef", substr(tolower(h), i, 1)) - 1
@@ -331,7 +333,7 @@ uplink_lines() {
             for (i = 1; i < NF; i++) if ($i ~ /^\*?flowid$/) flow = $(i + 1)  # "*flowid": terminal
             next
         }
-        !classes && $1 == "match" && $4 == "12" && flow ~ ("^" major ":[0-9a-f]+$") {
+        !classes && $1 == "match" && $4 == at && flow ~ ("^" major ":[0-9a-f]+$") {
             split($2, m, "/"); addr[flow] = dotted(m[1]); next
         }
         classes && $1 == "class" && $2 == "htb" {
@@ -344,4 +346,32 @@ uplink_lines() {
             printf "%d %s %s %s %s %s\n", hex(c[2]) - 1, (cls in addr) ? addr[cls] : "?", rate, $2, $4, dropped
             cls = ""
         }' | sort -n
+}
+
+# ---- per-rank downlinks (downlink.sh) -------------------------------------------------------
+
+# What a rank receives is shaped on this ifb device: an ingress filter on DEV redirects every
+# IP packet to it, and an htb there (handle f7:, like uplink.sh's) has a class per destination.
+FTTREE_IFB="fttree-dl"
+
+# has_downlink_ingress DEV: DEV's ingress redirects to fttree's ifb device.
+has_downlink_ingress() {
+    in_ns tc filter show dev "$1" ingress 2>/dev/null | grep -qF "to device $FTTREE_IFB)"
+}
+
+# drop_downlink: remove downlink.sh's ingress redirects and its ifb device; prints 1 when it
+# removed something (one setting, as status.sh counts it: the htb on the ifb device), else 0.
+drop_downlink() {
+    local dev n=0
+    while read -r dev; do
+        if [[ $dev != "$FTTREE_IFB" ]] && has_downlink_ingress "$dev"; then
+            in_ns tc qdisc del dev "$dev" ingress
+            n=$((n + 1))
+        fi
+    done < <(in_ns ls /sys/class/net)
+    if in_ns ip link show dev "$FTTREE_IFB" >/dev/null 2>&1; then
+        in_ns ip link del dev "$FTTREE_IFB"
+        n=$((n + 1))
+    fi
+    echo $((n > 0 ? 1 : 0))
 }

@@ -9,7 +9,8 @@ usage() {
 Usage: $PROG [--netns NAME | --all]
 
 Remove every iptables rule whose comment starts with "$FTTREE_TAG" (cuts and losses) and every tc
-root qdisc with handle $FTTREE_QDISC_HANDLE (bandwidth limits, uplinks, delays), in the current namespace,
+root qdisc with handle $FTTREE_QDISC_HANDLE (bandwidth limits, uplinks, delays), downlink.sh's ingress
+redirects and its ifb device $FTTREE_IFB, in the current namespace,
 in --netns NAME, or with --all in the current namespace and every named one. Rules and
 qdiscs without the tag are never touched. Namespaces stay (cluster.sh down removes them).
 
@@ -28,6 +29,7 @@ mapfile -t namespaces < <(selected_namespaces "$ALL")
 total=0
 for NETNS in "${namespaces[@]}"; do
     n=$(delete_tagged "^$FTTREE_TAG( |\$)")
+    n=$((n + $(drop_downlink)))
     while read -r dev; do
         n=$((n + $(drop_root "$dev")))
     done < <(in_ns ls /sys/class/net)

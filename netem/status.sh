@@ -42,7 +42,11 @@ for NETNS in "${namespaces[@]}"; do
         if [[ $handle == "$FTTREE_QDISC_HANDLE" ]]; then
             lines+=("  tc $dev: $(in_ns tc qdisc show dev "$dev" | awk '/ root/ { $1 = ""; print substr($0, 2); exit }')")
             nfound=$((nfound + 1))
-            if [[ $kind == htb ]]; then  # uplink.sh: one class per rank (details, not counted)
+            if [[ $kind == htb && $dev == "$FTTREE_IFB" ]]; then  # downlink.sh: one class per rank
+                while read -r rank addr rate bytes _; do
+                    lines+=("    downlink of rank $rank $addr $rate, received $bytes bytes")
+                done < <(uplink_lines "$dev" 16)
+            elif [[ $kind == htb ]]; then  # uplink.sh: one class per rank (details, not counted)
                 while read -r rank addr rate bytes _; do
                     lines+=("    uplink of rank $rank $addr $rate, sent $bytes bytes")
                 done < <(uplink_lines "$dev")
