@@ -122,16 +122,21 @@ def test_examples_have_help(script: str, capsys: pytest.CaptureFixture[str], mon
 
 def test_train_mlp_leaves_a_straggler_out_and_deals_its_samples_again_exactly_once() -> None:
     """`--slow 2:2 --straggler-policy deadline`: rank 2 computes twice as slowly; steps close
-    without it, it skips the steps it is behind, nobody is evicted, and every finished epoch
-    committed each sample exactly once (its batches dealt again to the others)."""
+    without it (it is the rank left out most), it skips the steps it is behind, nobody is
+    evicted, and every finished epoch committed each sample exactly once (its batches dealt
+    again to the others)."""
     proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "4", "--steps", "30", "--compute-s", "0.1",
                        "--slow", "2:2", "--straggler-policy", "deadline", "--straggler-grace", "0.05",
                        "--synthetic", "2000", "--json", "--warmup", "0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     summary, audits = json.loads(lines[-1]), json.loads(lines[-2])["audits"]
-    assert summary["late_steps"].get("2", 0) > 0, summary
-    assert summary["fewest_contributors"] == 3, summary
+    late = summary["late_steps"]
+    assert late.get("2", 0) > 0, summary
+    # the slow rank is the one left out most; on a loaded machine another rank may miss the 50 ms
+    # grace now and then too (a CI run beside burners saw a step of 2), which the policy allows
+    assert late["2"] == max(late.values()), summary
+    assert summary["fewest_contributors"] >= 2, summary
     assert summary["exactly_once"], audits
     assert sum(a["complete"] for a in audits) >= 2, audits
     assert all(a["departed"] == [] and a["answered"] == [0, 1, 2, 3] for a in audits), audits  # nobody evicted
