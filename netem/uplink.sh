@@ -42,38 +42,8 @@ Examples:
 HELP
 }
 
-RATE="" MODE=apply RANKS=7 BURST=""
 declare -A RANK_RATE=()
-while [[ $# -gt 0 ]]; do
-    case $1 in
-        -h|--help) usage; exit 0 ;;
-        --remove) MODE=remove; shift ;;
-        --counters) MODE=counters; shift ;;
-        --ranks)
-            if [[ $# -lt 2 || ! $2 =~ ^[0-9]+$ ]] || ((10#$2 < 1)); then
-                die "--ranks needs a number of ranks (1 or more)"
-            fi
-            RANKS=$((10#$2)); shift 2 ;;
-        --dev) [[ $# -ge 2 ]] || die "--dev needs an interface"; DEV=$2; shift 2 ;;
-        --burst) [[ $# -ge 2 ]] || die "--burst needs a size"; BURST=$2; shift 2 ;;
-        --rank)
-            if [[ $# -lt 2 || ! $2 =~ ^([0-9]+)=(.+)$ ]]; then
-                die "--rank needs RANK=RATE, like 3=10mbit"
-            fi
-            rate_bytes_per_s "${BASH_REMATCH[2]}" >/dev/null ||
-                die "--rank $2: RATE must look like 100mbit, 1gbit, 500kbit or 10mbps"
-            RANK_RATE[$((10#${BASH_REMATCH[1]}))]=${BASH_REMATCH[2]}; shift 2 ;;
-        -*) common_option "$@"; [[ $SHIFTED -gt 0 ]] || die "unknown option '$1' (see --help)"; shift "$SHIFTED" ;;
-        *) [[ -z $RATE ]] || die "one RATE, got '$RATE' and '$1'"; RATE=$1; shift ;;
-    esac
-done
-[[ -z $PORT ]] || die "--port is not supported: an uplink limit applies to everything a rank sends"
-if [[ $MODE == apply ]]; then
-    [[ -n $RATE ]] || { usage >&2; exit 2; }
-    rate_bytes_per_s "$RATE" >/dev/null || die "RATE must look like 100mbit, 1gbit, 500kbit or 10mbps, got '$RATE'"
-else
-    [[ -z $RATE ]] || die "--$MODE takes no RATE (got '$RATE')"
-fi
+parse_rank_limits sends "$@"
 need_root
 check_netns
 default_dev
