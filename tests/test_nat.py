@@ -35,6 +35,19 @@ def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = SIZE) ->
     assert all(h.last is not None and h.last.epoch == 0 for h in handles), [h.last and h.last.epoch for h in handles]
 
 
+def secured_settings(secured: str, tmp_path: Path) -> dict[str, object]:
+    """A 4-rank cluster's settings for `secured`: "plain" (insecure), "key" (a job key) or "tls"."""
+    out: dict[str, object] = {"timeout_s": 0.3, "step_timeout_s": 20, "insecure": secured == "plain"}
+    if secured in ("key", "tls"):
+        key = tmp_path / "job.key"
+        key.write_bytes(b"k" * 32)
+        out["auth_key_file"] = str(key)
+    if secured == "tls":
+        certs.make(tmp_path / "tls", range(4))
+        out["tls_dir"] = str(tmp_path / "tls")
+    return out
+
+
 def links(h: FTTreeAllreduce) -> dict[int, tuple[int, int]]:
     """peer -> (connections dialled to it, connections it dialled that carry our frames)."""
     assert h.transport is not None
@@ -85,15 +98,7 @@ def test_a_rank_nobody_can_dial_trains_with_the_others_on_the_connections_it_ope
     """Rank 3 is `-`: it listens nowhere (nothing could be dialled) and every step is exact on
     every rank, rank 3 in every sum, in view 0. Nobody dialled it: its peers' frames went on
     the two connections it opened to each (control and bulk, adopted)."""
-    settings: dict[str, object] = {"timeout_s": 0.3, "step_timeout_s": 20, "insecure": secured == "plain"}
-    if secured in ("key", "tls"):
-        key = tmp_path / "job.key"
-        key.write_bytes(b"k" * 32)
-        settings["auth_key_file"] = str(key)
-    if secured == "tls":
-        certs.make(tmp_path / "tls", range(4))
-        settings["tls_dir"] = str(tmp_path / "tls")
-    with cluster(4, listed=unlisted(3), **settings) as handles:
+    with cluster(4, listed=unlisted(3), **secured_settings(secured, tmp_path)) as handles:
         exact_steps(handles, 4)
         for h in handles[:3]:
             dialled, adopted = links(h)[3]

@@ -22,8 +22,8 @@ import pytest
 
 from fttree import FTTreeAllreduce
 from fttree.errors import FrameError
-from fttree.net import certs, punch
 from fttree.net import handshake as hs
+from fttree.net import punch
 from fttree.net.address import parse_address
 from fttree.net.holepunch import PunchResult
 from fttree.net.punch import Punches, coordinators, note, read_note
@@ -36,6 +36,7 @@ from fttree.status.monitor import Snapshot
 from .conftest import cluster
 from .conftest import exact_steps as exact_sums
 from .rawpeer import read_frame_head
+from .test_nat import secured_settings as settings
 
 WAIT_S = 60.0  # for a punch to connect (or give up), under load
 
@@ -96,18 +97,6 @@ class LoopbackPunch:
 @pytest.fixture
 def fast_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(punch, "PUNCH_RETRY_S", 0.2)
-
-
-def settings(secured: str, tmp_path: Path) -> dict[str, object]:
-    out: dict[str, object] = {"timeout_s": 0.3, "step_timeout_s": 20, "insecure": secured == "plain"}
-    if secured in ("key", "tls"):
-        key = tmp_path / "job.key"
-        key.write_bytes(b"k" * 32)
-        out["auth_key_file"] = str(key)
-    if secured == "tls":
-        certs.make(tmp_path / "tls", range(4))
-        out["tls_dir"] = str(tmp_path / "tls")
-    return out
 
 
 @pytest.fixture
