@@ -208,7 +208,7 @@ class _Channel:
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
         self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
         self.eof_watch: asyncio.Task[None] | None = None  # reads the dialled connection (_receive)
-        self.rtt_s = 0.0  # the last connection's smoothed round trip, as the kernel last told it
+        self.rtt_s = 0.0  # the smoothed round trip the kernel gave when the last connection was taken
         self.redial_due: asyncio.TimerHandle | None = None  # a passive peer's grace to dial again
         # acknowledgement progress of the current connection (uplink.py; Linux's SIOCOUTQ)
         self.written = 0  # bytes handed to the connection
@@ -425,7 +425,6 @@ class _Channel:
         """The connection the peer dialled, which carried our frames, is gone: it dials again."""
         if self.writer is None or self.writer.inbound is not inbound or self.t.closed:
             return
-        self.rtt_s = tcp_rtt_s(inbound.transport) or self.rtt_s
         self._drop_connection(f"rank {self.peer} closed the connection it dialled")
         self.t.events.on_link_down(self.peer, "closed by the peer")
         # one grace per peer (the control channel's), for a peer that dials us again if it lives: not
