@@ -31,10 +31,8 @@ def test_the_ratio_is_the_median_of_the_pairs_ratios() -> None:
     assert "pairs 1.11, 1.02, 1.07, 1.31" in line
 
 
-def test_each_worker_counts_its_cpu_from_its_first_submit_to_its_last(tmp_path: Path) -> None:
-    """The sitecustomize both commits' workers load: it wraps FTTreeAllreduce.submit_array
-    when fttree.api is imported and writes 'seconds calls-1 loop_seconds' at exit, the last
-    being the CPU time of the object's event-loop thread (`_thread`) over the same span."""
+def _fake_api(tmp_path: Path) -> Path:
+    """A package whose FTTreeAllreduce sums on a thread of its own, as the real one's event loop does."""
     fake = tmp_path / "fake"
     (fake / "fttree").mkdir(parents=True)
     (fake / "fttree" / "__init__.py").write_text("")
@@ -51,12 +49,36 @@ def test_each_worker_counts_its_cpu_from_its_first_submit_to_its_last(tmp_path: 
         "    def submit_array(self, n):\n"
         "        self._jobs.put(n)\n"
         "        return self._done.get(timeout=60)\n")
+    return fake
+
+
+def _run_fake(tmp_path: Path, warmup: int) -> list[str]:
+    """Five submits through the sitecustomize, with `warmup` of them before the window."""
     script = "from fttree.api import FTTreeAllreduce as A\na = A()\nfor _ in range(5): a.submit_array(400000)\n"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(SITE), str(fake))), FTTREE_YARDSTICK_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(SITE), str(_fake_api(tmp_path)))),
+               FTTREE_YARDSTICK_DIR=str(tmp_path), FTTREE_YARDSTICK_WARMUP=str(warmup))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60, cwd=tmp_path)
-    (written,) = tmp_path.glob("cpu-*")
-    seconds, calls, loop_seconds = written.read_text().split()
+    written = list(tmp_path.glob("cpu-*"))
+    return written[0].read_text().split() if written else []
+
+
+def test_each_worker_counts_its_cpu_from_its_first_submit_to_its_last(tmp_path: Path) -> None:
+    """The sitecustomize both commits' workers load: it wraps FTTreeAllreduce.submit_array
+    when fttree.api is imported and writes 'seconds calls-1 loop_seconds' at exit, the last
+    being the CPU time of the object's event-loop thread (`_thread`) over the same span."""
+    seconds, calls, loop_seconds = _run_fake(tmp_path, warmup=0)
     assert int(calls) == 4  # the steps between the first submit and the last
     assert float(seconds) > 0
     # the sums of submits 1 to 4 ran on the thread within the span (the 5th after its mark)
     assert 0 < float(loop_seconds) <= float(seconds)
+
+
+def test_the_warm_up_submits_are_left_out_of_the_window(tmp_path: Path) -> None:
+    """With a warm-up of 2 the window opens at the third submit: two steps between it and the
+    fifth; a warm-up as long as the run leaves no window, and the worker reports nothing."""
+    for name in ("two", "all"):
+        (tmp_path / name).mkdir()
+    seconds, calls, _loop = _run_fake(tmp_path / "two", warmup=2)
+    assert int(calls) == 2
+    assert float(seconds) > 0
+    assert _run_fake(tmp_path / "all", warmup=5) == []

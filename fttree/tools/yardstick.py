@@ -6,8 +6,10 @@ each look like noise (b577911 -> a962cb3 lost 2.5x on loopback that way). This r
 A B A B ..., and prints each pair's median step and CPU per step, then the median ratio of
 the pairs: the machine's drift between pairs cancels out of a ratio taken within one pair.
 
-CPU per step is each worker's process CPU time (every thread) from its first step's submit to
-its last, over the steps between, summed over ranks: start-up is left out.
+CPU per step is each worker's process CPU time (every thread) from its first step's submit after
+the warm-up to its last, over the steps between, summed over ranks: start-up is left out, and
+with it what a worker does once while its first steps run (the control server's import on a
+thread of its own takes about 0.15 s of CPU a worker, 7 ms a step over 150 steps of 7 workers).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from . import SOURCE_ROOT
 
 MEDIAN_LINE = re.compile(r"(\d+) steps done on all (\d+) workers; median ([0-9.]+) ms")
 DEFAULT_REFERENCE = "b577911"  # the code before the slow-link work (issue 39's yardstick)
+DEFAULT_WARMUP = 20  # steps, in both checkouts: what a worker does once is not a step's cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +55,19 @@ def parse_launch(output: str) -> tuple[int, int, float]:
     return int(steps), int(workers), float(median)
 
 
-def run_once(source: Path, args: Sequence[str], timeout_s: float) -> Sample:
+def run_once(source: Path, args: Sequence[str], timeout_s: float, warmup: int = 0) -> Sample:
     """`python -m fttree launch ARGS` with the package taken from `source`; its workers count
-    their CPU time from their first step to their last (yardstick_site/sitecustomize.py)."""
+    their CPU time from their first step after `warmup` to their last (yardstick_site/sitecustomize.py)."""
     with tempfile.TemporaryDirectory(prefix="fttree-cpu-") as cpu_dir:
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "fttree", "launch", *args], cwd=source, capture_output=True,
-                              text=True, timeout=timeout_s, env=_env(source, cpu_dir))
+                              text=True, timeout=timeout_s, env=_env(source, cpu_dir, warmup))
         wall = time.monotonic() - start
         _steps, workers, median = parse_launch(proc.stdout + proc.stderr)
         counts = [line.split() for f in Path(cpu_dir).glob("cpu-*") for line in f.read_text().splitlines()]
     if len(counts) < workers:
-        raise ValueError(f"{len(counts)} of {workers} workers reported their CPU time")
+        raise ValueError(f"{len(counts)} of {workers} workers reported their CPU time (a worker reports none "
+                         f"when it ran fewer than the warm-up's {warmup} steps and two more)")
     cpu_s = sum(float(row[0]) for row in counts)
     loop_s = sum(float(row[2]) for row in counts if len(row) > 2)
     steps = max(statistics.median(int(row[1]) for row in counts), 1)
@@ -71,10 +75,10 @@ def run_once(source: Path, args: Sequence[str], timeout_s: float) -> Sample:
                   loop_cpu_ms_per_step=loop_s * 1000 / steps)
 
 
-def _env(source: Path, cpu_dir: str) -> dict[str, str]:
+def _env(source: Path, cpu_dir: str, warmup: int) -> dict[str, str]:
     site = Path(__file__).resolve().parent / "yardstick_site"
     return dict(os.environ, PYTHONPATH=os.pathsep.join((str(site), str(source))), FTTREE_YARDSTICK_DIR=cpu_dir,
-                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+                FTTREE_YARDSTICK_WARMUP=str(warmup), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 @contextlib.contextmanager
@@ -105,8 +109,10 @@ def ratio_line(name: str, ours: list[float], theirs: list[float]) -> str:
 @click.option("--pairs", type=click.IntRange(1, 50), default=4, show_default=True, help="Alternating pairs to run.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Give up on one launch after this many seconds.")
+@click.option("--warmup", type=click.IntRange(min=0), default=DEFAULT_WARMUP, show_default=True,
+              help="Steps of each worker left out of the CPU figures (their median step is the launch's).")
 @click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)
-def yardstick(reference: str, pairs: int, timeout_s: float, launch_args: tuple[str, ...]) -> None:
+def yardstick(reference: str, pairs: int, timeout_s: float, warmup: int, launch_args: tuple[str, ...]) -> None:
     """Run `fttree launch LAUNCH_ARGS` from this checkout and from the reference commit in
     alternating pairs; print each pair and the median ratios (this / reference) of the median
     step and of the CPU per step. Example: fttree yardstick --pairs 4 -- -n 7 --steps 60"""
@@ -117,8 +123,8 @@ def yardstick(reference: str, pairs: int, timeout_s: float, launch_args: tuple[s
         click.echo(f"launch {' '.join(args)}: this checkout ({SOURCE_ROOT}) against {reference}, {pairs} pairs")
         for i in range(pairs):
             try:
-                a = run_once(SOURCE_ROOT, args, timeout_s)
-                b = run_once(ref_path, args, timeout_s)
+                a = run_once(SOURCE_ROOT, args, timeout_s, warmup)
+                b = run_once(ref_path, args, timeout_s, warmup)
             except (ValueError, subprocess.TimeoutExpired) as exc:
                 raise click.ClickException(f"pair {i + 1}: {exc}") from None
             ours.append(a)

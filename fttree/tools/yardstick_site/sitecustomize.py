@@ -1,6 +1,7 @@
 """Loaded by every worker that `fttree yardstick` starts (through PYTHONPATH), in this checkout's
 runs and in the reference commit's alike: counts the process's CPU time from its first
-`FTTreeAllreduce.submit_array` to its last, so start-up (imports, connecting) is left out, and
+`FTTreeAllreduce.submit_array` after FTTREE_YARDSTICK_WARMUP others (default 0) to its last, so
+start-up (imports, connecting, a control server's import on a thread of its own) is left out, and
 writes it at exit to FTTREE_YARDSTICK_DIR/cpu-PID as "seconds calls loop_seconds". The last is
 the CPU time of the allreduce's event-loop thread over the same span: the transport and the
 protocol alone, without the caller's work (the demo's data and checks are half a rank's CPU,
@@ -18,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 _OUT = os.environ.get("FTTREE_YARDSTICK_DIR", "")
+_WARMUP = int(os.environ.get("FTTREE_YARDSTICK_WARMUP", "0") or 0)  # submits before the window opens
 _marks: list[float] = []  # process CPU time at the first and the latest submit
 _loop_marks: list[float] = []  # the event-loop thread's CPU time at the same moments
 _calls = [0]
@@ -30,13 +32,15 @@ def _wrap(module: ModuleType) -> None:
     inner = cls.submit_array
 
     def submit_array(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _calls[0] += 1
+        if _calls[0] <= _WARMUP:
+            return inner(self, *args, **kwargs)
         now, loop = time.process_time(), _thread_cpu(getattr(self, "_thread", None))
         if len(_marks) < 2:
             _marks.append(now)  # the first submit, then the latest
             _loop_marks.append(loop)
         else:
             _marks[1], _loop_marks[1] = now, loop
-        _calls[0] += 1
         return inner(self, *args, **kwargs)
 
     cls.submit_array = submit_array
@@ -82,7 +86,7 @@ class _Finder(MetaPathFinder):
 def _write() -> None:
     if _OUT and len(_marks) == 2:
         with open(os.path.join(_OUT, f"cpu-{os.getpid()}"), "w") as f:
-            f.write(f"{_marks[1] - _marks[0]} {_calls[0] - 1} {_loop_marks[1] - _loop_marks[0]}\n")
+            f.write(f"{_marks[1] - _marks[0]} {_calls[0] - _WARMUP - 1} {_loop_marks[1] - _loop_marks[0]}\n")
 
 
 if _OUT:
