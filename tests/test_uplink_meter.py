@@ -11,11 +11,13 @@ from fttree.net.uplink import (
     POLL_MIN_S,
     QUEUE_TARGET_S,
     SLICE_S,
+    LossHistory,
     TcpCounters,
     UplinkMeter,
     ahead_s,
     fast_rto_min,
     lost_nothing,
+    stall_found,
     stall_wait_s,
     stalled,
 )
@@ -165,3 +167,25 @@ def test_only_a_connection_that_proved_fast_gets_the_short_retransmission_timeou
     assert not fast_rto_min(counters(rtt_s=50e-6, delivery_rate=0.0))  # nothing delivered yet
     assert not fast_rto_min(counters(rtt_s=50e-6, delivery_rate=1.25e6))  # a shaped 10 Mbit/s uplink
     assert not fast_rto_min(counters(rtt_s=0.02, delivery_rate=3e9))  # far
+
+
+def test_the_transport_and_the_simulator_share_one_stall_rule() -> None:
+    """stall_found, which net/tcp.py and testing/shaped.py both call: the link's loss history is
+    judged at new acknowledgements only (a silence's own retransmissions, read later, do not make
+    the link look lossy), and the quick rule needs a link that lost nothing behind an uplink with
+    no bottleneck; bytes of other connections ahead in the uplink lengthen the wait."""
+    fast, slow = UplinkMeter(), UplinkMeter()
+    fast.grow(0.0, rtt_s=50e-6)  # loopback: the budget grew with no queue on the path
+    feed(slow, 1.25e6, 50e-6, 40)  # 10 Mbit/s: a queue formed, the link's rate measured
+    assert fast.unbottlenecked
+    assert not slow.unbottlenecked
+    clean = LossHistory().judged(counters(), progress_at=1.0)
+    assert clean == LossHistory(clean=True, as_of=1.0)
+    cut = counters(retransmits=1, last_ack_s=0.06, total_retrans=200)
+    assert clean.judged(cut, progress_at=1.0) is clean
+    assert stall_found(cut, clean, 0.06, 0, fast)
+    assert not stall_found(cut, clean, 0.06, 0, slow)  # the careful rule behind a bottleneck
+    lossy = LossHistory().judged(counters(total_retrans=40, segs_out=2000), progress_at=1.0)
+    assert not lossy.clean
+    assert not stall_found(cut, lossy, 0.06, 0, fast)
+    assert not stall_found(cut, clean, 0.06, int(fast.rate or 1e9), fast)  # a second's bytes ahead

@@ -55,14 +55,14 @@ from .uplink import (
     FAST_RTO_MIN_S,
     POLL_MIN_S,
     RTO_MIN_S,
+    LossHistory,
     TcpCounters,
     UplinkMeter,
-    ahead_s,
     fast_rto_min,
-    lost_nothing,
     queue_formed,
+    quick_rule,
     retransmit_timeout_s,
-    stalled,
+    stall_found,
     tcp_counters,
     unacked_bytes,
 )
@@ -215,8 +215,7 @@ class _Channel:
         self.acked = 0  # of those, acknowledged by the peer
         self.progress_at = 0.0  # when `acked` last grew, or bytes went out with none outstanding
         self.stalled = False  # outstanding bytes, and no acknowledgement for the stall time
-        self.clean = False  # the connection had lost (almost) nothing when bytes were last acknowledged
-        self.clean_at = -float("inf")  # when `clean` was last brought up to date
+        self.loss = LossHistory()  # what the connection had lost when bytes were last acknowledged
         self.fast_rto = False  # the connection's least retransmission timeout is FAST_RTO_MIN_S
         self.lost_at = -float("inf")  # when frames were last lost with a broken connection
         self._read_at = -float("inf")  # when `_counters` was read (counters()): one read per look
@@ -390,7 +389,7 @@ class _Channel:
         self.unreachable = False
         self.written = self.acked = 0
         self._read_at = -float("inf")
-        self.clean, self.clean_at, self.fast_rto = False, -float("inf"), False  # a new connection's own history
+        self.loss, self.fast_rto = LossHistory(), False  # a new connection's own history
         if self.sock is not None:
             self.follow_rtt(tcp_counters(self.sock))  # the handshake's round trip
         self.stalled = False
@@ -667,25 +666,20 @@ class _Channel:
         if self.stalled or self.writer is None or self.sock is None:
             return False
         idle = self.written == self.acked
-        if idle and self.progress_at <= self.clean_at:
+        if idle and self.progress_at <= self.loss.as_of:
             return False
         counters = self.counters(now)
         self.follow_rtt(counters)
-        if counters is not None and self.progress_at > self.clean_at:
-            # bytes were acknowledged since the last look (the sampler looks every 50 ms while
-            # the rank sends): what the link lost so far was lost before any silence that follows
-            self.clean_at = self.progress_at
-            self.clean = lost_nothing(counters)
-        if idle:
-            return False
-        queued_ahead = ahead_s(others_bytes, self.t.meter.rate)
-        quick = self.clean and self.t.meter.unbottlenecked  # the quick rule needs a link that lost nothing ...
-        if not stalled(counters, now - self.progress_at, quick, queued_ahead):  # ... behind a fast uplink
+        # bytes acknowledged since the last look (the sampler looks every 50 ms while the rank
+        # sends): what the link lost so far was lost before any silence that follows
+        self.loss = self.loss.judged(counters, self.progress_at)
+        if idle or not stall_found(counters, self.loss, now - self.progress_at, others_bytes, self.t.meter):
             return False
         self.stalled = True
         log.info("rank %d: %s link to rank %d stalled after %.3f s with nothing acknowledged (%s; %s)", self.t.rank,
                  "bulk" if self.bulk else "control", self.peer, now - self.progress_at,
-                 "a fast link that lost nothing before" if quick else "the careful rule", counters)
+                 "a fast link that lost nothing before" if quick_rule(self.loss, self.t.meter) else "the careful rule",
+                 counters)
         return True
 
 

@@ -268,6 +268,36 @@ def stalled(counters: TcpCounters | None, silent_s: float, clean: bool, queued_a
     return counters.retransmits >= STALL_RETRANSMITS
 
 
+@dataclass(frozen=True, slots=True)
+class LossHistory:
+    """What a connection had lost when bytes were last acknowledged: the stall rule's `clean`.
+    Judged at each new acknowledgement only, so what a silence that follows costs (its
+    retransmissions) never makes the link look lossy before it is called stalled."""
+
+    clean: bool = False  # it had lost (almost) nothing (lost_nothing)
+    as_of: float = -float("inf")  # the acknowledgement progress it was judged at
+
+    def judged(self, counters: TcpCounters | None, progress_at: float) -> LossHistory:
+        """Brought up to date with `counters`, read at or after acknowledgement progress `progress_at`."""
+        if counters is None or progress_at <= self.as_of:
+            return self
+        return LossHistory(clean=lost_nothing(counters), as_of=progress_at)
+
+
+def quick_rule(history: LossHistory, meter: UplinkMeter) -> bool:
+    """Does the quick rule apply: a link that lost nothing, behind an uplink with no bottleneck?"""
+    return history.clean and meter.unbottlenecked
+
+
+def stall_found(counters: TcpCounters | None, history: LossHistory, silent_s: float, others_bytes: int,
+                meter: UplinkMeter) -> bool:
+    """The stall rule, whole, as the TCP transport (net/tcp.py) and the shaped simulator
+    (testing/shaped.py) both apply it: a connection whose oldest outstanding byte has waited
+    `silent_s`, with `others_bytes` of the rank's other connections outstanding ahead of it in
+    the uplink, and `history` judged with the same `counters`."""
+    return stalled(counters, silent_s, quick_rule(history, meter), ahead_s(others_bytes, meter.rate))
+
+
 def tcp_counters(sock: socket.socket) -> TcpCounters | None:
     """The kernel's view of a connected TCP socket (Linux TCP_INFO), or None. A socket closed
     under us has none: uvloop's socket object then raises ValueError (a negative descriptor),

@@ -30,7 +30,7 @@ from ..core.messages import Frame, decode, encode
 from ..net.address import Address
 from ..net.tcp import CONTROL_MAX_PAYLOAD, MIN_CHANNEL_BUDGET
 from ..net.transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
-from ..net.uplink import QUEUE_SEEN_S, RTO_MIN_S, TcpCounters, UplinkMeter, ahead_s, lost_nothing, stalled
+from ..net.uplink import QUEUE_SEEN_S, RTO_MIN_S, LossHistory, TcpCounters, UplinkMeter, stall_found
 from .clock import SimClock
 from .memory import Pair, WireStats, pair
 
@@ -73,8 +73,7 @@ class _Stream:
     head_tries: int = 0  # retransmission timeouts of the oldest unacknowledged segment in a row
     last_ack_at: float = 0.0  # when any acknowledgement (a duplicate too) last came back
     stalled: bool = False
-    clean: bool = False  # it had lost (almost) nothing when bytes were last acknowledged
-    clean_at: float = -1.0  # when `clean` was last brought up to date
+    loss: LossHistory = field(default_factory=LossHistory)  # what it had lost when bytes were last acknowledged
     reported_at: float = -1.0  # when the receiver last heard of a payload in progress
     frames_sent: int = 0
     bytes_sent: int = 0
@@ -434,10 +433,8 @@ class ShapedNetwork:
                                min_rtt_s=2 * self.latency_s, retransmits=s.head_tries, last_ack_s=now - s.last_ack_at,
                                total_retrans=s.lost, unacked_packets=-(-in_flight // up.segment), segs_out=segs_out,
                                delivery_rate=up.meter.rate or up.rate, snd_mss=up.segment)
-        if s.progress_at > s.clean_at:  # what the link lost so far was lost before this silence
-            s.clean_at, s.clean = s.progress_at, lost_nothing(counters)
-        quick = s.clean and up.meter.unbottlenecked  # as the TCP transport decides it
-        if stalled(counters, now - s.progress_at, quick, ahead_s(others, up.meter.rate)):
+        s.loss = s.loss.judged(counters, s.progress_at)  # what it lost so far was lost before this silence
+        if stall_found(counters, s.loss, now - s.progress_at, others, up.meter):
             s.stalled = True
             t = self.transports.get(s.src)
             if report and t is not None and t.events is not None and s.src not in self._hung:
