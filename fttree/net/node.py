@@ -16,44 +16,16 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..core.admission import Handshake
 from ..core.config import Config
-from ..core.effects import (
-    CancelTimer,
-    Cause,
-    Complete,
-    Fail,
-    Note,
-    NoteKind,
-    Send,
-    SetTimer,
-    TimerKey,
-    TimerKind,
-    Void,
-)
+from ..core.effects import CancelTimer, Cause, Complete, Fail, Note, Send, SetTimer, TimerKey, TimerKind, Void
 from ..core.events import TimerFired
-from ..core.machine_status import MachineStatus
-from ..core.member_events import (
-    Busy,
-    Hold,
-    Installed,
-    MemberStatus,
-    MemberTimer,
-    Stopped,
-    Suspected,
-)
-from ..core.messages import (
-    LINK_QUERY_KINDS,
-    Frame,
-    Kind,
-    Message,
-    State,
-)
+from ..core.member_events import Busy, Hold, Installed, MemberTimer, Stopped, Suspected
+from ..core.messages import LINK_QUERY_KINDS, Frame, Kind, Message, State
 from ..core.replica import (
     AckDue,
     Admit,
@@ -79,14 +51,16 @@ from ..core.replica import (
 from ..core.view import View
 from ..errors import GroupLeft, PeerError, StepAborted
 from .address import Address
+from .holds import HoldQueue
 from .joining import CONTACT, Asker
 from .leaving import Leaver
+from .node_status import NodeStatus, node_status
 from .notes import ForeignLog, NoteLog
 from .scheduler import Scheduler
 from .senses import Senses
 from .steps import Request, StepBook, StepResult
 from .timers import MEMBER_TIMERS, Timers
-from .transport import Transport, TransportStatus
+from .transport import Transport
 
 if TYPE_CHECKING:  # the replica's machines, for reading (status pages, tests): the driver never steps them
     from ..core.membership import Membership
@@ -97,26 +71,6 @@ __all__ = ["Node", "NodeStatus", "StepResult"]
 log = logging.getLogger("fttree.net.node")
 
 _STEP_DEADLINES = frozenset({TimerKind.DEADLINE, TimerKind.ROOT_DEADLINE})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeStatus:
-    """Everything status pages need about a node, frozen at one moment (see fttree.status)."""
-
-    rank: int
-    machine: MachineStatus
-    membership: MemberStatus
-    transport: TransportStatus
-    steps_in_flight: tuple[int, ...]
-    last_steps: tuple[tuple[int, float], ...]  # (step, duration_s), oldest first
-    note_counts: dict[NoteKind, int]
-    reruns: int  # steps run again in a new view after a node failure
-    foreign_frames: int = 0  # frames dropped because their sender may not send them (SENDER_RULES)
-    late_streak: dict[int, int] = field(default_factory=dict)  # member -> steps in a row it was late in
-    late_total: dict[int, int] = field(default_factory=dict)  # member -> steps it was late in
-    empty_sums: int = 0  # subtree sums that named no contributor: nothing of them added
-    early_dropped: int = 0  # data frames for steps not submitted here yet, dropped for want of room
-    early_dropped_bytes: int = 0
 
 
 class Node:
@@ -154,8 +108,7 @@ class Node:
                            incarnation=self.incarnation, contact=contact is not None)
         self.leaver = Leaver(rank, scheduler, transport, self.replica, busy=lambda: bool(self.steps),
                              stopped=lambda: self.stopped is not None)
-        self._holding = False  # a join is being agreed: boundaries and submits wait in _hold_queue
-        self._hold_queue: list[Callable[[], None]] = []
+        self.holds = HoldQueue()  # a join is being agreed: boundaries and submits wait
         self._marked = False  # the caller marks training steps (boundary); else each step is one
         transport.bind(self)
 
@@ -269,11 +222,9 @@ class Node:
         """Start allreduce step `step` on a flat array; `future` gets a StepResult or an error.
         The array is read, never written, until the step completes (it may run again).
         `abort`: fail the step on every rank for this reason, naming this one."""
-        if self._holding:  # a join is being agreed: this step may be the one it starts at
-            self._hold_queue.append(lambda: self.submit(step, data, signature, future, contribute=contribute,
-                                                        abort=abort, reduce=reduce, compression=compression,
-                                                        closable=closable))
-            return
+        if self.holds.defer(lambda: self.submit(step, data, signature, future, contribute=contribute, abort=abort,
+                                                reduce=reduce, compression=compression, closable=closable)):
+            return  # a join is being agreed: this step may be the one it starts at
         if not self._marked:  # without training-step marks, every allreduce step is one
             self._at_boundary(step, step)
         if future.cancelled() or not future.set_running_or_notify_cancel():
@@ -292,9 +243,9 @@ class Node:
         self._at_boundary(user_step, first_step)
 
     def _at_boundary(self, user_step: int | None, first_step: int) -> None:
-        if self._holding:
-            self._hold_queue.append(lambda: self._at_boundary(user_step, first_step))
-        elif user_step is not None and self.stopped is None:
+        if self.holds.defer(lambda: self._at_boundary(user_step, first_step)):
+            return
+        if user_step is not None and self.stopped is None:
             self._replica_step(StepBoundary(user_step=user_step, first_step=first_step))
 
     def _run_chunk(self, submit: ReplicaEvent) -> None:
@@ -325,13 +276,7 @@ class Node:
         return sorted(self.steps.running)
 
     def status(self) -> NodeStatus:
-        return NodeStatus(rank=self.rank, machine=self.machine.status(), membership=self.membership.status(),
-                          transport=self.transport.status(), steps_in_flight=tuple(self.active_steps()),
-                          last_steps=tuple(self.step_durations), note_counts=dict(self.note_counts),
-                          reruns=self.reruns, foreign_frames=self.foreign_frames,
-                          late_streak=dict(self.steps.late_streak), late_total=dict(self.steps.late_total),
-                          empty_sums=self.machine.empty_sums, early_dropped=self.replica.early_dropped,
-                          early_dropped_bytes=self.replica.early_dropped_bytes)
+        return node_status(self)
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the node and its machine keep: none may grow with the steps run."""
@@ -456,9 +401,7 @@ class Node:
                 for listener in self.view_listeners:
                     listener(inst)
             case Hold(on=on):
-                self._holding = on
-                while not self._holding and self._hold_queue:
-                    self._hold_queue.pop(0)()
+                self.holds.set(on)
             case Stopped(reason=reason):
                 self._stopped(reason)
             case Suspected(peer=peer, reason=reason):
