@@ -6,7 +6,7 @@ from fttree.net.holds import HoldQueue
 
 
 def test_calls_wait_while_held_and_run_in_order_when_the_hold_is_lifted() -> None:
-    holds, ran = HoldQueue(), []
+    holds, ran = HoldQueue(), list[object]()
     assert not holds.defer(lambda: ran.append("now"))  # no hold: the caller runs it at once
     holds.set(True)
     assert holds.defer(lambda: ran.append(1))
@@ -21,9 +21,14 @@ def test_calls_wait_while_held_and_run_in_order_when_the_hold_is_lifted() -> Non
 def test_a_call_that_holds_again_stops_the_rest_until_the_next_lift() -> None:
     """A boundary released from the queue may start another join's agreement: what came after
     it waits for that one too."""
-    holds, ran = HoldQueue(), []
+    holds, ran = HoldQueue(), list[str]()
+
+    def boundary() -> None:
+        ran.append("boundary")
+        holds.set(True)
+
     holds.set(True)
-    holds.defer(lambda: (ran.append("boundary"), holds.set(True)))
+    holds.defer(boundary)
     holds.defer(lambda: ran.append("submit"))
     holds.set(False)
     assert ran == ["boundary"]
