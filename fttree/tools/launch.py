@@ -18,12 +18,16 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError
 from ..net.address import local_peers
 from .demo import StepRecord
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
+
+if TYPE_CHECKING:
+    from .rank_uplinks import UplinkCounter
 
 
 @dataclass
@@ -47,6 +51,8 @@ class LaunchResult:
     # restarted rank -> the newest step any rank had reported when its new process was up (its
     # Python and imports done, fttree about to start): what follows is fttree's part of the heal
     up_after: dict[int, int] = field(default_factory=dict)
+    # rank -> what its shaped uplink carried (`--shape-uplink`, rank_uplinks.py); empty when unshaped
+    uplinks: dict[int, UplinkCounter] = field(default_factory=dict)
 
     def struck_at(self, rank: int) -> int | None:
         """The step from which a node fault took `rank` out (None: no node fault)."""
