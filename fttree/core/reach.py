@@ -95,13 +95,14 @@ class Reach:
         left = list(order)
         out: list[int] = []
         size = len(left)
+        kind = {r: self.class_of(r) for r in order}  # (class_of scans the classes: once per rank)
         for slot in range(size):
             parent = out[(slot - 1) // 2] if slot else None
-            fits = [r for r in left if parent is None or self.can_connect(r, parent)]
+            fits = [r for r in left if parent is None or _reaches(kind, r, parent)]
             if 2 * slot + 1 < size:
-                fits = [r for r in fits if self.class_of(r) != NOBODY] or fits
+                fits = [r for r in fits if kind[r] != NOBODY] or fits
             backups = [out[s] for s in _backup_slots(slot)]  # brother and uncle, placed already
-            fits = [r for r in fits if all(self.can_connect(r, b) for b in backups)] or fits
+            fits = [r for r in fits if all(_reaches(kind, r, b) for b in backups)] or fits
             if not fits:
                 return None
             out.append(fits[0])
@@ -137,18 +138,23 @@ class Reach:
         its children: a depth-first search, slot by slot, trying for an interior slot the ranks
         that sent least so far (a `-` rank last), for a leaf those whose brother and uncle reach
         them, not public first (a public rank fits under any parent, so it is kept for the
-        slots only it fits); then the order given. Gives up after BALANCE_BUDGET * p * p tries."""
+        slots only it fits); then the order given. Gives up after BALANCE_BUDGET * p tries."""
         size = len(order)
         position = {r: i for i, r in enumerate(order)}
-        out: list[int] = []
-        used: set[int] = set()
-        budget = BALANCE_BUDGET * size * size
+        kind = {r: self.class_of(r) for r in order}  # (class_of scans the classes: once per rank)
+
+        def reaches(a: int, b: int) -> bool:
+            return _reaches(kind, a, b)
+
+        out: list[int] = [order[0]]
+        left = set(order[1:])
+        budget = BALANCE_BUDGET * size
 
         def preference(slot: int, rank: int) -> tuple[int, ...]:
-            apart = sum(not self.can_connect(rank, out[s]) for s in _backup_slots(slot))
+            apart = sum(not reaches(rank, out[s]) for s in _backup_slots(slot))
             if 2 * slot + 1 < size:
-                return (self.class_of(rank) == NOBODY, sent[rank], apart, position[rank])
-            return (apart, self.class_of(rank) == PUBLIC, position[rank])
+                return (kind[rank] == NOBODY, sent[rank], apart, position[rank])
+            return (apart, kind[rank] == PUBLIC, position[rank])
 
         def fill(slot: int) -> bool:
             nonlocal budget
@@ -158,20 +164,17 @@ class Reach:
             if budget < 0:
                 return False
             parent = out[(slot - 1) // 2]
-            fits = [r for r in order if r not in used and self.can_connect(r, parent)]
-            for rank in sorted(fits, key=lambda r: preference(slot, r)):
+            for rank in sorted((r for r in left if reaches(r, parent)), key=lambda r: preference(slot, r)):
                 out.append(rank)
-                used.add(rank)
+                left.discard(rank)
                 if fill(slot + 1):
                     return True
                 out.pop()
-                used.discard(rank)
+                left.add(rank)
                 if budget < 0:
                     return False
             return False
 
-        out.append(order[0])
-        used.add(order[0])
         return tuple(out) if fill(1) else None
 
     def rotating(self, placed: Sequence[int]) -> int:
@@ -183,8 +186,8 @@ class Reach:
 
 
 EVERYONE = Reach()  # every rank public: no placing, every slot rotates
-BALANCE_BUDGET = 20  # Reach._fill_heap's search tries at most this many times p * p slots
-BALANCE_MAX_MEMBERS = 64  # larger views keep `arrange`'s trees: balancing is O(p^3) at worst
+BALANCE_BUDGET = 20  # Reach._fill_heap's search tries at most this many times p slots
+BALANCE_MAX_MEMBERS = 64  # larger views keep `arrange`'s trees: balancing all is O(p^3 log p)
 
 
 def slot_sends(slot: int, size: int) -> int:
@@ -200,6 +203,12 @@ def busiest(orders: Sequence[Sequence[int]]) -> int:
         for slot, rank in enumerate(order):
             sent[rank] = sent.get(rank, 0) + slot_sends(slot, len(order))
     return max(sent.values(), default=0)
+
+
+def _reaches(kind: Mapping[int, str], a: int, b: int) -> bool:
+    """Reach.can_connect over a map of the ranks' classes."""
+    ca, cb = kind[a], kind[b]
+    return ca == PUBLIC or cb == PUBLIC or (ca == cb != NOBODY)
 
 
 def _backup_slots(slot: int) -> list[int]:
