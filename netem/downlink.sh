@@ -35,7 +35,8 @@ Options:
                  at least one MTU of DEV)
   --remove       remove the limits, the ingress redirect and $FTTREE_IFB
   --counters     print what each rank has received since the limits were set, one line per rank:
-                 RANK ADDRESS RATE RECEIVED_BYTES RECEIVED_PACKETS DROPPED (bytes with IP headers)
+                 RANK ADDRESS RATE RECEIVED_BYTES RECEIVED_PACKETS DROPPED OVERLIMITS
+                 (bytes with IP headers; OVERLIMITS: how often the limit held it back)
 $(grep -v -- '--port' <<<"$COMMON_HELP")
 
 Examples:

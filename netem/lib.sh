@@ -308,7 +308,9 @@ rate_bytes_per_s() {
 }
 
 # uplink_lines DEV [AT]: one line per rank limited by uplink.sh (or downlink.sh) on DEV:
-#   RANK ADDRESS RATE BYTES PACKETS DROPPED
+#   RANK ADDRESS RATE BYTES PACKETS DROPPED OVERLIMITS
+# (OVERLIMITS: how often the class had a packet to send and no tokens, that is how often the
+# limit held the rank back; 0 when it never had to)
 # Rank r is class f7:(r+1) (minor in hex); its address is the one its u32 filter matches at
 # byte AT of the IP header: 12, the source (uplink.sh, the default), or 16, the destination
 # (downlink.sh).
@@ -343,7 +345,7 @@ uplink_lines() {
         }
         classes && $1 == "Sent" && cls != "" {
             split(cls, c, ":"); dropped = $7; sub(/,$/, "", dropped)
-            printf "%d %s %s %s %s %s\n", hex(c[2]) - 1, (cls in addr) ? addr[cls] : "?", rate, $2, $4, dropped
+            printf "%d %s %s %s %s %s %s\n", hex(c[2]) - 1, (cls in addr) ? addr[cls] : "?", rate, $2, $4, dropped, $9
             cls = ""
         }' | sort -n
 }

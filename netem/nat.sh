@@ -42,7 +42,10 @@ Builds a small internet in network namespaces, one namespace per rank (NAME-rR):
   list   the namespaces of every such network on this machine
 
 Only namespaces and the interfaces inside them are made; the host's own interfaces, routes
-and firewall are never touched. Rates per rank compose with uplink.sh --netns NAME-rR.
+and firewall are never touched. To limit each rank's uplink on its own interface (the same
+for site ranks and public ones): fttree launch --shape-uplink RATE, or by hand
+uplink.sh --netns NAME-rR --dev eth0 --base ADDRESS --ranks 1 RATE, with the rank's ADDRESS
+from peers --site-local.
 
 Example (ranks 0..2 public, 3 and 4 behind one NAT):
   sudo $PROG up demo --public 0,1,2 --site 3,4

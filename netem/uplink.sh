@@ -30,7 +30,8 @@ Options:
                  at least one MTU of DEV)
   --remove       remove the limits
   --counters     print what each rank has sent since the limits were set, one line per rank:
-                 RANK ADDRESS RATE SENT_BYTES SENT_PACKETS DROPPED (bytes with IP headers)
+                 RANK ADDRESS RATE SENT_BYTES SENT_PACKETS DROPPED OVERLIMITS (bytes with
+                 IP headers; OVERLIMITS: how often the limit held the rank back)
 $(grep -v -- '--port' <<<"$COMMON_HELP")
 
 Examples:

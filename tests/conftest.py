@@ -29,7 +29,7 @@ WORKERS = 3
 # that they miss stops the collection (see pytest_collection_modifyitems).
 NETNS_MODULES = frozenset({
     "test_realnet.py", "test_nat_netns.py", "test_nat_restart.py", "test_uplink.py", "test_bench_uplink.py",
-    "test_punch_netns.py", "test_downlink.py",
+    "test_punch_netns.py", "test_downlink.py", "test_nat_uplink_netns.py",
 })
 NETNS_TESTS = frozenset({
     "test_chaos.py::test_a_short_seeded_chaos_run",  # as root it cuts links in a namespace of its own

@@ -124,14 +124,7 @@ def test_ranks_behind_a_nat_train_exactly_with_the_public_ones(world: int, site:
                                echo=lines.append, site_local=site_local)
     report = "\n".join(lines)
     assert result.ok, report
-    assert result.all_exact(), report
-    for step in range(steps):
-        recs = result.records[step]
-        assert sorted(recs) == list(range(world)), report
-        for rank, rec in recs.items():
-            assert rec.exact, f"rank {rank} step {step}\n{report}"
-            assert list(rec.ranks) == list(range(world)), f"rank {rank} step {step}\n{report}"
-            assert rec.epoch == 0, f"rank {rank} step {step}: a view change\n{report}"
+    assert result.shortfalls() == [], report
     assert not [n for n in our_networks() if n.startswith("fttreenat")], "a NAT network was left behind"
 
 
@@ -153,11 +146,7 @@ def test_ranks_behind_different_nats_train_exactly_through_relays(sites: list[li
                                echo=lines.append)
     report = "\n".join(lines)
     assert result.ok, report
-    assert result.all_exact(), report
-    for step in range(steps):
-        for rank, rec in result.records[step].items():
-            assert list(rec.ranks) == list(range(7)), f"rank {rank} step {step}\n{report}"
-            assert rec.epoch == 0, f"rank {rank} step {step}: a view change\n{report}"
+    assert result.shortfalls() == [], report
     per_step = result.relayed_per_step()
     if relayed:
         assert per_step > MLP * 4, report  # tensors pass the relay

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from fttree.tools.demo import StepRecord
-from fttree.tools.launch import LaunchResult, launch
+from fttree.tools.launch import LaunchResult, Shortfall, launch
 
 from .conftest import free_port
 from .test_realnet import netem, netns  # noqa: F401 (netns is a fixture)
@@ -103,3 +103,28 @@ def test_the_verdict_compares_the_members_that_settled_each_step() -> None:
     assert clean.agree()
     assert clean.departures() == []
     assert clean.ok
+
+
+def test_shortfalls_name_each_rank_and_step_that_was_not_clean() -> None:
+    """A clean run has none; a missing report, a wrong sum, a sum without everybody and a view
+    change each come back as one entry naming the step, the rank and what, and the view
+    check can be left out (a pace agreement changes the view, not the members)."""
+    three = [0, 1, 2]
+    result = LaunchResult(world=3, steps=2)
+    for step in range(2):
+        for r in three:
+            result.records[step][r] = _record(r, step, "a", three, 0, three)
+    assert result.shortfalls() == []
+    del result.records[1][2]
+    result.records[0][1] = StepRecord(rank=1, step=0, duration_s=0.1, exact=False, contributors=3, ranks=three,
+                                      error="timed out")
+    result.records[1][0] = _record(0, 1, "b", [0, 1], 0, three)
+    result.records[1][1] = _record(1, 1, "a", three, 1, three)
+    assert result.shortfalls() == [
+        Shortfall(0, 1, "not exact", "timed out"),
+        Shortfall(1, 0, "not everybody in the sum", "sum of [0, 1]"),
+        Shortfall(1, 1, "another view", "view 1: [0, 1, 2]"),
+        Shortfall(1, 2, "no report"),
+    ]
+    assert [(s.step, s.rank, s.what) for s in result.shortfalls(view=None)] == [
+        (0, 1, "not exact"), (1, 0, "not everybody in the sum"), (1, 2, "no report")]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from . import topology as topo
-from .reach import EVERYONE, Reach
+from .reach import BALANCE_MAX_MEMBERS, EVERYONE, Reach, busiest
 from .topology import Neighbours
 from .trees import base_slot, base_spans, check_tree, tree_count, tree_order, tree_slot
 
@@ -51,6 +51,7 @@ class View:
     _tree: int
     _neighbours: dict[int, Neighbours]  # View.neighbours of the ranks asked (a worker asks of a few per tree)
     _trees: dict[tuple[str, int], View] | None  # View.tree, kept by tree 0 only
+    _plan: tuple[tuple[int, ...], ...] | None  # the rotated trees' orders where some cannot be dialled
     reach: Reach  # who can connect with whom; the members are placed by it (reach.py)
     rotating: int  # the leading slots the rotated trees rotate (the public members'; all without reach)
 
@@ -81,7 +82,7 @@ class View:
         base = tree == 0
         for name, value in (("epoch", epoch), ("pace", pace), ("uplinks", uplinks), ("_order", order), ("_slot", slot),
                             ("_family", family), ("_tree", tree), ("_neighbours", {}),
-                            ("_trees", {} if base else None)):
+                            ("_trees", {} if base else None), ("_plan", None)):
             object.__setattr__(self, name, value)
 
     @property
@@ -162,18 +163,40 @@ class View:
             self._trees[(family, tree)] = found
         return found
 
-    def _arranged(self, found: View, tree: int) -> None:
-        """Rotated tree `tree` where some members cannot be dialled: the view's order rotated
-        by `tree`, arranged so that every parent reaches its children (Reach.arrange), else the
-        public prefix rotated. An order of its own: O(p) for each tree asked (reach.py)."""
+    def _rotation(self, tree: int) -> tuple[int, ...]:
+        """Rotated tree `tree`'s order before reachability: the view's order rotated by `tree`,
+        the public ranks' turns rotating too."""
         turn = self.rotating
         rotated = self._order[tree:] + self._order[:tree]
         public = [r for r in rotated if r in self._slot and self._slot[r] < turn]  # (the placed order's prefix)
-        lead = [public[(i + tree) % turn] for i in range(turn)]  # and the public ranks' turns rotate too
+        lead = [public[(i + tree) % turn] for i in range(turn)]
         swap = dict(zip(public, lead, strict=True))
-        rotated = tuple(swap.get(r, r) for r in rotated)
+        return tuple(swap.get(r, r) for r in rotated)
+
+    def _each_arranged(self, tree: int) -> tuple[int, ...]:
+        """Rotated tree `tree` arranged on its own: its rotation where every parent reaches its
+        children (Reach.arrange), else the public prefix rotated. O(p)."""
+        turn = self.rotating
         fallback = self._order[tree % turn:turn] + self._order[:tree % turn] + self._order[turn:]
-        order = self.reach.arrange(rotated) or fallback
+        return self.reach.arrange(self._rotation(tree)) or fallback
+
+    def _rotated_orders(self) -> tuple[tuple[int, ...], ...]:
+        """Every rotated tree's order, kept: each arranged on its own, or all of them balanced
+        together (Reach.balance) where that makes the busiest rank send less."""
+        if self._plan is None:
+            alone = (self._order, *(self._each_arranged(t) for t in range(1, self.size)))
+            together = self.reach.balance((self._order, *(self._rotation(t) for t in range(1, self.size))))
+            plan = together if together is not None and busiest(together) < busiest(alone) else alone
+            object.__setattr__(self, "_plan", plan)
+        assert self._plan is not None
+        return self._plan
+
+    def _arranged(self, found: View, tree: int) -> None:
+        """Rotated tree `tree` where some members cannot be dialled: an order of its own (reach.py).
+        Up to BALANCE_MAX_MEMBERS members, all trees are planned together once per view so that
+        every rank sends alike as far as reachability allows (O(p^2) orders kept, O(p^3) work at
+        worst); above it, each tree is arranged on its own when asked, O(p) each."""
+        order = self._rotated_orders()[tree] if self.size <= BALANCE_MAX_MEMBERS else self._each_arranged(tree)
         uplinks = tuple(self.uplink_of(r) for r in order) if self.uplinks else ()
         object.__setattr__(found, "reach", self.reach)
         object.__setattr__(found, "rotating", len(order))

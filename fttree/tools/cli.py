@@ -10,7 +10,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -23,6 +23,9 @@ from ..errors import FTTreeError
 from ..net.address import parse_peers
 from ..status.cli import http_kwargs, launch_linger_s, launch_options, launch_worker_args, linger, worker_options
 from .sizes import THESIS_MLP_PARAMS
+
+if TYPE_CHECKING:
+    from .units import UplinkSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -333,6 +336,11 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
               help="How the --behind-nat routers map source ports: keep (MASQUERADE, as most home routers: a hole "
                    "punch between sites connects), random or random-fully (a new port per connection, as carrier "
                    "NATs: punches fail and the relay stays).")
+@click.option("--shape-uplink", "shape_uplink", default=None, metavar="RATE",
+              help="Limit what each rank sends to RATE (tc units: 100mbit; 100mbit,3=10mbit: rank 3 at 10), each rank "
+                   "in a namespace of its own (netem/nat.sh's network, all public unless --behind-nat) and limited on "
+                   "its own interface (netem/uplink.sh), so ranks behind NATs and public ones are limited alike. The "
+                   "workers are not told the rate (--uplink does that): they measure it. Needs root.")
 @click.option("--no-key", is_flag=True,
               help="Make no job key: the workers prove nothing (loopback only, unless --insecure; a baseline "
                    "for what the key costs).")
@@ -348,13 +356,14 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
            faults: str, timeout_policy: str, no_link_memory: bool, on_node_failure: str, chunk_bytes: int | None,
            trees: str, uplink: str | None, auth_key_file: Path | None, tls_dir: Path | None,
            tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, tls: bool,
-           no_key: bool, behind_nat: tuple[str, ...], nat_ports: str, settings: tuple[str, ...]) -> None:
+           no_key: bool, behind_nat: tuple[str, ...], nat_ports: str, shape_uplink: str | None,
+           settings: tuple[str, ...]) -> None:
     """Start N local workers on 127.0.0.x and print per-step times and exactness.
 
     crash and hang faults happen to the worker processes for real (SIGKILL; SIGSTOP, then
     SIGCONT); the other faults in-process, or with iptables under --real-faults. With
     --behind-nat, each rank runs in a namespace of its own and those named sit behind NATs
-    (docs/nat.md). The workers
+    (docs/nat.md); --shape-uplink limits each rank's uplink there. The workers
     prove a key made for this job (job.key in the launch directory) unless --auth-key-file
     names one; --tls also encrypts their connections."""
     from ..net.credentials import write_key
@@ -380,6 +389,7 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
             sites = parse_sites(behind_nat, world)
         except FTTreeError as exc:
             raise click.BadParameter(str(exc), param_hint="--behind-nat") from None
+    shaped = _shape_uplink_spec(shape_uplink, world, real_faults)
     _parse_settings(settings)  # likewise a bad setting
     args = ["--steps", str(steps), "--size", str(size), "--timeout", str(timeout), "--step-timeout",
             str(step_timeout), "--startup-timeout", str(startup_timeout), "--timeout-policy", timeout_policy,
@@ -428,12 +438,12 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
     verbose = click.get_current_context().find_root().params.get("verbose", 0)
     try:
         with sigterm_as_interrupt():  # so a stopped (hung) worker is continued even when we are terminated
-            if sites:
+            if sites or shaped is not None:
                 from .realfaults import launch_behind_nat
 
                 result = launch_behind_nat(sites, world, args, steps=steps, port=port, launch_dir=launch_dir,
                                            deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose,
-                                           nat_ports=nat_ports)
+                                           nat_ports=nat_ports, uplinks=shaped)
             else:
                 result = run_launch(world, args, steps=steps, host_base=host_base, port=port, launch_dir=launch_dir,
                                     deadline_s=deadline_s, echo=click.echo, schedule=schedule, verbose=verbose)
@@ -441,6 +451,23 @@ def launch(world: int, host_base: str, port: int, launch_dir: Path | None, real_
         raise click.ClickException(str(exc)) from None
     if not result.ok:
         sys.exit(1)
+
+
+def _shape_uplink_spec(text: str | None, world: int, real_faults: bool) -> UplinkSpec | None:
+    """`launch --shape-uplink`'s spec, checked against the job before anything is built."""
+    if text is None:
+        return None
+    if real_faults:
+        raise click.UsageError("--shape-uplink and --real-faults cannot be combined yet")
+    from .rank_uplinks import check_spec
+    from .units import parse_uplinks
+
+    try:
+        spec = parse_uplinks(text)
+        check_spec(spec, world)
+    except FTTreeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shape-uplink") from None
+    return spec
 
 
 @main.command()

@@ -18,12 +18,26 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError
 from ..net.address import local_peers
 from .demo import StepRecord
 from .nodefaults import NodeFault, NodeFaultDriver, node_faults
+
+if TYPE_CHECKING:
+    from .rank_uplinks import UplinkCounter
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """One way one rank's record of one step fell short of a clean run (LaunchResult.shortfalls)."""
+
+    step: int
+    rank: int
+    what: Literal["no report", "not exact", "not everybody in the sum", "another view"]
+    detail: str = ""  # the error, the contributors, the view
 
 
 @dataclass
@@ -47,6 +61,8 @@ class LaunchResult:
     # restarted rank -> the newest step any rank had reported when its new process was up (its
     # Python and imports done, fttree about to start): what follows is fttree's part of the heal
     up_after: dict[int, int] = field(default_factory=dict)
+    # rank -> what its shaped uplink carried (`--shape-uplink`, rank_uplinks.py); empty when unshaped
+    uplinks: dict[int, UplinkCounter] = field(default_factory=dict)
 
     def struck_at(self, rank: int) -> int | None:
         """The step from which a node fault took `rank` out (None: no node fault)."""
@@ -131,6 +147,27 @@ class LaunchResult:
             if set(recs) != self.expected(step) or not all(r.exact for r in recs.values()):
                 return False
         return True
+
+    def shortfalls(self, view: int | None = 0) -> list[Shortfall]:
+        """Where this run was not clean: every step reported by every rank of the world, exact,
+        with every rank in the sum, in `view` (0: no view change; None: any). Empty when clean.
+        For runs without faults, where any of these is a failure; `ok` judges runs with them."""
+        everyone = tuple(range(self.world))
+        out: list[Shortfall] = []
+        for step in self.all_steps():
+            recs = self.records.get(step, {})
+            for rank in everyone:
+                rec = recs.get(rank)
+                if rec is None:
+                    out.append(Shortfall(step, rank, "no report"))
+                    continue
+                if not rec.exact:
+                    out.append(Shortfall(step, rank, "not exact", rec.error or "wrong sum"))
+                if tuple(rec.ranks) != everyone:
+                    out.append(Shortfall(step, rank, "not everybody in the sum", f"sum of {list(rec.ranks)}"))
+                if view is not None and rec.epoch != view:
+                    out.append(Shortfall(step, rank, "another view", f"view {rec.epoch}: {rec.members}"))
+        return out
 
     def deciding_members(self, step: int) -> set[int]:
         """The members of the view that settled `step`: the newest view any counted worker

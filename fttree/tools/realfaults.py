@@ -38,6 +38,7 @@ from ..core.faults import FaultKind, FaultRule, FaultSchedule
 from ..errors import ConfigError, FTTreeError
 from . import SOURCE_ROOT
 from .nodefaults import GATE_POLL_S, NodeFaultDriver, RealFaultError, StepGate, node_faults
+from .units import UplinkSpec
 
 if TYPE_CHECKING:
     from .launch import LaunchResult
@@ -376,25 +377,47 @@ def launch_behind_nat(sites: Sequence[Sequence[int]], world: int, worker_args: S
                       port: int = 29500, launch_dir: Path | None = None, deadline_s: float = 600.0,
                       echo: Callable[[str], None] = print, schedule: FaultSchedule | None = None,
                       site_local: bool = True, verbose: int = 0, name: str | None = None,
-                      nat_ports: str = "keep") -> LaunchResult:
+                      nat_ports: str = "keep", uplinks: UplinkSpec | None = None) -> LaunchResult:
     """`fttree launch --behind-nat`: each rank in a namespace of its own (netem/nat.sh), the
-    ranks of each site behind a NAT router. The peers file lists a site rank as `HOST:PORT
-    behind siteK` (its site-mates dial it there), or `-` without `site_local`. `name`: the
-    network's (its namespaces' prefix); `nat_ports`: how the routers map ports (nat.sh)."""
+    ranks of each site behind a NAT router (no sites: all public, in the same network builder,
+    so that a run with NATs differs from one without by the NATs only). The peers file lists a
+    site rank as `HOST:PORT behind siteK` (its site-mates dial it there), or `-` without
+    `site_local`. `name`: the network's (its namespaces' prefix); `nat_ports`: how the routers
+    map ports (nat.sh); `uplinks` (`--shape-uplink`): each rank's egress limited on its own
+    interface (rank_uplinks.py), what each sent through its limit in the result's `uplinks`."""
+    from . import rank_uplinks
+
+    if uplinks is not None:
+        rank_uplinks.check_spec(uplinks, world)  # before anything is built
     if os.geteuid() != 0:
-        raise RealFaultError("--behind-nat needs root: it builds network namespaces and NAT rules")
-    for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
+        raise RealFaultError("--behind-nat and --shape-uplink need root: they build network namespaces, NAT rules "
+                             "and tc limits")
+    needed = [("ip", "iproute2"), ("iptables", "iptables"), *([("tc", "iproute2")] if uplinks is not None else [])]
+    for tool, package in needed:
         if shutil.which(tool) is None:
-            raise RealFaultError(f"--behind-nat needs the '{tool}' command: apt-get install {package}")
+            raise RealFaultError(f"--behind-nat and --shape-uplink need the '{tool}' command: apt-get install "
+                                 f"{package}")
     nat = str(netem_dir() / "nat.sh")
     with sigterm_as_interrupt(), nat_network(sites, world, name=name, nat_ports=nat_ports) as name:
         peers = run_script("nat.sh", "peers", name, "--port", str(port), *(["--site-local"] if site_local else []))
-        echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
+        if sites:
+            echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
+        else:
+            echo(f"every rank public, each in a namespace of its own (network {name})")
+        if uplinks is not None:
+            rates = rank_uplinks.shape(name, uplinks, world)
+            echo(f"uplinks shaped on each rank's own interface (netem/uplink.sh): {uplinks.default} each"
+                 + "".join(f", rank {r} {rate}" for r, rate in rates.items() if rate != uplinks.default))
         from .launch import launch
 
-        return launch(world, worker_args, steps=steps, port=port, launch_dir=launch_dir, deadline_s=deadline_s,
-                      echo=echo, schedule=schedule, verbose=verbose, peers=peers.splitlines(),
-                      rank_prefix=lambda rank: [nat, "exec", name, str(rank), "--"])
+        result = launch(world, worker_args, steps=steps, port=port, launch_dir=launch_dir, deadline_s=deadline_s,
+                        echo=echo, schedule=schedule, verbose=verbose, peers=peers.splitlines(),
+                        rank_prefix=lambda rank: [nat, "exec", name, str(rank), "--"])
+        if uplinks is not None:
+            result.uplinks = rank_uplinks.counters(name, world)
+            for line in rank_uplinks.describe(result.uplinks, steps):
+                echo(line)
+        return result
 
 
 def run_launch_cli(schedule: FaultSchedule, world: int, worker_args: Sequence[str], *, steps: int,
