@@ -81,6 +81,10 @@ def check_oracle(net: SimNetwork, world: int, data: list[np.ndarray], step: int 
         else:
             assert str(out), f"rank {r} failed without a reason"
     assert len(results) <= 1, f"ranks disagree on step {step}: {len(results)} different results"
+    # every frame of a step the ranks sent fits the message table's role rules (roles.py): a
+    # rule stricter than the protocol would drop a relay or a push here
+    dropped = {n.rank: n.foreign.by_role for n in net.nodes if n.foreign.by_role}
+    assert not dropped, f"frames dropped for their sender's role: {dropped}"
     return completed
 
 

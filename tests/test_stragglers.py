@@ -14,7 +14,7 @@ import pytest
 from fttree import StepAborted, StepResult
 from fttree.core.config import Config
 from fttree.core.messages import Kind, Message
-from fttree.core.protocol import Cause, NoteKind, Received, Send, Submit, TreeMachine
+from fttree.core.protocol import Cause, Foreign, NoteKind, Received, Send, Submit, TreeMachine
 from fttree.core.stragglers import close_at, identity_zeros
 from fttree.core.view import View
 from fttree.errors import ConfigError
@@ -219,9 +219,12 @@ def test_a_close_from_anyone_but_the_parent_or_for_no_chunk_changes_nothing() ->
         msg = Message(kind=Kind.META_CLOSE, src=src, step=0, chunk=0, **fields)  # type: ignore[arg-type]
         return machine.handle(Received(msg=msg), 0.0)  # type: ignore[return-value]
 
-    for src, kw in ((4, {}), (0, {}), (1, {"dtype": "|O"}), (1, {"size": 1 << 40}), (1, {"size": 0})):
-        out = close(src, **kw)
-        assert [getattr(a, "cause", None) for a in out] == [Cause.PROTOCOL_VIOLATION], (src, kw, out)
+    for src in (4, 0):  # its brother, and no neighbour: senders the role rule refuses (roles.py)
+        out = close(src)
+        assert [type(a) for a in out] == [Foreign], (src, out)
+    for kw in ({"dtype": "|O"}, {"size": 1 << 40}, {"size": 0}):
+        out = close(1, **kw)
+        assert [getattr(a, "cause", None) for a in out] == [Cause.PROTOCOL_VIOLATION], (kw, out)
     assert machine.closed_run(0) == 0
     out = close(1)  # from the parent: rank 3 takes part with zeros, late
     assert machine.closed_run(0) == 1

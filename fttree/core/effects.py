@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .messages import Frame
+from .messages import Frame, Sender
+from .roles import RoleRule
 
 
 class TimerKind(Enum):
@@ -183,9 +184,20 @@ class Note:
                 "seconds": self.seconds}
 
 
-Action = Send | SetTimer | CancelTimer | Complete | Fail | Note | Void
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Foreign:
+    """`msg` was dropped, changing nothing: its sender may not send it. `rule` is the rule it
+    broke: a sender rule (messages.SENDER_RULES, the replica's check), or for a step's frame the
+    role its sender must have in the frame's tree (roles.ROLE_RULES, the tree machine's check).
+    For the driver to count and log."""
+
+    msg: Frame
+    rule: Sender | RoleRule
+
+
+Action = Send | SetTimer | CancelTimer | Complete | Fail | Note | Void | Foreign
 
 __all__ = [
-    "AbortCode", "Action", "CancelTimer", "Cause", "Complete", "Fail", "LinkState", "Note", "NoteKind", "Send",
-    "SetTimer", "TimerKey", "TimerKind", "Void",
+    "AbortCode", "Action", "CancelTimer", "Cause", "Complete", "Fail", "Foreign", "LinkState", "Note", "NoteKind",
+    "Send", "SetTimer", "TimerKey", "TimerKind", "Void",
 ]

@@ -67,6 +67,7 @@ from .effects import CancelTimer as CancelTimer
 from .effects import Cause as Cause
 from .effects import Complete as Complete
 from .effects import Fail as Fail
+from .effects import Foreign as Foreign
 from .effects import LinkState as LinkState
 from .effects import Note as Note
 from .effects import NoteKind as NoteKind
@@ -88,6 +89,7 @@ from .machine_status import UplinkStatus as UplinkStatus
 from .messages import COMPRESSIONS, Kind, Message
 from .op_state import Op, OpId
 from .reduce_ops import REDUCE_OPS
+from .roles import ROLE_RULES, role_allows
 from .timeouts import Phase
 from .topology import Neighbours
 from .tree_bcast import Broadcast
@@ -383,7 +385,8 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
             if msg.epoch in self._same_trees:  # an op of an earlier pace: its trees are ours
                 held = self._ops.get(msg.op)
                 if msg.kind is Kind.META_BCAST_REQUEST and (held is None or held.epoch != msg.epoch):
-                    self._answer_retired(msg, link, out)
+                    if self._frame_tree(msg, now, out) is not None:
+                        self._answer_retired(msg, link, out)
                     return
                 if held is not None and held.epoch == msg.epoch:
                     return self._on_op_message(msg, now, out, link)
@@ -392,28 +395,35 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
             return
         self._on_op_message(msg, now, out, link)
 
-    def _on_op_message(self, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
-        if msg.kind is Kind.CATCHUP:
-            self._on_catchup(msg, now, out)
-            return
-        probe = msg.kind in (Kind.PROBE, Kind.PROBE_ACK)
+    def _frame_tree(self, msg: Message, now: float, out: list[Action]) -> Tree | None:
+        """The tree `msg` belongs to (its op's, by the tree rule; a probe's, by its `tree`), if
+        its sender may send it there (roles.ROLE_RULES: a frame from any other rank is Foreign,
+        dropped and counted before any handler sees it). A tree other than this rank's rule
+        gives is a mismatch (`_tree_mismatch`)."""
+        probe = msg.kind is Kind.PROBE or msg.kind is Kind.PROBE_ACK
         tree = msg.tree if probe else self.tree_of(msg.chunk, msg.chunks, msg.epoch)  # a probe: its tree's uplink
         if msg.tree != tree or not 0 <= tree < len(self.trees):
             self._tree_mismatch(msg, tree, now, out)
-            return
+            return None
         t = self.trees[tree]
-        if msg.src not in t.me.all:
-            out.append(Note(step=msg.step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
-                            text=f"dropped {msg.kind.name} from rank {msg.src}, not a neighbour in tree {tree}"))
+        if not role_allows(msg, t.me):
+            out.append(Foreign(msg=msg, rule=ROLE_RULES[msg.kind]))
+            return None
+        return t
+
+    def _on_op_message(self, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
+        if msg.kind is Kind.CATCHUP:  # from any member that holds the result (ROLE_RULES): no tree
+            self._on_catchup(msg, now, out)
             return
-        if msg.kind is Kind.PROBE:
-            if msg.src in t.me.children:
-                ack = Message(kind=Kind.PROBE_ACK, src=self.rank, epoch=self.view.epoch, step=msg.step, tree=tree)
-                out.append(Send(dst=msg.src, msg=ack))
+        t = self._frame_tree(msg, now, out)
+        if t is None:
+            return
+        if msg.kind is Kind.PROBE:  # (from a child, ROLE_RULES: as every check of a sender's role below)
+            ack = Message(kind=Kind.PROBE_ACK, src=self.rank, epoch=self.view.epoch, step=msg.step, tree=t.tree)
+            out.append(Send(dst=msg.src, msg=ack))
             return
         if msg.kind is Kind.PROBE_ACK:
-            if msg.src == t.me.parent:
-                self._on_probe_ack(t, now, out)
+            self._on_probe_ack(t, now, out)
             return
         if msg.kind is Kind.META_BCAST_REQUEST and self.is_retired(msg.op):
             self._answer_retired(msg, link, out)

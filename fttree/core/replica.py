@@ -45,6 +45,7 @@ from typing import NamedTuple
 from .admission import Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from .config import Config
 from .effects import Action, Cause, LinkState, Note, Send
+from .effects import Foreign as Foreign  # (re-exported: the driver takes it from here with the others)
 from .farewell import Farewell
 from .lifecycle import Life, Lifecycle, Phase
 from .membership import (
@@ -167,14 +168,6 @@ class AckDue:
     last_submitted: int
     pending: frozenset[int]
     stopped: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Foreign:
-    """`msg` was dropped: its sender may not send it (`rule`). For the driver to count and log."""
-
-    msg: Frame
-    rule: Sender
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

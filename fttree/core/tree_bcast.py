@@ -38,8 +38,6 @@ class Broadcast(MachineBase):
     def _on_data_bcast(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         bc = op.bcast
         t = self._t(op)
-        if msg.src not in (t.me.parent, t.me.brother, t.me.uncle):
-            return self._protocol(out, msg, "only parent, brother or uncle send results")
         if self.fenced:  # a view change is being agreed; what we reported held is final
             out.append(Note(step=op.step, cause=Cause.STALE_DROPPED, peer=msg.src,
                             text=f"step {op.step}: dropped a result during a view change"))
@@ -78,11 +76,7 @@ class Broadcast(MachineBase):
         """A backup node of our child `target` saw no confirmation of the result we sent it: say
         whether it is still on its way (META_BCAST_SENT with fresh figures) or stuck
         (META_STALLED: the backup node sends its own copy)."""
-        t = self._t(op)
-        target = msg.target
-        if target not in t.me.children or msg.src not in (t.view.neighbours(target).brother,
-                                                           t.view.neighbours(target).uncle):
-            return self._protocol(out, msg, "not an observer of our link to that child")
+        target = msg.target  # our child; the sender, its brother or uncle (roles.ROLE_RULES)
         if op.bcast.result is None:
             return None  # not sent yet: its announcement starts the watch over when it is
         pending = 0 if link is None else link.pending_bytes

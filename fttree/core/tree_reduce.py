@@ -147,11 +147,7 @@ class Reduce(MachineBase):
     def _on_data_reduce(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         red = op.reduce
         t = self._t(op)
-        origin = msg.origin
-        if origin not in t.subtrees:
-            return self._protocol(out, msg, f"origin {origin} is not a child of rank {self.rank}")
-        if msg.src != origin and msg.src not in (t.me.brother, *t.me.children):
-            return self._protocol(out, msg, f"rank {msg.src} cannot relay for rank {origin}")
+        origin = msg.origin  # a child of ours; the sender is it or a backup of it (roles.ROLE_RULES)
         if msg.src == origin:  # any direct copy, even a late duplicate, proves the link works
             t.down_failed.discard(origin)
         if op.done:
@@ -209,8 +205,6 @@ class Reduce(MachineBase):
             return None  # holding the result proves our sum reached the root already
         if not op.reduce.sent or op.reduce.acc is None or t.me.parent is None:
             return self._protocol(out, msg, "nothing sent yet to relay")
-        if msg.src not in (t.me.brother, t.me.uncle):
-            return self._protocol(out, msg, "only our brother and uncle relay for us")
         told = op.watches.delivered_told.get(msg.src, 0)
         if link is not None and not link.stalled and link.lost_at < op.reduce.sent_at and not op.reduce.rerouted \
                 and (link.pending_bytes or told < self.cfg.watch_retries):

@@ -26,11 +26,7 @@ class Watching(MachineBase):
     def _on_meta_reduce_sent(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """The origin sent its subtree sum to `target`: watch for the parent's confirmation. The
         same frame answers a check (the sum is still on its way): the watch starts over."""
-        t = self._t(op)
-        origin = msg.src
-        watched = t.view.neighbours(origin)
-        if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
-            return self._protocol(out, msg, "not an observer of that link")
+        origin = msg.src  # we watch its uplink to `target` (roles.ROLE_RULES)
         if origin in op.watches.reduce_confirmed or not self._ft:
             return None
         self._arm_watch(op, Phase.REDUCE, origin, (origin, msg.target, Phase.REDUCE), msg, now, out)
@@ -69,11 +65,7 @@ class Watching(MachineBase):
         out.append(SetTimer(key=self._timer(kind, op, peer), at=now + wait))
 
     def _on_data_reduce_request(self, op: Op, msg: Message, out: list[Action]) -> None:
-        t = self._t(op)
-        origin = msg.src
-        watched = t.view.neighbours(origin)
-        if self.rank not in (watched.brother, watched.uncle) or msg.target != watched.parent:
-            return self._protocol(out, msg, "not an observer of that link")
+        origin = msg.src  # we watch its uplink to `target` (roles.ROLE_RULES)
         op.watches.relayed_for.add(origin)
         if msg.planned:
             op.watches.detoured_for.add(origin)
@@ -100,11 +92,7 @@ class Watching(MachineBase):
     def _on_meta_bcast_sent(self, op: Op, msg: Message, now: float, out: list[Action]) -> None:
         """`target`'s parent sent it the result: watch for its confirmation (or, as the answer
         to a check, the result is still on its way: the watch starts over)."""
-        target = msg.target
-        t = self._t(op)
-        watched = t.view.neighbours(target) if target in self.view else None
-        if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
-            return self._protocol(out, msg, "not an observer of that link")
+        target = msg.target  # we watch its uplink to the sender (roles.ROLE_RULES)
         if target in op.watches.bcast_confirmed or not self._ft:
             return None
         self._arm_watch(op, Phase.BCAST, target, (msg.src, target, Phase.BCAST), msg, now, out)
@@ -112,11 +100,7 @@ class Watching(MachineBase):
 
     def _on_meta_stalled(self, op: Op, msg: Message, out: list[Action]) -> None:
         """The parent of `target` cannot get the result through: send ours (or once we hold it)."""
-        target = msg.target
-        t = self._t(op)
-        watched = t.view.neighbours(target) if target in self.view else None
-        if watched is None or msg.src != watched.parent or self.rank not in (watched.brother, watched.uncle):
-            return self._protocol(out, msg, "not an observer of that link")
+        target = msg.target  # we watch its uplink to the sender (roles.ROLE_RULES)
         if op.watches.checked_at.pop((Phase.BCAST, target), None) is not None:
             out.append(Note(step=op.step, cause=Cause.WATCH_EXPIRED, peer=target, link=(target, msg.src),
                             text=f"step {op.step}: no sign that rank {target} got the result in time, and rank "

@@ -9,7 +9,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from ..core.effects import Note, NoteKind
-from ..core.messages import Frame, Sender
+from ..core.messages import Frame, Kind, Sender
+from ..core.roles import RoleRule
 
 log = logging.getLogger("fttree.net.node")
 
@@ -41,17 +42,22 @@ class NoteLog:
 
 
 class ForeignLog:
-    """Frames dropped because their sender may not send them (messages.SENDER_RULES): counted,
-    and logged once per sender."""
+    """Frames dropped because their sender may not send them (messages.SENDER_RULES, and for a
+    step's frame its sender's role in the frame's tree, roles.ROLE_RULES): counted, and logged
+    once per sender."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.count = 0
+        self.by_role: Counter[Kind] = Counter()  # of those, step frames whose sender had another role in their tree
         self._logged: set[int] = set()
 
-    def dropped(self, msg: Frame, rule: Sender) -> None:
+    def dropped(self, msg: Frame, rule: Sender | RoleRule) -> None:
         self.count += 1
+        if isinstance(rule, RoleRule):
+            self.by_role[msg.kind] += 1
         if msg.src not in self._logged and len(self._logged) < FOREIGN_SENDERS_LOGGED:
             self._logged.add(msg.src)
             log.warning("rank %d: dropped %s from rank %d, which may not send it (%s); further frames of that "
-                        "rank are dropped and counted, not logged", self.rank, msg.kind.name, msg.src, rule.value)
+                        "rank are dropped and counted, not logged", self.rank, msg.kind.name, msg.src,
+                        rule.value if isinstance(rule, Sender) else f"in the frame's tree only {rule.text} may")
