@@ -146,8 +146,10 @@ STATE_DTYPE = "|u1"  # STATE carries raw bytes
 
 class Sender(Enum):
     """Who may send a kind. The transport proves the rank a frame comes from (net/handshake.py);
-    these rules say which proven ranks a frame is taken from (net/node.py applies them before a
-    frame changes any state; a frame from anyone else is dropped, counted and logged once)."""
+    these rules say which proven ranks a frame is taken from (core/replica.py applies them before
+    a frame changes any state; a frame from anyone else is dropped, counted and logged once). A
+    step's frame (`Message`) has a second rule, its sender's role in the step's tree
+    (core/roles.py's ROLE_RULES, which the tree machine applies the same way)."""
 
     MEMBER = "a member of the receiver's view, of a view it has decided to take, or a rank it is admitting"
     # a MEMBER (the replica's gate), and then the one its ballot names (membership.py checks it)

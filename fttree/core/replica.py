@@ -8,7 +8,9 @@ is applied to the tree when decided or, for a join, at a training-step boundary,
 boundary itself is news to the membership. Here they are decided in one place, without I/O:
 
 - `Arrived(frame)` is checked against the sender rules (messages.SENDER_RULES, `may_send`): a
-  frame its sender may not send comes back as `Foreign`, changing nothing. A member's frame
+  frame its sender may not send comes back as `Foreign`, changing nothing (as does a step's
+  frame whose sender has another role in the step's tree: roles.py, the tree machine's entry
+  checks it, as only it knows which view's tree a frame is of). A member's frame
   that comes before this process takes part waits (until `Connected` hands it back in
   `Redeliver`); then it is news to the membership (its sender is alive) and goes to its part:
   a step's frame to the tree, a membership frame to the membership, DONE/DONE_ACK to the
