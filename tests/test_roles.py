@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fttree.core.config import Config
-from fttree.core.effects import Cause, Foreign, Note
+from fttree.core.effects import Cause, Foreign, Note, Send
 from fttree.core.events import Submit
 from fttree.core.messages import Kind, Message, make
 from fttree.core.replica import Arrived, Connected, FirstStart, Replica
@@ -103,11 +103,17 @@ def _frame(kind: Kind, src: int, tree: int, chunks: int, **fields: int) -> Messa
     return msg
 
 
-def _replica(tree: int, chunks: int) -> Replica:
-    """The receiver, taking part, with its contribution to the frames' op submitted."""
-    replica = Replica(RECEIVER, View.initial(WORLD), Config(straggler_policy="deadline"))
+def _replica_of(rank: int, view: View) -> Replica:
+    """A replica taking part (a first start, its tree neighbours reachable)."""
+    replica = Replica(rank, view, Config(straggler_policy="deadline"))
     replica.step(FirstStart(), 0.0)
     replica.step(Connected(), 0.0)
+    return replica
+
+
+def _replica(tree: int, chunks: int) -> Replica:
+    """The receiver, taking part, with its contribution to the frames' op submitted."""
+    replica = _replica_of(RECEIVER, View.initial(WORLD))
     replica.step(Submit(step=0, chunk=tree if chunks > 1 else 0, chunks=chunks, data=np.ones(4, np.float32),
                         signature="float32[4]"), 0.0)
     return replica
@@ -160,6 +166,29 @@ def test_a_field_naming_another_link_is_dropped_from_an_allowed_role() -> None:
                 assert [a for a in out if isinstance(a, Foreign)] == [Foreign(msg=msg, rule=rule)], (kind, role, other)
                 tied += 1
     assert tied > 100
+
+
+def test_a_frame_its_sender_may_not_send_in_the_tree_it_names_is_foreign_not_a_tree_mismatch() -> None:
+    """Rank 1 is rank 0's child in tree 0, so it never announces its sum to rank 0: a flood of
+    such frames naming tree 0 for chunks our rule puts on other trees is dropped as foreign,
+    making no op and no ABORT (as a mismatch, each made an op here and an abort flood that made
+    ops on the neighbours, until max_live_ops stopped real steps on all three)."""
+    replica = _replica_of(0, View.initial(3))
+    for chunk in (0, 400, 999):  # trees 0, 1 and 2 of the rotated family by our rule
+        msg = make(Kind.META_REDUCE_SENT, 1, step=5, chunk=chunk, chunks=1000, tree=0, origin=1, target=0)
+        assert replica.step(Arrived(msg=msg), 0.0) == [Foreign(msg=msg, rule=ROLE_RULES[Kind.META_REDUCE_SENT])]
+    assert replica.machine.footprint()["ops"] == 0
+    # "I have the result" from a child: its observers hear that, never its parent
+    msg = make(Kind.META_BCAST_RECEIVED, 1, step=5, chunk=400, chunks=1000, tree=0)
+    assert [type(a) for a in replica.step(Arrived(msg=msg), 0.0)] == [Foreign]
+    # a result from rank 2, rank 0's parent in rotated tree 2, which the frame names, for a
+    # chunk our rule puts on tree 1: the workers differ in their trees, and the op fails everywhere
+    msg = make(Kind.DATA_BCAST, 2, step=5, chunk=400, chunks=1000, tree=2, dtype="<f4", numel=1,
+               signature="float32[1]", payload=b"\0\0\0\0")
+    aborts = [a.msg for a in replica.step(Arrived(msg=msg), 0.0) if isinstance(a, Send)]
+    assert [m.kind for m in aborts] == [Kind.ABORT], aborts  # to rank 1 (not back to rank 2)
+    assert isinstance(aborts[0], Message)
+    assert "tree mismatch" in aborts[0].reason
 
 
 def test_the_roles_are_one_each_and_the_rule_reads_as_a_sentence() -> None:

@@ -398,18 +398,21 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
     def _frame_tree(self, msg: Message, now: float, out: list[Action]) -> Tree | None:
         """The tree `msg` belongs to (its op's, by the tree rule; a probe's, by its `tree`), if
         its sender may send it there (roles.ROLE_RULES: a frame from any other rank is Foreign,
-        dropped and counted before any handler sees it). A tree other than this rank's rule
-        gives is a mismatch (`_tree_mismatch`)."""
-        probe = msg.kind is Kind.PROBE or msg.kind is Kind.PROBE_ACK
-        tree = msg.tree if probe else self.tree_of(msg.chunk, msg.chunks, msg.epoch)  # a probe: its tree's uplink
-        if msg.tree != tree or not 0 <= tree < len(self.trees):
-            self._tree_mismatch(msg, tree, now, out)
-            return None
-        t = self.trees[tree]
-        if not role_allows(msg, t.me):
+        dropped and counted before any handler sees it). The role is checked in the tree the
+        frame names, where this rank has it: only a frame that fits its own tree can say the
+        workers differ in their trees (`_tree_mismatch`, which fails the op everywhere); one its
+        sender could not send there makes no op and no abort (a member's flood of them filled
+        max_live_ops on every rank, the ABORTs making ops on its neighbours in turn)."""
+        named = msg.tree
+        if 0 <= named < len(self.trees) and not role_allows(msg, self.trees[named].me):
             out.append(Foreign(msg=msg, rule=ROLE_RULES[msg.kind]))
             return None
-        return t
+        probe = msg.kind is Kind.PROBE or msg.kind is Kind.PROBE_ACK
+        tree = named if probe else self.tree_of(msg.chunk, msg.chunks, msg.epoch)  # a probe: its tree's uplink
+        if named != tree or not 0 <= tree < len(self.trees):
+            self._tree_mismatch(msg, tree, now, out)
+            return None
+        return self.trees[tree]
 
     def _on_op_message(self, msg: Message, now: float, out: list[Action], link: LinkState | None) -> None:
         if msg.kind is Kind.CATCHUP:  # from any member that holds the result (ROLE_RULES): no tree
