@@ -17,7 +17,7 @@ from fttree.core.effects import Cause, Foreign, Note, Send
 from fttree.core.events import Submit
 from fttree.core.messages import Kind, Message, make
 from fttree.core.replica import Arrived, Connected, FirstStart, Replica
-from fttree.core.roles import ROLE_RULES, Role, RoleRule, Tie, role_allows, sender_role
+from fttree.core.roles import ROLE_RULES, Role, RoleRule, Tie, role_allows, roles_of, sender_role
 from fttree.core.topology import Neighbours
 from fttree.core.view import View
 from fttree.net.notes import ForeignLog
@@ -195,6 +195,13 @@ def test_the_roles_are_one_each_and_the_rule_reads_as_a_sentence() -> None:
     heap = View.initial(WORLD)
     me = heap.neighbours(RECEIVER)
     assert [sender_role(me, r) for r in (1, 7, 8, 4, 2, 9, 10, 0, 3, 14)] == [P, C, C, B, U, N, N] + [Role.STRANGER] * 3
+    for tree in range(WORLD):  # the roles a tree keeps (roles_of) are sender_role's, for every rank
+        heap = View.initial(WORLD).tree(tree, "rotated")
+        for rank in heap.members:
+            mine = heap.neighbours(rank)
+            kept = roles_of(mine)
+            assert {r: kept.get(r, Role.STRANGER) for r in heap.members} == {r: sender_role(mine, r)
+                                                                             for r in heap.members}
     assert RoleRule(frozenset({B, P}), Tie.TARGET_MY_PARENT).text == (
         "the receiver's parent or the receiver's brother, where `target` is the receiver's parent (the receiver's "
         "uplink, which the sender watches)")

@@ -404,7 +404,8 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         sender could not send there makes no op and no abort (a member's flood of them filled
         max_live_ops on every rank, the ABORTs making ops on its neighbours in turn)."""
         named = msg.tree
-        if 0 <= named < len(self.trees) and not role_allows(msg, self.trees[named].me):
+        trees = self.trees
+        if 0 <= named < len(trees) and not role_allows(msg, trees[named].me, trees[named].roles):
             out.append(Foreign(msg=msg, rule=ROLE_RULES[msg.kind]))
             return None
         probe = msg.kind is Kind.PROBE or msg.kind is Kind.PROBE_ACK

@@ -105,43 +105,62 @@ ROLE_RULES: dict[Kind, RoleRule] = {
 }
 
 
+# the hot path reads these as module globals (an Enum member as a class attribute costs more)
+_PARENT, _CHILD, _BROTHER, _UNCLE, _NEPHEW, _STRANGER = (Role.PARENT, Role.CHILD, Role.BROTHER, Role.UNCLE, Role.NEPHEW,
+                                                        Role.STRANGER)
+_NO_TIE, _TARGET_SENDERS_CHILD, _ORIGIN_SENDERS_CHILD = Tie.NONE, Tie.TARGET_SENDERS_CHILD, Tie.ORIGIN_SENDERS_CHILD
+_TARGET_SENDERS_PARENT, _ORIGIN_MY_CHILD, _TARGET_MY_PARENT = (Tie.TARGET_SENDERS_PARENT, Tie.ORIGIN_MY_CHILD,
+                                                               Tie.TARGET_MY_PARENT)
+
+
 def sender_role(me: Neighbours, src: int) -> Role:
     """Who `src` is to the rank whose neighbours are `me` (the heap gives each rank one role)."""
     if src == me.parent:
-        return Role.PARENT
+        return _PARENT
     if src in me.children:
-        return Role.CHILD
+        return _CHILD
     if src == me.brother:
-        return Role.BROTHER
+        return _BROTHER
     if src == me.uncle:
-        return Role.UNCLE
+        return _UNCLE
     if src in me.nephews:
-        return Role.NEPHEW
-    return Role.STRANGER
+        return _NEPHEW
+    return _STRANGER
 
 
-def role_allows(msg: Message, me: Neighbours) -> bool:
+def roles_of(me: Neighbours) -> dict[int, Role]:
+    """Every neighbour's role, to look up (a tree keeps one: tree_links.Tree.roles)."""
+    roles = dict.fromkeys(me.nephews, Role.NEPHEW)
+    for rank, role in ((me.uncle, Role.UNCLE), (me.brother, Role.BROTHER), (me.parent, Role.PARENT)):
+        if rank is not None:
+            roles[rank] = role
+    roles.update(dict.fromkeys(me.children, Role.CHILD))
+    return roles
+
+
+def role_allows(msg: Message, me: Neighbours, roles: dict[int, Role] | None = None) -> bool:
     """May `msg` come from its sender to the rank whose neighbours, in the frame's tree, are
-    `me`? A dict lookup and a few comparisons: every step's frame passes here."""
+    `me` (`roles`: roles_of(me), kept)? Two dict lookups and a few comparisons: every step's
+    frame passes here."""
     rule = ROLE_RULES.get(msg.kind)
     if rule is None:
         return False
-    role = sender_role(me, msg.src)
+    role = sender_role(me, msg.src) if roles is None else roles.get(msg.src, _STRANGER)
     if role not in rule.senders:
         return False
     tie = rule.tie
-    if tie is Tie.NONE:
+    if tie is _NO_TIE:
         return True
-    if tie is Tie.ORIGIN_MY_CHILD:
+    if tie is _TARGET_SENDERS_CHILD or tie is _ORIGIN_SENDERS_CHILD:  # (the busiest first)
+        # a child of the sender but us: our parent's is our brother; our brother's, our nephews
+        field = msg.target if tie is _TARGET_SENDERS_CHILD else msg.origin
+        if role is _PARENT:
+            return field == me.brother
+        return role is _BROTHER and field in me.nephews
+    if tie is _TARGET_SENDERS_PARENT:  # a brother's parent is ours; a nephew's is our brother
+        return msg.target == (me.parent if role is _BROTHER else me.brother if role is _NEPHEW else None)
+    if tie is _ORIGIN_MY_CHILD:
         return msg.origin in me.children
-    if tie is Tie.TARGET_SENDERS_PARENT:  # a brother's parent is ours; a nephew's is our brother
-        return msg.target == (me.parent if role is Role.BROTHER else me.brother if role is Role.NEPHEW else None)
-    if tie is Tie.TARGET_MY_PARENT:
+    if tie is _TARGET_MY_PARENT:
         return msg.target == me.parent
-    if tie is Tie.TARGET_MY_CHILD:
-        return msg.target in me.children and msg.target != msg.src
-    # a child of the sender but us: our parent's is our brother; our brother's, our nephews
-    field = msg.origin if tie is Tie.ORIGIN_SENDERS_CHILD else msg.target
-    if role is Role.PARENT:
-        return field == me.brother
-    return role is Role.BROTHER and field in me.nephews
+    return msg.target in me.children and msg.target != msg.src  # TARGET_MY_CHILD

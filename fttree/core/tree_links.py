@@ -16,6 +16,7 @@ from .effects import Action, Cause, Note, Send, SetTimer, TimerKey, TimerKind
 from .machine_base import MachineBase
 from .machine_status import TreeStatus, UplinkStatus
 from .messages import Kind, Message
+from .roles import Role, roles_of
 from .topology import Neighbours
 from .view import View
 
@@ -49,6 +50,7 @@ class Tree:
     view: View  # the view whose heap is this tree
     me: Neighbours
     subtrees: dict[int, frozenset[int]]  # child -> every rank of its subtree
+    roles: dict[int, Role]  # neighbour -> who it is to this rank here (roles.py checks each frame's sender by it)
     up: UpLink = field(default_factory=UpLink)
     down_failed: set[int] = field(default_factory=set)  # children whose link to us is known broken
 
@@ -56,7 +58,8 @@ class Tree:
     def build(cls, family: str, tree: int, view: View, rank: int) -> Tree:
         heap = view.tree(tree, family)
         me = heap.neighbours(rank)
-        return cls(tree=tree, view=heap, me=me, subtrees={c: heap.subtree(c) for c in me.children})
+        return cls(tree=tree, view=heap, me=me, subtrees={c: heap.subtree(c) for c in me.children},
+                   roles=roles_of(me))
 
     @property
     def label(self) -> str:
