@@ -204,10 +204,11 @@ def _side_by_side(s: Settings, base: Run, chaos: Run, skipped: list[str]) -> Sid
     base.launch()
     chaos.launch()
     chaos.partners = [base]  # every wait of the chaos run reads the fault-free run's records too
-    chaos.wait(f"the first step of all {s.world} workers of both jobs",
-               lambda: base.all_stepped() and chaos.all_stepped(), s.startup_s)
+    chaos.wait(f"the first step of all {s.world} workers of both jobs",  # twice the workers start at once
+               lambda: base.all_stepped() and chaos.all_stepped(), 2 * s.startup_s)
     t0 = math.ceil(max(*base.first_step.values(), *chaos.first_step.values()))
     began = time.monotonic() - (time.time() - t0)
+    s.echo(f"both jobs are stepping: the window is the {s.duration_s:g} s from the second after the last first step")
     width = int(s.window_s)
     loads: dict[int, float] = {}
     while time.monotonic() < began + s.duration_s:
