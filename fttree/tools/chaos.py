@@ -13,6 +13,9 @@ excludes the victim, names it late, or reports a relay around the link), and exi
 with the reason on its last line on a wrong sum, wrong contributors, a sample committed twice
 or missing, a hang (every wait has a deadline and says what it waited for), or memory growth.
 
+--pairs alternates the two runs; --side-by-side (chaos_side.py) runs both jobs at the same
+time, so that the machine's load meets both alike, and reports goodput per window too.
+
 Cuts and loss bursts are iptables rules in a network namespace this creates (and always
 deletes, with every process and rule in it); they need root. Without root the workers run on
 the host's loopback and those kinds are skipped, which the output says.
