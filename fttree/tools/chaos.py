@@ -75,7 +75,6 @@ class Settings:
     stop_margin: int = 20  # steps between the newest seen and the stop step
     rss_limit_mb: float = RSS_LIMIT_MB
     pairs: int = 1  # fault-free and chaos runs alternate this many times, duration_s / pairs each
-    side_by_side: bool = False  # both jobs at once instead (chaos_side.py)
     cpus: str = "share"  # side by side: "pin" gives each job its own half of the CPUs
     window_s: float = 60.0  # side by side: goodput also per window of this many seconds
     calibrate: bool = False  # side by side, both jobs fault-free: the set-up's own bias (an A/A run)
@@ -667,7 +666,7 @@ def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str
                                  "--simulate runs more", param_hint="-n")
     try:
         s = Settings(world=world, duration_s=duration, every_s=fault_every, seed=seed, kinds=cs.parse_kinds(kinds),
-                     hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, side_by_side=side_by_side, cpus=cpus,
+                     hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, cpus=cpus,
                      window_s=window_s, calibrate=calibrate, heal_s=heal_limit, keep=keep, echo=echo)
         side, spread = None, None
         if side_by_side:
