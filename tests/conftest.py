@@ -33,6 +33,7 @@ NETNS_MODULES = frozenset({
 })
 NETNS_TESTS = frozenset({
     "test_chaos.py::test_a_short_seeded_chaos_run",  # as root it cuts links in a namespace of its own
+    "test_chaos_side.py::test_a_short_side_by_side_run",  # as root, two namespaces: a job in each
     "test_double_tree.py::test_launch_real_cut_of_a_tree_1_link_with_the_double_tree",
     "test_node_failures_real.py::test_partition_majority_goes_on_minority_stops",
     "test_slow_links_real.py::test_launch_at_defaults_behind_real_slow_uplinks",

@@ -13,6 +13,9 @@ excludes the victim, names it late, or reports a relay around the link), and exi
 with the reason on its last line on a wrong sum, wrong contributors, a sample committed twice
 or missing, a hang (every wait has a deadline and says what it waited for), or memory growth.
 
+--pairs alternates the two runs; --side-by-side (chaos_side.py) runs both jobs at the same
+time, so that the machine's load meets both alike, and reports goodput per window too.
+
 Cuts and loss bursts are iptables rules in a network namespace this creates (and always
 deletes, with every process and rule in it); they need root. Without root the workers run on
 the host's loopback and those kinds are skipped, which the output says.
@@ -72,6 +75,9 @@ class Settings:
     stop_margin: int = 20  # steps between the newest seen and the stop step
     rss_limit_mb: float = RSS_LIMIT_MB
     pairs: int = 1  # fault-free and chaos runs alternate this many times, duration_s / pairs each
+    cpus: str = "share"  # side by side: "pin" gives each job its own half of the CPUs
+    window_s: float = 60.0  # side by side: goodput also per window of this many seconds
+    calibrate: bool = False  # side by side, both jobs fault-free: the set-up's own bias (an A/A run)
     keep: Path | None = None  # keep the records here (default: a temporary folder, deleted)
     echo: Callable[[str], None] = print
 
@@ -154,6 +160,14 @@ def die_with_parent() -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def prepare_worker(cpus: frozenset[int] | None) -> None:
+    """In a worker, before it runs: die with the runner and, when pinned, keep to `cpus` (a job
+    side by side with another on its own cores: the other's faults cannot lend it CPU)."""
+    die_with_parent()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 def segment(faults: list[cs.Fault], start_s: float, length_s: float) -> list[cs.Fault]:
     """The faults drawn for [start_s, start_s + length_s), timed from the segment's start."""
     return [dataclasses.replace(f, at_s=f.at_s - start_s) for f in faults if start_s <= f.at_s < start_s + length_s]
@@ -170,8 +184,9 @@ def evicted_by(measures: list[Measure], rank: int) -> Measure | None:
 class Cluster:
     """The worker processes of one run, by pid; every one ended on close."""
 
-    def __init__(self, s: Settings, records: Path, peers: list[str], key: Path, prefix: list[str]) -> None:
-        self.s, self.records, self.prefix = s, records, prefix
+    def __init__(self, s: Settings, records: Path, peers: list[str], key: Path, prefix: list[str],
+                 cpus: frozenset[int] | None = None) -> None:
+        self.s, self.records, self.prefix, self.cpus = s, records, prefix, cpus
         self.env = {**os.environ, "FTTREE_PEERS": ",".join(peers), "FTTREE_AUTH_KEY_FILE": str(key),
                     "PYTHONUNBUFFERED": "1"}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -186,7 +201,8 @@ class Cluster:
         log = open(self.records / f"rank-{rank}.log", "ab")  # noqa: SIM115
         try:
             self.procs[rank] = subprocess.Popen(cmd, env={**self.env, "FTTREE_RANK": str(rank)}, stdout=log,
-                                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                                                stderr=subprocess.STDOUT,
+                                                preexec_fn=functools.partial(prepare_worker, self.cpus))
         finally:
             log.close()
         self.started[rank] = time.time()
@@ -248,10 +264,10 @@ class Run:
     """One run of the job: start, faults (if any), stop, check."""
 
     def __init__(self, s: Settings, folder: Path, peers: list[str], key: Path, prefix: list[str], netns: str | None,
-                 faults: list[cs.Fault]) -> None:
+                 faults: list[cs.Fault], cpus: frozenset[int] | None = None) -> None:
         self.s, self.folder, self.netns = s, folder, netns
         folder.mkdir(parents=True)
-        self.cluster = Cluster(s, folder, peers, key, prefix)
+        self.cluster = Cluster(s, folder, peers, key, prefix, cpus)
         self.tail = Tail(folder)
         self.checks = Checks(rss_limit_bytes=int(s.rss_limit_mb * 2**20))
         self.pending = list(faults)
@@ -263,6 +279,7 @@ class Run:
         self.evictions = 0
         self.straggling: dict[int, tuple[float, bool]] = {}  # rank -> (next switch, stopped now)
         self.stopping = False  # the stop step is set: workers end with 0
+        self.partners: list[Run] = []  # runs beside this one, whose records every wait reads too
 
     # ---- records -------------------------------------------------------------------------
 
@@ -321,6 +338,8 @@ class Run:
         end = time.monotonic() + limit_s
         while not done():
             self.step_once()
+            for other in self.partners:
+                other.step_once()
             if time.monotonic() > end:
                 raise ChaosFailure(f"hang: waited {limit_s:g} s for {what}")
             time.sleep(POLL_S)
@@ -430,35 +449,48 @@ class Run:
     def run(self, duration_s: float) -> RunResult:
         s = self.s
         try:
-            for rank in range(s.world):
-                self.cluster.start(rank, join=False)
-            self.wait(f"the first step of all {s.world} workers", lambda: len(self.first_step) == s.world,
-                      s.startup_s)
+            self.launch()
+            self.wait(f"the first step of all {s.world} workers", self.all_stepped, s.startup_s)
             t0 = math.ceil(max(self.first_step.values()))
             began = time.monotonic() - (time.time() - t0)
             while time.monotonic() < began + duration_s:
-                self.step_once()
-                self._settle()
-                due = time.monotonic() - began
-                while self.pending and self.pending[0].at_s <= due:
-                    f = self.pending[0]
-                    if not cs.allowed(self.disturbed, f.ranks, s.world) or \
-                            not all(self.healthy(r) for r in f.ranks):
-                        break  # waits (the runner's majority rule); a heal past heal_s fails below
-                    self.pending.pop(0)
-                    self.begin(f)
-                self._overdue_heals()
+                self.tick(began)
                 time.sleep(POLL_S)
-            return self._finish(t0, duration_s)
+            return self.finish(t0, duration_s)
         except ChaosFailure:
-            for m in self.measures:  # what was measured before the failure is still worth seeing
-                if m.healed_s is not None or m.detected_s is not None:
-                    s.echo(f"  before the failure: {m.fault}: detected "
-                           + ("-" if m.detected_s is None else f"{m.detected_s:.2f} s")
-                           + ("" if m.healed_s is None else f", healed {m.healed_s:.2f} s"))
+            self.show_measured()
             raise
         finally:
             self.cluster.close()
+
+    def launch(self) -> None:
+        for rank in range(self.s.world):
+            self.cluster.start(rank, join=False)
+
+    def all_stepped(self) -> bool:
+        return len(self.first_step) == self.s.world
+
+    def tick(self, began: float) -> None:
+        """One round of the run: records and exits, faults over and due (timed from `began`, a
+        monotonic time), restarts that take too long."""
+        self.step_once()
+        self._settle()
+        due = time.monotonic() - began
+        while self.pending and self.pending[0].at_s <= due:
+            f = self.pending[0]
+            if not cs.allowed(self.disturbed, f.ranks, self.s.world) or not all(self.healthy(r) for r in f.ranks):
+                break  # waits (the runner's majority rule); a heal past heal_s fails below
+            self.pending.pop(0)
+            self.begin(f)
+        self._overdue_heals()
+
+    def show_measured(self) -> None:
+        """What was measured before a failure: still worth seeing."""
+        for m in self.measures:
+            if m.healed_s is not None or m.detected_s is not None:
+                self.s.echo(f"  before the failure: {m.fault}: detected "
+                            + ("-" if m.detected_s is None else f"{m.detected_s:.2f} s")
+                            + ("" if m.healed_s is None else f", healed {m.healed_s:.2f} s"))
 
     def _overdue_heals(self) -> None:
         now = time.time()
@@ -468,7 +500,9 @@ class Run:
                 raise ChaosFailure(f"hang: rank {r}'s process started {self.s.heal_s:g} s ago and has not contributed "
                                    f"to a step")
 
-    def _finish(self, t0: float, duration_s: float) -> RunResult:
+    def finish(self, t0: float, duration_s: float) -> RunResult:
+        """End the faults, wait for every rank to take part again, stop all at one step (so the
+        checks see every rank's last step), and count the samples committed from t0 for duration_s."""
         s = self.s
         for item in list(self.active):  # end every fault now
             self.active.remove(item)
@@ -593,6 +627,15 @@ def summary(base: RunResult, chaos: RunResult, goodput: float, skipped: list[str
 @click.option("--pairs", type=click.IntRange(1), default=1, show_default=True,
               help="Alternate fault-free and chaos runs this many times (duration / pairs each), so that a "
                    "change in the machine's load meets both; goodput sums over all of them.")
+@click.option("--side-by-side", is_flag=True,
+              help="Run the fault-free job and the chaos job at the same time (each in its own namespace as "
+                   "root), so that the machine's load meets both alike; goodput over one window, and per --window.")
+@click.option("--cpus", type=click.Choice(["share", "pin"]), default="share", show_default=True,
+              help="--side-by-side: both jobs share every CPU, or each keeps to its own half of them.")
+@click.option("--window", "window_s", type=click.FloatRange(min=1), default=60, show_default=True,
+              help="--side-by-side: also report goodput per window of this many seconds, to show its spread.")
+@click.option("--calibrate", is_flag=True,
+              help="--side-by-side with both jobs fault-free (an A/A run): the set-up's own bias and spread.")
 @click.option("--heal-limit", type=click.FloatRange(min=1), default=180, show_default=True,
               help="Fail (a hang) if a restarted worker does not contribute within this many seconds.")
 @click.option("--simulate", is_flag=True,
@@ -601,14 +644,20 @@ def summary(base: RunResult, chaos: RunResult, goodput: float, skipped: list[str
 @click.option("--step-s", type=click.FloatRange(min=0.001), default=0.1, show_default=True,
               help="--simulate: the simulated compute between two steps of every rank, seconds.")
 def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str, hidden: int,
-          rss_limit_mb: float, pairs: int, heal_limit: float, keep: Path | None, simulate: bool,
-          step_s: float) -> None:
+          rss_limit_mb: float, pairs: int, side_by_side: bool, cpus: str, window_s: float, calibrate: bool,
+          heal_limit: float, keep: Path | None, simulate: bool, step_s: float) -> None:
     """Goodput under a seeded random mix of real faults, against a fault-free run of the same job."""
     began = time.monotonic()
 
     def echo(line: str) -> None:
         click.echo(f"[{time.monotonic() - began:6.1f} s] {line}")
 
+    if calibrate and not side_by_side:
+        raise click.BadParameter("an A/A calibration runs both jobs side by side: add --side-by-side",
+                                 param_hint="--calibrate")
+    if side_by_side and (pairs > 1 or simulate):
+        raise click.BadParameter("--side-by-side runs both jobs at once: --pairs (one after the other) and "
+                                 "--simulate do not go with it", param_hint="--side-by-side")
     if simulate:
         _simulate(world, duration, fault_every, seed, kinds, step_s, heal_limit, echo)
         return
@@ -617,17 +666,32 @@ def chaos(world: int, duration: float, fault_every: float, seed: int, kinds: str
                                  "--simulate runs more", param_hint="-n")
     try:
         s = Settings(world=world, duration_s=duration, every_s=fault_every, seed=seed, kinds=cs.parse_kinds(kinds),
-                     hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, heal_s=heal_limit, keep=keep,
-                     echo=echo)
-        base, result, skipped = run_chaos(s)
+                     hidden=hidden, rss_limit_mb=rss_limit_mb, pairs=pairs, cpus=cpus,
+                     window_s=window_s, calibrate=calibrate, heal_s=heal_limit, keep=keep, echo=echo)
+        side, spread = None, None
+        if side_by_side:
+            from .chaos_side import report_windows, run_side_by_side
+
+            side = run_side_by_side(s)
+            base, result, skipped = side.base, side.chaos, side.skipped
+        else:
+            base, result, skipped = run_chaos(s)
         goodput = report(base, result, echo)
+        if side is not None:
+            spread = report_windows(side, echo)
     except FTTreeError as exc:
         click.echo(f"FAILED: {exc}")
         sys.exit(1)
     if keep is not None:
-        (keep / SUMMARY).write_text(json.dumps(summary(base, result, goodput, skipped), indent=1) + "\n")
+        data = summary(base, result, goodput, skipped)
+        if side is not None:
+            data["side_by_side"] = side.summary(s)
+        (keep / SUMMARY).write_text(json.dumps(data, indent=1) + "\n")
+    how = "" if side is None else (f"; side by side, CPUs {'pinned' if cpus == 'pin' else 'shared'}"
+                                   + ("" if spread is None else f"; windows {spread}")
+                                   + ("; A/A calibration" if calibrate else ""))
     click.echo(f"goodput {goodput:.2f} ({result.rate:.1f} / {base.rate:.1f} samples/s, {len(result.measures)} faults"
-               + (f"; skipped without root: {', '.join(skipped)}" if skipped else "") + ")")
+               + (f"; skipped without root: {', '.join(skipped)}" if skipped else "") + how + ")")
 
 
 def _simulate(world: int, duration: float, fault_every: float, seed: int, kinds: str, step_s: float,
