@@ -120,8 +120,8 @@ def test_bad_overlap_values_are_refused_by_name() -> None:
             with pytest.raises(ConfigError, match=r"overlap must be one of"):
                 fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4,
                                   overlap=bad)  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="overlap='eager' with sparse compression is not built"):
-            fttree.DiLoCo(model, inner, allreduce=ar, sync_every=4, overlap="eager", compression="sparse")
+        # eager with sparse is built (tests/test_diloco_eager_sparse.py); the refusals below stay
+        assert fttree.DiLoCo(model, inner, allreduce=ar, sync_every=4, overlap="eager", compression="sparse").eager
         with pytest.raises(ConfigError, match="overlap='eager' overlaps DiLoCo's outer steps: it needs diloco"):
             fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, overlap="eager")
 
@@ -134,12 +134,13 @@ def test_elastic_job_refuses_checkpoints_and_joins_with_eager(tmp_path: Path) ->
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(8, 32), torch.randint(0, 4, (8,)))
     with cluster(1, **SETTINGS) as (ar,):
-        with pytest.raises(ConfigError, match="checkpoint_dir with overlap='eager'"):
-            fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
-                              checkpoint_dir=tmp_path)
-        with pytest.raises(ConfigError, match="joins=True with overlap='eager'"):
-            fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
-                              joins=True)
+        for compression in (None, "sparse"):  # sparse compression changes neither
+            with pytest.raises(ConfigError, match="checkpoint_dir with overlap='eager'"):
+                fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
+                                  checkpoint_dir=tmp_path, compression=compression)
+            with pytest.raises(ConfigError, match="joins=True with overlap='eager'"):
+                fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
+                                  joins=True, compression=compression)
 
 
 def test_a_killed_worker_process_leaves_the_others_alike_with_eager() -> None:
