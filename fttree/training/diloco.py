@@ -277,7 +277,11 @@ class DiLoCo:
         encoded = self.eager is not None and self._sparse is not None
         if encoded:  # the eager stand-in is what this worker sends: build the message here
             assert self._sparse is not None
+            began = time.perf_counter()
             self._sparse.encode([-d for d in progress] if contribute else None, accumulate=True)
+            took = time.perf_counter() - began  # part of the outer step, and the caller waits for it
+            self.stats.sync_s += took
+            self.stats.waited_s += took
         if self.eager is not None:  # the model: the global parameters plus this worker's eager correction
             self._eager_update(progress, contribute)
         elif finished:  # the model: the new global parameters plus its progress since
