@@ -259,6 +259,10 @@ class DiLoCo:
             listener(self)
         if not self.overlap:
             self._settled = self.outer.last_step
+        if self._sparse is not None and self.overlap == "eager":
+            # the next round's index set and scales, from the state this step left: the caller
+            # builds the eager message when the round ends, and choosing is most of that cost
+            self._sparse.codec.plan(self._sparse.step_count)
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
             if self._sparse is not None:
