@@ -102,7 +102,8 @@ class EagerCorrection:
     contributors) and own(t-1) * w(t-1) the weight its previous one really had in the average
     that just landed (0 when the average left it out). SGD with momentum is linear in its
     gradient, so that is the shared outer step on avg(t-1) (the global parameters, alike
-    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum."""
+    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum.
+    With sparse compression own(t) is what the worker sent (its term in the average)."""
 
     def __init__(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
