@@ -153,8 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "whole epochs may end before it is; use --steps")
     if (args.overlap or args.eager) and not args.diloco:
         p.error("--overlap and --eager overlap DiLoCo's outer steps: they need --diloco H")
-    if args.eager and args.compression == "sparse":
-        p.error("--eager with --compression sparse: fttree.DiLoCo does not build that (use --overlap with sparse)")
     if args.restart is not None and (args.overlap or args.eager):
         p.error("--restart with --overlap or --eager: this example commits an overlapped round a round late and "
                 "cannot tell a restarted process when an epoch ends; use one or the other")

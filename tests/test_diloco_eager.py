@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -120,8 +121,8 @@ def test_bad_overlap_values_are_refused_by_name() -> None:
             with pytest.raises(ConfigError, match=r"overlap must be one of"):
                 fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4,
                                   overlap=bad)  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="overlap='eager' with sparse compression is not built"):
-            fttree.DiLoCo(model, inner, allreduce=ar, sync_every=4, overlap="eager", compression="sparse")
+        # eager with sparse is built (tests/test_diloco_eager_sparse.py); the refusals below stay
+        assert fttree.DiLoCo(model, inner, allreduce=ar, sync_every=4, overlap="eager", compression="sparse").eager
         with pytest.raises(ConfigError, match="overlap='eager' overlaps DiLoCo's outer steps: it needs diloco"):
             fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, overlap="eager")
 
@@ -134,25 +135,32 @@ def test_elastic_job_refuses_checkpoints_and_joins_with_eager(tmp_path: Path) ->
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(8, 32), torch.randint(0, 4, (8,)))
     with cluster(1, **SETTINGS) as (ar,):
-        with pytest.raises(ConfigError, match="checkpoint_dir with overlap='eager'"):
-            fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
-                              checkpoint_dir=tmp_path)
-        with pytest.raises(ConfigError, match="joins=True with overlap='eager'"):
-            fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
-                              joins=True)
+        for compression in (None, "sparse"):  # sparse compression changes neither
+            with pytest.raises(ConfigError, match="checkpoint_dir with overlap='eager'"):
+                fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
+                                  checkpoint_dir=tmp_path, compression=compression)
+            with pytest.raises(ConfigError, match="joins=True with overlap='eager'"):
+                fttree.ElasticJob(model, inner, data, batch_size=2, allreduce=ar, diloco=4, overlap="eager",
+                                  joins=True, compression=compression)
 
 
-def test_a_killed_worker_process_leaves_the_others_alike_with_eager() -> None:
+@pytest.mark.parametrize("compression", [None, "sparse"])
+def test_a_killed_worker_process_leaves_the_others_alike_with_eager(compression: str | None) -> None:
     """Four worker processes; rank 3 kills itself (SIGKILL) in round 2's local steps. The
     three others finish every round, and hold the same global parameters bit for bit, with the
-    last outer steps' average over the three of them."""
+    last outer steps' average over the three of them (sparse: each model is then the global
+    parameters less what that worker has not sent)."""
     peers = ",".join(local_peers(4))
     worker = str(Path(__file__).resolve().parent / "eager_worker.py")
     commands = [[sys.executable, worker, "--rank", str(r), "--peers", peers, "--rounds", "6",
-                 *(["--die", "2"] if r == 3 else [])] for r in range(4)]
+                 *(["--die", "2"] if r == 3 else []), *(["--compression", compression] if compression else [])]
+                for r in range(4)]
     # forked from one server that imported torch (and torch._dynamo, which each worker's first
     # optimizer imports) once: the workers seed everything they draw, so need no fresh interpreter
-    logs = run_all(commands, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, deadline_s=180,
+    env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}
+    if "PYTHONPATH" in os.environ:  # the checkout under test, not whichever fttree the interpreter has installed
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    logs = run_all(commands, env=env, deadline_s=180,
                    preload=("torch", "torch._dynamo", "fttree"))
     results = {}
     for r, log in enumerate(logs[:3]):
@@ -163,6 +171,7 @@ def test_a_killed_worker_process_leaves_the_others_alike_with_eager() -> None:
     assert len({res["global"] for res in results.values()}) == 1, results
     assert all(res["contributors"] == [0, 1, 2] for res in results.values()), results
     assert all(res["outer_steps"] == 6 and res["model_is_global"] for res in results.values()), results
+    assert all((res["unsent"] > 0) == (compression == "sparse") for res in results.values()), results
 
 
 def test_train_mlp_trains_with_eager_outer_steps_and_uses_every_sample_once() -> None:

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--compression", choices=["bf16", "fp16", "int8"], default=None)
+    p.add_argument("--compression", choices=["bf16", "fp16", "int8", "sparse"], default=None,
+                   help="sparse: fttree.Sparse's defaults (1/16 of the coordinates at 2 bits)")
     p.add_argument("--target", type=float, default=0.05, help="held-out loss to reach")
     p.add_argument("--modes", default="sync,overlap,eager")
     p.add_argument("--step-timeout", type=float, default=120.0)

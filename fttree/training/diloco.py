@@ -41,7 +41,9 @@ worker keeps the difference, its correction and the correction's momentum, apart
 With `compression="sparse"` (or `fttree.Sparse(...)`) a worker sends only a share of the
 coordinates, the same ones on every worker, at 2-4 bits, and its model keeps the progress it
 has not sent (fttree.training.sparse): the global parameters stay alike on every worker, the
-model is each worker's own.
+model is each worker's own. With "eager" too, a worker's term in the average is what it sent,
+so that is its stand-in (the message is built before the next round trains, not behind it),
+and its model is the global parameters plus its correction less its accumulator.
 
 Buffers (batch-norm statistics) are each worker's own, measured on its own data, as
 DistributedDataParallel keeps them with broadcast_buffers=False; a joiner starts from its
@@ -100,13 +102,15 @@ class EagerCorrection:
     contributors) and own(t-1) * w(t-1) the weight its previous one really had in the average
     that just landed (0 when the average left it out). SGD with momentum is linear in its
     gradient, so that is the shared outer step on avg(t-1) (the global parameters, alike
-    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum."""
+    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum.
+    With sparse compression own(t) is what the worker sent (its term in the average)."""
 
     def __init__(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
         self.offset: list[torch.Tensor] | None = None  # the model is the global parameters plus this
         self.momentum: list[torch.Tensor] | None = None
         self.previous: list[torch.Tensor] | None = None  # own(t-1), the pseudo-gradient in flight
+        self.previous_stand_in = 0.0  # the weight own(t-1) went in with (sparse takes it back out when left out)
 
     def update(self, own: list[torch.Tensor] | None, weight: float, previous_weight: float) -> list[torch.Tensor]:
         """Take in this round's pseudo-gradient (`own`, None for an empty contribution) and
@@ -118,7 +122,7 @@ class EagerCorrection:
         terms = [] if own is None else [(own, weight)]
         if self.previous is not None and previous_weight:
             terms.append((self.previous, -previous_weight))
-        self.previous = own
+        self.previous, self.previous_stand_in = own, weight
         if not terms:
             return self.offset or []
         diff = [terms[0][0][i] * terms[0][1] for i in range(len(terms[0][0]))]
@@ -136,6 +140,7 @@ class EagerCorrection:
     def reset(self) -> None:
         """The model is the global parameters again (flush, a checkpoint loaded): no correction."""
         self.offset = self.momentum = self.previous = None
+        self.previous_stand_in = 0.0
 
 
 class DiLoCo:
@@ -156,10 +161,6 @@ class DiLoCo:
             raise ConfigError(f"compression must be one of {(*COMPRESSIONS, 'sparse')} or a fttree.Sparse, "
                               f"got {compression!r}")
         overlap = check_overlap(overlap)
-        if overlap == "eager" and sparse is not None:
-            raise ConfigError("overlap='eager' with sparse compression is not built: a sparse worker's model already "
-                              "keeps its unsent progress (error feedback), and how the eager correction should meet "
-                              "it is not settled; use overlap=True with sparse, or eager with None, bf16, fp16 or int8")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo takes a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         self.model = model
@@ -243,9 +244,10 @@ class DiLoCo:
         self.stats.waited_s += took  # blocking: the caller waits for all of it
         self._to_model()
 
-    def _sync(self, contribute: bool) -> None:
-        """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient."""
-        if self._sparse is not None:  # the wire carries the sparse message, not the pseudo-gradient
+    def _sync(self, contribute: bool, encoded: bool = False) -> None:
+        """One outer step on the global parameters, whose `.grad` holds this worker's pseudo-gradient
+        (`encoded`: sparse, the message is built already; the eager update builds it first)."""
+        if self._sparse is not None and not encoded:  # the wire carries the sparse message
             self._sparse.encode([g.grad for _, g in self._global if g.grad is not None] if contribute else None,
                                 accumulate=bool(self.overlap))
         self.outer.synchronize(contribute)
@@ -258,6 +260,10 @@ class DiLoCo:
             listener(self)
         if not self.overlap:
             self._settled = self.outer.last_step
+        if self._sparse is not None and self.overlap == "eager":
+            # the next round's index set and scales, from the state this step left: the caller
+            # builds the eager message when the round ends, and choosing is most of that cost
+            self._sparse.codec.plan(self._sparse.step_count)
         if self._was_syncing and not self.outer.syncing:  # a joiner's state arrived in this step
             self.inner.state = defaultdict(dict)  # its inner state grew on parameters that were not the group's
             if self._sparse is not None:
@@ -273,6 +279,14 @@ class DiLoCo:
         finished = self._in_flight is not None
         if finished:  # the previous round's outer step: wait, then go on from it
             self._finish_in_flight()
+        encoded = self.eager is not None and self._sparse is not None
+        if encoded:  # the eager stand-in is what this worker sends: build the message here
+            assert self._sparse is not None
+            began = time.perf_counter()
+            self._sparse.encode([-d for d in progress] if contribute else None, accumulate=True)
+            took = time.perf_counter() - began  # part of the outer step, and the caller waits for it
+            self.stats.sync_s += took
+            self.stats.waited_s += took
         if self.eager is not None:  # the model: the global parameters plus this worker's eager correction
             self._eager_update(progress, contribute)
         elif finished:  # the model: the new global parameters plus its progress since
@@ -286,27 +300,38 @@ class DiLoCo:
         self._round_start = [p.detach().clone() for _, p in self._local]
         self._worked = False
         self._started_at = time.perf_counter()
-        self._in_flight = threading.Thread(target=self._sync_in_background, args=(contribute,),
+        self._in_flight = threading.Thread(target=self._sync_in_background, args=(contribute, encoded),
                                            name=f"fttree-diloco-outer-rank{self.ar.rank}", daemon=True)
         self._in_flight.start()
 
     def _eager_update(self, progress: list[torch.Tensor], contribute: bool) -> None:
         """overlap="eager": the global parameters (with the last average taken in, or the start)
         plus the correction that stands this round's pseudo-gradient in for its term of the
-        average in flight (see EagerCorrection)."""
+        average in flight (see EagerCorrection). Sparse: the stand-in is what the worker sent
+        (its term in the average), not its pseudo-gradient, and the model keeps the rest, its
+        accumulator, as without eager; a sent part the average left out went back into the
+        accumulator, so its stand-in comes out again (docs/diloco.md, "Eager with sparse")."""
         assert self.eager is not None
         last = self.outer.last_step
         counted = len(last.contributors) if last is not None and last.contributors else self.ar.world
         was_in = last is not None and self.ar.rank in last.contributors
+        sparse = self._sparse
+        if sparse is None:
+            own = [-d for d in progress] if contribute else None
+            previous_weight = 1.0 / counted if was_in else 0.0
+        else:
+            own = sparse.codec.sent()
+            previous_weight = 1.0 / counted if was_in else self.eager.previous_stand_in
         with torch.no_grad():
-            offset = self.eager.update([-d for d in progress] if contribute else None, 1.0 / counted,
-                                       1.0 / counted if was_in else 0.0)
-            for i, ((_, g), (_, p)) in enumerate(zip(self._global, self._local, strict=True)):
-                p.copy_(g.detach() + offset[i] if offset else g.detach())
+            offset = self.eager.update(own, 1.0 / counted, previous_weight)
+            kept = sparse.codec.residuals() if sparse is not None else [None] * len(self._global)
+            for i, ((_, g), (_, p), r) in enumerate(zip(self._global, self._local, kept, strict=True)):
+                base = g.detach() + offset[i] if offset else g.detach()
+                p.copy_(base if r is None else base - r)
 
-    def _sync_in_background(self, contribute: bool) -> None:
+    def _sync_in_background(self, contribute: bool, encoded: bool) -> None:
         try:
-            self._sync(contribute)
+            self._sync(contribute, encoded)
         except BaseException as exc:  # the caller hears of it at its next outer step or flush()
             self._failed = exc
         finally:

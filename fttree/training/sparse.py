@@ -230,6 +230,21 @@ class SparseCodec:
             self.acc.scatter_add_(1, idx, sent)
             self._sent = None
 
+    def sent(self) -> list[torch.Tensor] | None:
+        """What this round's message carries of this worker, dequantised and shaped as the global
+        parameters (its term in the average, times the count), or None when it sent nothing
+        (an empty contribution, or an accumulator that held NaN or Inf): the eager update's
+        stand-in for that term while the sum is in flight."""
+        if self._sent is None:
+            return None
+        idx, values = self._sent
+        flat = torch.zeros(self.chunks, self.chunk).scatter_(1, idx, values).view(-1)
+        out, offset = [], 0
+        for g in self.globals:
+            out.append(flat[offset:offset + g.numel()].view(g.shape))
+            offset += g.numel()
+        return out
+
     def residuals(self) -> list[torch.Tensor]:
         """The accumulator shaped as the global parameters: what this worker's model keeps
         beyond them (its progress not yet sent)."""
