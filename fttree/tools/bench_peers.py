@@ -87,6 +87,13 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
         started = time.time()
         step: int | None = None
         synced_for = 0
+        syncing_from: tuple[int, int] | None = None  # (step, bytes received by then) at the first syncing step
+
+        def received() -> int:
+            """Bytes this worker has read from every link (frames of every kind)."""
+            tcp = ar.transport.inner if ar.transport is not None else None
+            return sum(st.bytes_received for st in list(getattr(tcp, "stats", {}).values()))
+
         while step is None or step < steps:
             if crash_at is not None and step == crash_at:
                 ar.crash("bench: killed")
@@ -96,13 +103,19 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
             opt.step()
             done = opt.sync.rounds - 1
             say(step=done, syncing=opt.syncing)
+            if opt.syncing and syncing_from is None:
+                syncing_from = (done, received())
             if not synced and not opt.syncing:
                 synced = True
                 rec = transfer.record
                 if rec is not None:
+                    first, rx = syncing_from if syncing_from is not None else (done, received())
                     say(synced=done, since_start=time.time() - started, seconds=rec.seconds, nbytes=rec.nbytes,
                         pieces={str(d): n for d, n in rec.pieces.items()}, refetched=rec.refetched,
-                        as_of=rec.user_step, dropped=sum(transfer.dropped.values()))
+                        as_of=rec.user_step, dropped=sum(transfer.dropped.values()), replayed=rec.replayed,
+                        first_piece_s=rec.first_piece_s, all_pieces_s=rec.all_pieces_s, checked_s=rec.checked_s,
+                        piece_bytes=rec.piece_bytes, steps_syncing=done - first, rx_syncing=received() - rx,
+                        loaded_s=time.monotonic() - transfer._started_at)
             # every worker learns the same count of synced joiners, so all stop at the same step
             flag = torch.tensor([1.0 if (ar.joined_at is not None and not opt.syncing) else 0.0])
             synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) >= joiners else 0
@@ -249,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
               f"refetched {ev['refetched']}, dropped {ev['dropped']}")
+        print(f"rank {r} timeline: first piece {ev['first_piece_s']:.2f}s, all pieces {ev['all_pieces_s']:.2f}s, "
+              f"digest checked {ev['checked_s']:.2f}s, decoded {ev['seconds']:.2f}s, loaded and replayed "
+              f"{ev['loaded_s']:.2f}s; while syncing "
+              f"{ev['steps_syncing']} steps ({ev['replayed']} replayed), {ev['rx_syncing'] / 1e6:.1f} MB received, "
+              f"{ev['piece_bytes'] / 1e6:.1f} MB of it pieces")
         figures.append(ev["seconds"])
     donors = args.max_donors or "default"
     print(f"state {args.state_mb} MB, {args.workers} workers, {args.joiners} joiners, max donors {donors}: "
