@@ -189,7 +189,7 @@ def test_the_training_thread_waits_for_the_check_of_the_whole_state_without_doin
     record = transfer.record
     assert record is not None
     assert record.piece_bytes == record.nbytes == len(encode(a_state()).data)
-    assert 0 <= record.first_piece_s <= record.all_pieces_s <= record.checked_s <= record.seconds
+    assert 0 <= record.manifest_s <= record.first_piece_s <= record.all_pieces_s <= record.checked_s <= record.seconds
 
 
 def test_a_state_whose_whole_digest_does_not_match_is_asked_again_of_other_donors(

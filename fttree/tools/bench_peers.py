@@ -113,7 +113,8 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
                     say(synced=done, since_start=time.time() - started, seconds=rec.seconds, nbytes=rec.nbytes,
                         pieces={str(d): n for d, n in rec.pieces.items()}, refetched=rec.refetched,
                         as_of=rec.user_step, dropped=sum(transfer.dropped.values()), replayed=rec.replayed,
-                        first_piece_s=rec.first_piece_s, all_pieces_s=rec.all_pieces_s, checked_s=rec.checked_s,
+                        manifest_s=rec.manifest_s, first_piece_s=rec.first_piece_s, all_pieces_s=rec.all_pieces_s,
+                        checked_s=rec.checked_s,
                         piece_bytes=rec.piece_bytes, steps_syncing=done - first, rx_syncing=received() - rx,
                         loaded_s=time.monotonic() - transfer._started_at)
             # every worker learns the same count of synced joiners, so all stop at the same step
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
               f"refetched {ev['refetched']}, dropped {ev['dropped']}")
-        print(f"rank {r} timeline: first piece {ev['first_piece_s']:.2f}s, all pieces {ev['all_pieces_s']:.2f}s, "
+        print(f"rank {r} timeline: first manifest {ev['manifest_s']:.2f}s, first piece {ev['first_piece_s']:.2f}s, "
+              f"all pieces {ev['all_pieces_s']:.2f}s, "
               f"digest checked {ev['checked_s']:.2f}s, decoded {ev['seconds']:.2f}s, loaded and replayed "
               f"{ev['loaded_s']:.2f}s; while syncing "
               f"{ev['steps_syncing']} steps ({ev['replayed']} replayed), {ev['rx_syncing'] / 1e6:.1f} MB received, "

@@ -120,7 +120,8 @@ class _Fetch:
     donors: list[int] = field(default_factory=list)  # those whose manifest matched, in order of answer
     delivered: Counter[int] = field(default_factory=Counter)  # donor -> pieces it delivered
     check: _Check | None = None  # the whole digest and the decode, once every piece is in
-    first_piece_at: float | None = None  # monotonic; the timeline TransferRecord reports
+    manifest_at: float = 0.0  # monotonic, the first manifest's arrival; the timeline TransferRecord reports
+    first_piece_at: float | None = None
     all_pieces_at: float | None = None
 
 
@@ -153,6 +154,7 @@ class TransferRecord:
     replayed: int  # steps replayed after loading
     # The timeline, seconds from the first request: where a transfer's time goes (the link's
     # part ends at `all_pieces_s`; the rest is the joiner's own work, paced by its steps).
+    manifest_s: float = 0.0  # the donors' part: reaching the join's step, capturing and encoding the state
     first_piece_s: float = 0.0
     all_pieces_s: float = 0.0
     checked_s: float = 0.0
@@ -489,7 +491,7 @@ class StateTransfer:
         if old is not None:
             self._refetched += old.ledger.refetched
         return _Fetch(user_step=msg.user_step, digest=msg.digest, ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
-                      expected=expected)
+                      expected=expected, manifest_at=time.monotonic())
 
     def _on_piece(self, msg: State) -> None:
         assert msg.payload is not None
@@ -570,7 +572,8 @@ class StateTransfer:
         self.record = TransferRecord(donors=donors, pieces=dict(fetch.delivered), user_step=fetch.user_step,
                                      nbytes=check.nbytes, seconds=time.monotonic() - began,
                                      donors_asked=tuple(self._asked), refetched=self._refetched + led.refetched,
-                                     replayed=0, first_piece_s=(fetch.first_piece_at or began) - began,
+                                     replayed=0, manifest_s=fetch.manifest_at - began,
+                                     first_piece_s=(fetch.first_piece_at or began) - began,
                                      all_pieces_s=(fetch.all_pieces_at or began) - began,
                                      checked_s=(check.checked_at or began) - began, piece_bytes=self.piece_bytes)
         self._stateless = False  # loaded by the caller now: from here on this rank can give it
