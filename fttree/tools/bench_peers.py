@@ -18,16 +18,19 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from ..net.address import local_peers
 
 CRASH_AT = 5
 START_AT = 12
 WAIT_S = 600.0  # a whole run's deadline
+LOG_TAIL = 30  # lines of a worker's stderr printed when it never synced
 
 
 def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state_mb: float, max_donors: int | None,
@@ -179,9 +182,18 @@ class Outcome:
 
 
 def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int | None = None,
-        die_after: int | None = None, forge: bool = False, port: int = 29500) -> Outcome:
+        die_after: int | None = None, forge: bool = False, port: int = 29500, logs: Path | None = None) -> Outcome:
     """Start n workers, kill the last `joiners` at CRASH_AT and restart them together at
-    START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces."""
+    START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces. Each process's
+    stderr goes to `logs`/rank-R.log (a restarted one's to rank-R-rejoined.log), if given."""
+    files: list[IO[str]] = []
+
+    def log_of(name: str) -> Any:
+        if logs is None:
+            return subprocess.DEVNULL
+        files.append((logs / f"{name}.log").open("w"))
+        return files[-1]
+
     peers = local_peers(n, port=port)
     base = ["--state-mb", str(state_mb), "--joiners", str(joiners)]
     if max_donors is not None:
@@ -201,7 +213,7 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
                 extra += ["--die-after", str(die_after)]
             if r == 1 and forge:
                 extra += ["--forge"]
-            procs[r], t = spawn(r, peers, steps, members[r], extra)
+            procs[r], t = spawn(r, peers, steps, members[r], extra, stderr=log_of(f"rank-{r}"))
             threads.append(t)
         deadline = time.monotonic() + WAIT_S
         while not start.wait(1.0):  # in slices: a worker that died ends the wait at once
@@ -215,7 +227,7 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
         for r in range(n - joiners, n):
             if procs[r].wait(WAIT_S) is None:
                 raise TimeoutError(f"rank {r} did not exit after its crash at step {CRASH_AT}")
-            procs[r], t = spawn(r, peers, steps, rejoined[r], base)
+            procs[r], t = spawn(r, peers, steps, rejoined[r], base, stderr=log_of(f"rank-{r}-rejoined"))
             threads.append(t)
         codes = {r: p.wait(WAIT_S) for r, p in procs.items()}
         for t in threads:
@@ -226,6 +238,8 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in files:
+            f.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="donors a joiner asks at most (default: fttree.training.elastic.MAX_DONORS)")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--forge", action="store_true")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="a directory for every process's stderr (default: a temporary one, whose restarted "
+                             "workers' last lines are printed if they never synced)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
     parser.add_argument("--crash-at", type=int, default=None, help=argparse.SUPPRESS)
@@ -253,13 +270,23 @@ def main(argv: list[str] | None = None) -> None:
     if 2 * args.joiners >= args.workers:
         parser.error(f"--joiners {args.joiners} of {args.workers} workers: the survivors of their crash would not be "
                      f"a majority, and a group without one stops; use at least {2 * args.joiners + 1} workers")
-    out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners, max_donors=args.max_donors,
-              die_after=args.die_after, forge=args.forge, port=args.port)
+    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
+        logs = args.logs if args.logs is not None else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners,
+                  max_donors=args.max_donors, die_after=args.die_after, forge=args.forge, port=args.port, logs=logs)
+        report(args, out, logs)
+
+
+def report(args: argparse.Namespace, out: Outcome, logs: Path) -> None:
+    """Print each restarted worker's transfer, or why it never synced (its stderr's tail)."""
     figures = []
     for r, seen in out.rejoined.items():
         ev = seen.events
         if "seconds" not in ev:
-            print(f"rank {r} never synced (exit {out.codes.get(r)})")
+            print(f"rank {r} never synced (exit {out.codes.get(r)}); the last lines of its stderr:")
+            tail = (logs / f"rank-{r}-rejoined.log").read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            print("\n".join(f"    {line}" for line in tail) or "    (empty)")
             continue
         print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
               f"refetched {ev['refetched']}, dropped {ev['dropped']}")
