@@ -422,6 +422,35 @@ def test_a_joiner_asking_another_joiner_is_told_it_holds_no_state_and_takes_its_
     assert everyone[4][1].pieces_sent == 0
 
 
+def test_a_joiner_asking_again_while_its_state_is_encoded_keeps_that_state_at_later_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A joiner whose first manifest was late (a loaded donor still encoding) asks again. The
+    one state encoded answers both requests: at later step boundaries the donor neither
+    encodes another for it nor drops its requests for pieces of the first."""
+    encoded: list[tuple[Any, tuple[Any, ...]]] = []
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background",
+                        lambda _self, target, *args: encoded.append((target, args)))
+    donor_ar, donor = donor_of(0)
+    donor_ar.node.view_listeners[0](join_of((3,), 12, (0, 1, 2, 3)))
+    ask = State(kind=Kind.STATE_REQUEST, src=3, user_step=12, piece=elastic.MANIFEST)
+    deliver(donor_ar, ask)
+    donor.serve(12)  # captures the state as of 12 and starts encoding it
+    deliver(donor_ar, ask)  # asked again before the encoding is done
+    assert len(encoded) == 1
+    target, args = encoded.pop()
+    target(*args)
+    manifests = [msg for _, msg in donor_ar.sent if msg.kind is Kind.STATE and msg.piece == elastic.MANIFEST]
+    assert [(m.user_step, m.pieces != elastic.NO_STATE) for m in manifests] == [(12, True)]
+    digest = manifests[0].digest
+    donor_ar.sent.clear()
+    for step in (13, 14):
+        donor.serve(step)
+    assert encoded == [], "a later state was captured for the joiner while it fetches the first"
+    deliver(donor_ar, State(kind=Kind.STATE_REQUEST, src=3, user_step=12, piece=0, digest=digest))
+    assert [(m.user_step, m.piece, m.digest) for _, m in donor_ar.sent] == [(12, 0, digest)]
+    assert sum(donor.dropped.values()) == 0
+
+
 def test_only_the_donors_a_joiner_will_ask_hold_a_state_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(elastic.StateTransfer, "_in_background", inline)
     members = tuple(range(8))

@@ -359,9 +359,13 @@ class StateTransfer:
             for j in [*due, *fresh]:
                 self._held[j] = held
                 self._preparing.discard(j)
-                if j not in answer and self._requests.get(j, user_step + 1) <= user_step:  # asked while encoding
+                # Asked (again) while encoding: this state answers it. Left pending, the request
+                # would make the next step boundary replace the state the joiner is fetching
+                # with a later one, and drop its piece requests until it gave up on this donor.
+                if self._requests.get(j, user_step + 1) <= user_step:
                     del self._requests[j]
-                    answer.append(j)
+                    if j not in answer:
+                        answer.append(j)
         for j in answer:
             self._offer(j, held)
 
