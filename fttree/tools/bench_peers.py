@@ -7,9 +7,12 @@ n worker processes (FTTreeAllreduce over TCP on 127.0.0.x, one torch thread each
 thesis's MLP with `--state-mb` MB of registered extra state (a deterministic tensor), so the
 training state is that large. The last `--joiners` ranks are killed at step CRASH_AT and started
 again together when rank 0 reaches START_AT; each prints, once synced, its transfer's seconds,
-donors and pieces. `--die-after K` makes rank 0 SIGKILL itself (by its own pid) after sending K
-pieces; `--forge` makes rank 1 flip a byte of every piece it sends. The last line is the figures.
-Behind a rate limit, run it under netem/uplink.sh.
+donors and pieces, its timeline (first manifest, first and last piece, digest checked, decoded,
+loaded) and the bytes it received while syncing, pieces and the steps' traffic.
+`--die-after K` makes rank 0 SIGKILL itself (by its own pid) after sending K pieces; `--forge`
+makes rank 1 flip a byte of every piece it sends. The last line is the figures. Behind a rate
+limit, run it under netem/uplink.sh (and netem/downlink.sh). A restarted worker that never
+synced gets its stderr's last lines printed.
 """
 
 from __future__ import annotations

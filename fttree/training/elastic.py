@@ -148,7 +148,7 @@ class TransferRecord:
     pieces: dict[int, int]  # donor -> pieces it delivered
     user_step: int  # the training step the state is as of
     nbytes: int
-    seconds: float  # from the first request to the state being checked
+    seconds: float  # from the first request to the state being checked and decoded
     donors_asked: tuple[int, ...]
     refetched: int  # pieces asked of a second donor because the first did not deliver
     replayed: int  # steps replayed after loading
