@@ -153,7 +153,8 @@ class TransferRecord:
     refetched: int  # pieces asked of a second donor because the first did not deliver
     replayed: int  # steps replayed after loading
     # The timeline, seconds from the first request: where a transfer's time goes (the link's
-    # part ends at `all_pieces_s`; the rest is the joiner's own work, paced by its steps).
+    # part ends at `all_pieces_s`; the rest is the joiner's check and decode, and waiting for
+    # its next step boundary).
     manifest_s: float = 0.0  # the donors' part: reaching the join's step, capturing and encoding the state
     first_piece_s: float = 0.0
     all_pieces_s: float = 0.0
