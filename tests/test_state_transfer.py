@@ -1,6 +1,6 @@
-"""The joiner's side of the state transfer, without a network: pieces in any order, the work
-on them spread over training steps, a wrong digest or undecodable bytes named and answered
-by asking the next donor."""
+"""The joiner's side of the state transfer, without a network: pieces in any order, the check
+and decode of the whole off the training thread, a wrong digest or undecodable bytes named and
+answered by asking the next donor."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ class FakeHandle:
 
     def send_frame(self, dst: int, msg: Frame) -> None:
         self.sent.append((dst, msg))
+
+
+@pytest.fixture(autouse=True)
+def checks_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joiner's check of a whole state, on the polling thread: done by the next poll."""
+    monkeypatch.setattr(elastic.StateTransfer, "_check_in_background", inline)
 
 
 def a_state() -> TrainingState:
@@ -152,6 +158,61 @@ def test_the_state_comes_in_shares_from_every_donor_and_is_decoded_after_its_che
     assert total >= 6
     assert set(record.pieces) == {0, 1, 2}, record.pieces
     assert record.refetched == 0
+
+
+def test_the_training_thread_waits_for_the_check_of_the_whole_state_without_doing_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every piece is in, the digest and the decode run elsewhere: polls (one a training
+    step) return nothing, however many, until that work is done, then the state at once."""
+    monkeypatch.setattr(elastic, "CHUNK_BYTES", 64 << 10)
+    started: list[tuple[Any, tuple[Any, ...]]] = []
+    monkeypatch.setattr(elastic.StateTransfer, "_check_in_background",
+                        lambda _self, target, *args: started.append((target, args)))
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state)  # type: ignore[arg-type]
+    donors = three_donors()
+    transfer.request(12)
+    pump(ar, donors)
+    for _, d in donors.values():
+        serve_now(d, 12)
+    pump(ar, donors)
+    total = -(-len(encode(a_state()).data) // elastic.CHUNK_BYTES)
+    for _ in range(total + 5):
+        assert transfer.poll(12) is None
+    assert len(started) == 1  # started once, by the first poll with every piece in
+    target, args = started[0]
+    target(*args)
+    got = transfer.poll(12)
+    assert got is not None
+    assert got[0] == 12
+    assert got[1].step_count == 7
+    record = transfer.record
+    assert record is not None
+    assert record.piece_bytes == record.nbytes == len(encode(a_state()).data)
+    assert 0 <= record.manifest_s <= record.first_piece_s <= record.all_pieces_s <= record.checked_s <= record.seconds
+
+
+def test_a_state_whose_whole_digest_does_not_match_is_asked_again_of_other_donors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every piece matches the manifest but the whole does not match the digest (a manifest
+    made up to match forged pieces): the joiner asks again, its donors last."""
+    ar = FakeHandle()
+    transfer = elastic.StateTransfer(ar, capture=a_state, max_donors=1)  # type: ignore[arg-type]
+    donor_ar, donor = donor_of(0)
+    transfer.request(12)
+    pump(ar, {0: (donor_ar, donor)})
+    with donor._lock:
+        donor._requests.clear()
+    real = encode(a_state())
+    monkeypatch.setattr("fttree.training.elastic.encode",
+                        lambda _s: SimpleNamespace(data=real.data, hexdigest=state_digest(b"another state")))
+    donor._send_manifest([3], 12, a_state())
+    pump(ar, {0: (donor_ar, donor)})
+    ar.sent.clear()
+    assert transfer.poll(12) is None
+    assert transfer.record is None
+    asked = [dst for dst, msg in ar.sent if msg.kind is Kind.STATE_REQUEST and msg.piece == elastic.MANIFEST]
+    assert asked == [1]  # rank 0 (given up on) last, beyond max_donors
 
 
 def test_a_donor_dead_mid_transfer_costs_only_its_missing_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,7 +347,6 @@ def test_a_state_that_matches_its_digest_but_cannot_be_decoded_names_the_donor_a
                         lambda _s: SimpleNamespace(data=garbage, hexdigest=state_digest(garbage)))
     donor._send_manifest([3], 12, snap_state)
     pump(ar, {0: (donor_ar, donor)})
-    assert transfer.poll(12) is None  # the digest, checked
     with pytest.raises(PeerError, match=r"from ranks \[0\] as of step 12 matched its digest but is unusable") as err:
         transfer.poll(12)
     assert err.value.peers == (0,)
@@ -360,6 +420,35 @@ def test_a_joiner_asking_another_joiner_is_told_it_holds_no_state_and_takes_its_
     assert sorted(record.pieces) == [0, 1, 2], record.pieces
     assert record.refetched == 0
     assert everyone[4][1].pieces_sent == 0
+
+
+def test_a_joiner_asking_again_while_its_state_is_encoded_keeps_that_state_at_later_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A joiner whose first manifest was late (a loaded donor still encoding) asks again. The
+    one state encoded answers both requests: at later step boundaries the donor neither
+    encodes another for it nor drops its requests for pieces of the first."""
+    encoded: list[tuple[Any, tuple[Any, ...]]] = []
+    monkeypatch.setattr(elastic.StateTransfer, "_in_background",
+                        lambda _self, target, *args: encoded.append((target, args)))
+    donor_ar, donor = donor_of(0)
+    donor_ar.node.view_listeners[0](join_of((3,), 12, (0, 1, 2, 3)))
+    ask = State(kind=Kind.STATE_REQUEST, src=3, user_step=12, piece=elastic.MANIFEST)
+    deliver(donor_ar, ask)
+    donor.serve(12)  # captures the state as of 12 and starts encoding it
+    deliver(donor_ar, ask)  # asked again before the encoding is done
+    assert len(encoded) == 1
+    target, args = encoded.pop()
+    target(*args)
+    manifests = [msg for _, msg in donor_ar.sent if msg.kind is Kind.STATE and msg.piece == elastic.MANIFEST]
+    assert [(m.user_step, m.pieces != elastic.NO_STATE) for m in manifests] == [(12, True)]
+    digest = manifests[0].digest
+    donor_ar.sent.clear()
+    for step in (13, 14):
+        donor.serve(step)
+    assert encoded == [], "a later state was captured for the joiner while it fetches the first"
+    deliver(donor_ar, State(kind=Kind.STATE_REQUEST, src=3, user_step=12, piece=0, digest=digest))
+    assert [(m.user_step, m.piece, m.digest) for _, m in donor_ar.sent] == [(12, 0, digest)]
+    assert sum(donor.dropped.values()) == 0
 
 
 def test_only_the_donors_a_joiner_will_ask_hold_a_state_for_it(monkeypatch: pytest.MonkeyPatch) -> None:

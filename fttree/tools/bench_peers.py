@@ -7,9 +7,12 @@ n worker processes (FTTreeAllreduce over TCP on 127.0.0.x, one torch thread each
 thesis's MLP with `--state-mb` MB of registered extra state (a deterministic tensor), so the
 training state is that large. The last `--joiners` ranks are killed at step CRASH_AT and started
 again together when rank 0 reaches START_AT; each prints, once synced, its transfer's seconds,
-donors and pieces. `--die-after K` makes rank 0 SIGKILL itself (by its own pid) after sending K
-pieces; `--forge` makes rank 1 flip a byte of every piece it sends. The last line is the figures.
-Behind a rate limit, run it under netem/uplink.sh.
+donors and pieces, its timeline (first manifest, first and last piece, digest checked, decoded,
+loaded) and the bytes it received while syncing, pieces and the steps' traffic.
+`--die-after K` makes rank 0 SIGKILL itself (by its own pid) after sending K pieces; `--forge`
+makes rank 1 flip a byte of every piece it sends. The last line is the figures. Behind a rate
+limit, run it under netem/uplink.sh (and netem/downlink.sh). A restarted worker that never
+synced gets its stderr's last lines printed.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from ..net.address import local_peers
 
 CRASH_AT = 5
 START_AT = 12
 WAIT_S = 600.0  # a whole run's deadline
+LOG_TAIL = 30  # lines of a worker's stderr printed when it never synced
 
 
 def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state_mb: float, max_donors: int | None,
@@ -87,6 +93,13 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
         started = time.time()
         step: int | None = None
         synced_for = 0
+        syncing_from: tuple[int, int] | None = None  # (step, bytes received by then) at the first syncing step
+
+        def received() -> int:
+            """Bytes this worker has read from every link (frames of every kind)."""
+            tcp = ar.transport.inner if ar.transport is not None else None
+            return sum(st.bytes_received for st in list(getattr(tcp, "stats", {}).values()))
+
         while step is None or step < steps:
             if crash_at is not None and step == crash_at:
                 ar.crash("bench: killed")
@@ -96,13 +109,20 @@ def _worker(rank: int, peers: list[str], steps: int, crash_at: int | None, state
             opt.step()
             done = opt.sync.rounds - 1
             say(step=done, syncing=opt.syncing)
+            if opt.syncing and syncing_from is None:
+                syncing_from = (done, received())
             if not synced and not opt.syncing:
                 synced = True
                 rec = transfer.record
                 if rec is not None:
+                    first, rx = syncing_from if syncing_from is not None else (done, received())
                     say(synced=done, since_start=time.time() - started, seconds=rec.seconds, nbytes=rec.nbytes,
                         pieces={str(d): n for d, n in rec.pieces.items()}, refetched=rec.refetched,
-                        as_of=rec.user_step, dropped=sum(transfer.dropped.values()))
+                        as_of=rec.user_step, dropped=sum(transfer.dropped.values()), replayed=rec.replayed,
+                        manifest_s=rec.manifest_s, first_piece_s=rec.first_piece_s, all_pieces_s=rec.all_pieces_s,
+                        checked_s=rec.checked_s,
+                        piece_bytes=rec.piece_bytes, steps_syncing=done - first, rx_syncing=received() - rx,
+                        loaded_s=time.monotonic() - transfer._started_at)
             # every worker learns the same count of synced joiners, so all stop at the same step
             flag = torch.tensor([1.0 if (ar.joined_at is not None and not opt.syncing) else 0.0])
             synced_for = synced_for + 1 if float(ar.allreduce(flag)[0]) >= joiners else 0
@@ -165,9 +185,18 @@ class Outcome:
 
 
 def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int | None = None,
-        die_after: int | None = None, forge: bool = False, port: int = 29500) -> Outcome:
+        die_after: int | None = None, forge: bool = False, port: int = 29500, logs: Path | None = None) -> Outcome:
     """Start n workers, kill the last `joiners` at CRASH_AT and restart them together at
-    START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces."""
+    START_AT; rank 0 dies after `die_after` pieces, rank 1 forges its pieces. Each process's
+    stderr goes to `logs`/rank-R.log (a restarted one's to rank-R-rejoined.log), if given."""
+    files: list[IO[str]] = []
+
+    def log_of(name: str) -> Any:
+        if logs is None:
+            return subprocess.DEVNULL
+        files.append((logs / f"{name}.log").open("w"))
+        return files[-1]
+
     peers = local_peers(n, port=port)
     base = ["--state-mb", str(state_mb), "--joiners", str(joiners)]
     if max_donors is not None:
@@ -187,7 +216,7 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
                 extra += ["--die-after", str(die_after)]
             if r == 1 and forge:
                 extra += ["--forge"]
-            procs[r], t = spawn(r, peers, steps, members[r], extra)
+            procs[r], t = spawn(r, peers, steps, members[r], extra, stderr=log_of(f"rank-{r}"))
             threads.append(t)
         deadline = time.monotonic() + WAIT_S
         while not start.wait(1.0):  # in slices: a worker that died ends the wait at once
@@ -201,7 +230,7 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
         for r in range(n - joiners, n):
             if procs[r].wait(WAIT_S) is None:
                 raise TimeoutError(f"rank {r} did not exit after its crash at step {CRASH_AT}")
-            procs[r], t = spawn(r, peers, steps, rejoined[r], base)
+            procs[r], t = spawn(r, peers, steps, rejoined[r], base, stderr=log_of(f"rank-{r}-rejoined"))
             threads.append(t)
         codes = {r: p.wait(WAIT_S) for r, p in procs.items()}
         for t in threads:
@@ -212,6 +241,8 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in files:
+            f.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="donors a joiner asks at most (default: fttree.training.elastic.MAX_DONORS)")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--forge", action="store_true")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="a directory for every process's stderr (default: a temporary one, whose restarted "
+                             "workers' last lines are printed if they never synced)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
     parser.add_argument("--crash-at", type=int, default=None, help=argparse.SUPPRESS)
@@ -239,16 +273,32 @@ def main(argv: list[str] | None = None) -> None:
     if 2 * args.joiners >= args.workers:
         parser.error(f"--joiners {args.joiners} of {args.workers} workers: the survivors of their crash would not be "
                      f"a majority, and a group without one stops; use at least {2 * args.joiners + 1} workers")
-    out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners, max_donors=args.max_donors,
-              die_after=args.die_after, forge=args.forge, port=args.port)
+    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
+        logs = args.logs if args.logs is not None else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        out = run(args.workers, args.steps, state_mb=args.state_mb, joiners=args.joiners,
+                  max_donors=args.max_donors, die_after=args.die_after, forge=args.forge, port=args.port, logs=logs)
+        report(args, out, logs)
+
+
+def report(args: argparse.Namespace, out: Outcome, logs: Path) -> None:
+    """Print each restarted worker's transfer, or why it never synced (its stderr's tail)."""
     figures = []
     for r, seen in out.rejoined.items():
         ev = seen.events
         if "seconds" not in ev:
-            print(f"rank {r} never synced (exit {out.codes.get(r)})")
+            print(f"rank {r} never synced (exit {out.codes.get(r)}); the last lines of its stderr:")
+            tail = (logs / f"rank-{r}-rejoined.log").read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            print("\n".join(f"    {line}" for line in tail) or "    (empty)")
             continue
         print(f"rank {r}: {ev['nbytes'] / 1e6:.1f} MB in {ev['seconds']:.2f}s, pieces by donor {ev['pieces']}, "
               f"refetched {ev['refetched']}, dropped {ev['dropped']}")
+        print(f"rank {r} timeline: first manifest {ev['manifest_s']:.2f}s, first piece {ev['first_piece_s']:.2f}s, "
+              f"all pieces {ev['all_pieces_s']:.2f}s, "
+              f"digest checked {ev['checked_s']:.2f}s, decoded {ev['seconds']:.2f}s, loaded and replayed "
+              f"{ev['loaded_s']:.2f}s; while syncing "
+              f"{ev['steps_syncing']} steps ({ev['replayed']} replayed), {ev['rx_syncing'] / 1e6:.1f} MB received, "
+              f"{ev['piece_bytes'] / 1e6:.1f} MB of it pieces")
         figures.append(ev["seconds"])
     donors = args.max_donors or "default"
     print(f"state {args.state_mb} MB, {args.workers} workers, {args.joiners} joiners, max donors {donors}: "

@@ -17,9 +17,10 @@ donors' shares once its own is done). A piece is checked against the manifest as
 one that is wrong loses its donor. A donor that sends no manifest or delivers nothing for
 `wait_s` (it died, or stalls), offers another step, or leaves the view costs the joiner only
 the pieces it still owed and its share, which go to the other donors; with none left, the
-joiner asks again. Once every piece is in, the joiner checks the whole digest and decodes it a
-bounded piece per training step (the joiner is a leaf its parent waits for, so whatever it does
-inside one step delays every member's step), then loads it and replays its kept gradients of
+joiner asks again. Once every piece is in, the joiner checks the whole digest and decodes it on
+another thread (the joiner is a node of the trees, so whatever it does inside one step delays
+every member's step; a slice of it per step made it take as many steps as the state has
+pieces), then, at the next step boundary, loads it and replays its kept gradients of
 steps U, U+1, ... through the same optimizer code path the others ran, so it ends bit for bit
 where they are, and contributes from the next step.
 
@@ -50,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.messages import Kind, State
-from ..errors import PeerError
+from ..errors import FTTreeError, PeerError
 from .pieces import DIGEST_BYTES, Ledger, Manifest, Verdict, split, start_offset
-from .state import StateError, TrainingState, decode, encode, new_hasher
+from .state import StateError, TrainingState, decode, encode, state_digest
 
 if TYPE_CHECKING:
     from ..api import FTTreeAllreduce
@@ -65,10 +66,6 @@ MANIFEST = -1  # the `piece` of a request for a manifest, and of the STATE frame
 NO_STATE = -1  # the `pieces` of a manifest frame from a rank that holds no state (it is joining too)
 MAX_DONORS = 8  # a joiner's downlink is one; beyond this, more donors add holders of a copy, not speed
 WINDOW = 4  # pieces asked of one donor at once
-# The joiner's hashing per training step, seconds (about a millisecond a MiB). One piece a step
-# made a 100 MB state take 108 steps to check after it had come: 30 s behind 100 Mbit/s uplinks,
-# where the pieces themselves took a few seconds from six donors.
-HASH_BUDGET_S = 0.02
 _SIZE = struct.Struct(">Q")
 
 
@@ -122,9 +119,25 @@ class _Fetch:
     expected: list[int] = field(default_factory=list)  # the donors asked, less those holding no state
     donors: list[int] = field(default_factory=list)  # those whose manifest matched, in order of answer
     delivered: Counter[int] = field(default_factory=Counter)  # donor -> pieces it delivered
-    hasher: Any = field(default_factory=new_hasher)
-    hashed: int = 0  # pieces 0..hashed-1 are in the hasher
-    checked: bool = False  # the whole digest matched
+    check: _Check | None = None  # the whole digest and the decode, once every piece is in
+    manifest_at: float = 0.0  # monotonic, the first manifest's arrival; the timeline TransferRecord reports
+    first_piece_at: float | None = None
+    all_pieces_at: float | None = None
+
+
+@dataclass
+class _Check:
+    """The joiner's check and decode of a whole state, off the training thread: hashing and
+    decoding 100 MB takes a few hundred milliseconds, which inside a step would hold up every
+    member (the joiner is a node of the trees), and a slice of it per step made it take as
+    many steps as the state has pieces."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    matched: bool = False  # the whole digest matched
+    state: TrainingState | None = None
+    error: BaseException | None = None  # decoding failed (or the check itself did)
+    nbytes: int = 0
+    checked_at: float | None = None  # monotonic
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +148,18 @@ class TransferRecord:
     pieces: dict[int, int]  # donor -> pieces it delivered
     user_step: int  # the training step the state is as of
     nbytes: int
-    seconds: float  # from the first request to the state being checked
+    seconds: float  # from the first request to the state being checked and decoded
     donors_asked: tuple[int, ...]
     refetched: int  # pieces asked of a second donor because the first did not deliver
     replayed: int  # steps replayed after loading
+    # The timeline, seconds from the first request: where a transfer's time goes (the link's
+    # part ends at `all_pieces_s`; the rest is the joiner's check and decode, and waiting for
+    # its next step boundary).
+    manifest_s: float = 0.0  # the donors' part: reaching the join's step, capturing and encoding the state
+    first_piece_s: float = 0.0
+    all_pieces_s: float = 0.0
+    checked_s: float = 0.0
+    piece_bytes: int = 0  # piece payload bytes that reached the joiner, refetched and dropped ones too
 
     @property
     def donor(self) -> int:
@@ -183,6 +204,7 @@ class StateTransfer:
         self.dropped: Counter[str] = Counter()  # frames dropped, by reason
         self._told: set[str] = set()
         self.record: TransferRecord | None = None
+        self.piece_bytes = 0  # piece payload bytes received, whatever became of them
         assert ar.node is not None
         ar.node.elastic_listeners.append(self._on_frame)
         ar.node.view_listeners.append(self._on_view)
@@ -237,20 +259,9 @@ class StateTransfer:
                 self.request(user_step)
             return None
         if not fetch.ledger.done:
-            self._hash_next(fetch)  # while the rest arrives
             self._replace_donors(fetch, user_step, now)
             return None
         return self._advance(fetch, user_step)
-
-    def _hash_next(self, fetch: _Fetch) -> bool:
-        """Add the next piece in order to the whole digest, if it is here; whether it was."""
-        with self._lock:
-            piece = fetch.ledger.have.get(fetch.hashed)
-        if piece is None:
-            return False
-        fetch.hasher.update(piece)
-        fetch.hashed += 1
-        return True
 
     def _replace_donors(self, fetch: _Fetch, user_step: int, now: float) -> None:
         with self._lock:
@@ -349,9 +360,13 @@ class StateTransfer:
             for j in [*due, *fresh]:
                 self._held[j] = held
                 self._preparing.discard(j)
-                if j not in answer and self._requests.get(j, user_step + 1) <= user_step:  # asked while encoding
+                # Asked (again) while encoding: this state answers it. Left pending, the request
+                # would make the next step boundary replace the state the joiner is fetching
+                # with a later one, and drop its piece requests until it gave up on this donor.
+                if self._requests.get(j, user_step + 1) <= user_step:
                     del self._requests[j]
-                    answer.append(j)
+                    if j not in answer:
+                        answer.append(j)
         for j in answer:
             self._offer(j, held)
 
@@ -481,19 +496,25 @@ class StateTransfer:
         if old is not None:
             self._refetched += old.ledger.refetched
         return _Fetch(user_step=msg.user_step, digest=msg.digest, ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
-                      expected=expected)
+                      expected=expected, manifest_at=time.monotonic())
 
     def _on_piece(self, msg: State) -> None:
         assert msg.payload is not None
         with self._lock:
+            self.piece_bytes += len(msg.payload)
             fetch = self._fetch
             if fetch is None or (fetch.user_step, fetch.digest) != (msg.user_step, msg.digest):
                 self._drop("a piece of a state not being fetched", msg)
                 return
             verdict = fetch.ledger.receive(msg.src, msg.piece, msg.payload)
             if verdict is Verdict.ACCEPTED:
+                now = time.monotonic()
                 fetch.delivered[msg.src] += 1
-                fetch.ledger.progress(msg.src, time.monotonic())
+                fetch.ledger.progress(msg.src, now)
+                if fetch.first_piece_at is None:
+                    fetch.first_piece_at = now
+                if fetch.ledger.done:
+                    fetch.all_pieces_at = now
             elif verdict is Verdict.BAD_DIGEST:
                 log.error("rank %d: piece %d of the training state from rank %d does not match its digest; "
                           "rank %d is asked nothing more", self.ar.rank, msg.piece, msg.src, msg.src)
@@ -504,42 +525,61 @@ class StateTransfer:
                 return
             self._ask_pieces(fetch, time.monotonic())
 
+    def _check_in_background(self, target: Callable[..., None], *args: Any) -> None:
+        """Run the joiner's check of a whole state, `target(*args)`, off the training thread."""
+        threading.Thread(target=target, args=args, name="fttree-state-check", daemon=True).start()
+
+    @staticmethod
+    def _check(data: bytes, digest: str, check: _Check) -> None:
+        """Hash `data` (hashlib lets the training thread run meanwhile) and, if it matches
+        `digest`, decode it; whatever happens, `check.done` is set."""
+        try:
+            check.nbytes = len(data)
+            check.matched = state_digest(data) == digest
+            check.checked_at = time.monotonic()
+            if check.matched:
+                check.state = decode(data)
+        except Exception as exc:  # handed to the training thread, which raises it
+            check.error = exc
+        finally:
+            check.done.set()
+
     def _advance(self, fetch: _Fetch, user_step: int) -> tuple[int, TrainingState] | None:
-        """One bounded part of the joiner's work on a received state, per training step: hash
-        the pieces that came, in order, for up to HASH_BUDGET_S, or, once the digest matched,
-        decode it.
-        Done all at once inside one step, this work held up every member's next step by the
-        joiner's whole decode (the joiner is a leaf its parent waits for)."""
+        """Once every piece is in: start the check of the whole digest and the decode off the
+        training thread; once it is done, the state (or, if the digest does not match, ask
+        again; if it does not decode, PeerError)."""
         led = fetch.ledger
-        if not fetch.checked:
-            began = time.monotonic()
-            while fetch.hashed < led.manifest.total and time.monotonic() - began < HASH_BUDGET_S:
-                if not self._hash_next(fetch):
-                    break  # the next piece in order has not come yet
-            if fetch.hashed < led.manifest.total:
-                return None
-            if fetch.hasher.hexdigest() != fetch.digest:
-                log.error("rank %d: the training state from ranks %s does not match its digest; asking again",
-                          self.ar.rank, fetch.donors)
-                self._given_up |= set(fetch.donors)
-                self._refetched += led.refetched
-                self.request(user_step)
-                return None
-            fetch.checked = True
-            return None  # decoded at the next step, not in this one
+        if fetch.check is None:
+            fetch.check = _Check()
+            self._check_in_background(self._check, led.assemble(), fetch.digest, fetch.check)
+        check = fetch.check
+        if not check.done.is_set():
+            return None
+        donors = tuple(sorted(fetch.delivered, key=lambda d: (-fetch.delivered[d], d)))
+        if check.error is None and not check.matched:
+            log.error("rank %d: the training state from ranks %s does not match its digest; asking again",
+                      self.ar.rank, fetch.donors)
+            self._given_up |= set(fetch.donors)
+            self._refetched += led.refetched
+            self.request(user_step)
+            return None
         with self._lock:
             if self._fetch is fetch:
                 self._fetch = None
-        data = led.assemble()
-        donors = tuple(sorted(fetch.delivered, key=lambda d: (-fetch.delivered[d], d)))
-        try:
-            state = decode(data)
-        except StateError as exc:
+        if isinstance(check.error, StateError):
             raise PeerError(f"rank {self.ar.rank}: the training state from ranks {list(donors)} as of step "
-                            f"{fetch.user_step} matched its digest but is unusable: {exc}", peers=donors) from exc
+                            f"{fetch.user_step} matched its digest but is unusable: {check.error}",
+                            peers=donors) from check.error
+        if check.error is not None or check.state is None:
+            raise FTTreeError(f"rank {self.ar.rank}: checking the training state as of step {fetch.user_step} "
+                              f"failed: {check.error!r}") from check.error
+        began = self._started_at
         self.record = TransferRecord(donors=donors, pieces=dict(fetch.delivered), user_step=fetch.user_step,
-                                     nbytes=len(data), seconds=time.monotonic() - self._started_at,
+                                     nbytes=check.nbytes, seconds=time.monotonic() - began,
                                      donors_asked=tuple(self._asked), refetched=self._refetched + led.refetched,
-                                     replayed=0)
+                                     replayed=0, manifest_s=fetch.manifest_at - began,
+                                     first_piece_s=(fetch.first_piece_at or began) - began,
+                                     all_pieces_s=(fetch.all_pieces_at or began) - began,
+                                     checked_s=(check.checked_at or began) - began, piece_bytes=self.piece_bytes)
         self._stateless = False  # loaded by the caller now: from here on this rank can give it
-        return fetch.user_step, state
+        return fetch.user_step, check.state
