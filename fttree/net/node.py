@@ -212,6 +212,7 @@ class Node:
         self.stopped = reason
         self._replica_step(Stop())
         self.stop(reason)
+        self.holds.set(False)  # what waited for a join's decision runs into GroupLeft now
         await self.transport.close(abort=True)
 
     # ---- steps -------------------------------------------------------------------------------
