@@ -4,8 +4,10 @@ runs in parallel (pytest-xdist), with the tests that change the kernel's network
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,3 +168,12 @@ def exact_steps(handles: list[FTTreeAllreduce], steps: int, size: int = 1000) ->
             assert np.array_equal(fut.result(timeout=30), sum(data)), f"rank {h.rank} step {step}"
             assert h.last is not None
             assert h.last.contributors == tuple(range(len(handles))), (h.rank, step, h.last.contributors)
+
+
+@pytest.fixture
+def key(tmp_path: Path) -> Path:
+    """A job key file (32 random bytes, mode 600) for launches that prove one (`--auth-key-file`)."""
+    path = tmp_path / "job.key"
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return path

@@ -100,14 +100,6 @@ def test_site_ranks_dial_out_and_nobody_dials_in() -> None:
     assert "nothing to do" in out.stderr + out.stdout
 
 
-@pytest.fixture
-def key(tmp_path: Path) -> Path:
-    path = tmp_path / "job.key"
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return path
-
-
 @pytest.mark.usefixtures("root")
 @pytest.mark.parametrize(("world", "site", "site_local"), [(5, [3, 4], True), (4, [3], False)],
                          ids=["site-3-4-behind", "rank-3-dash"])

@@ -42,14 +42,6 @@ def root() -> None:
         pytest.skip(missing)
 
 
-@pytest.fixture
-def key(tmp_path: Path) -> Path:
-    path = tmp_path / "job.key"
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return path
-
-
 def worker_args(key: Path) -> list[str]:
     return ["--steps", str(STEPS), "--size", str(SIZE), "--auth-key-file", str(key), "--no-http",
             "--step-timeout", "60"]

@@ -79,14 +79,6 @@ def test_launch_takes_a_port_mapping_only_for_ranks_behind_nats() -> None:
     assert "'fixed' is not one of 'keep', 'random', 'random-fully'" in out.output
 
 
-@pytest.fixture
-def key(tmp_path: Path) -> Path:
-    path = tmp_path / "job.key"
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return path
-
-
 def relayed_in(result: LaunchResult, steps: range) -> int:
     """Envelope bytes sent and carried through relays over all ranks in `steps`."""
     records = result.records
