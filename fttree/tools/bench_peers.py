@@ -184,6 +184,14 @@ class Outcome:
     codes: dict[int, int]
 
 
+def _exit_code(proc: subprocess.Popen[str], what: str) -> int:
+    """`proc`'s exit status, waited for up to WAIT_S; TimeoutError saying `what` after that."""
+    try:
+        return proc.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{what} within {WAIT_S:.0f} s") from None
+
+
 def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: int | None = None,
         die_after: int | None = None, forge: bool = False, port: int = 29500, logs: Path | None = None) -> Outcome:
     """Start n workers, kill the last `joiners` at CRASH_AT and restart them together at
@@ -228,11 +236,10 @@ def run(n: int, steps: int, *, state_mb: float, joiners: int = 1, max_donors: in
                 raise TimeoutError(f"rank 0 did not reach step {START_AT} within {WAIT_S:.0f}s (it is at step "
                                    f"{members[0].steps})")
         for r in range(n - joiners, n):
-            if procs[r].wait(WAIT_S) is None:
-                raise TimeoutError(f"rank {r} did not exit after its crash at step {CRASH_AT}")
+            _exit_code(procs[r], f"rank {r} did not exit after its crash at step {CRASH_AT}")
             procs[r], t = spawn(r, peers, steps, rejoined[r], base, stderr=log_of(f"rank-{r}-rejoined"))
             threads.append(t)
-        codes = {r: p.wait(WAIT_S) for r, p in procs.items()}
+        codes = {r: _exit_code(p, f"rank {r} did not exit after its last step") for r, p in procs.items()}
         for t in threads:
             t.join(WAIT_S)
         return Outcome(members=members, rejoined=rejoined, codes=codes)
