@@ -37,10 +37,10 @@ class NodeStatus:
 def node_status(node: Node) -> NodeStatus:
     """`node`'s status now (read on its loop)."""
     replica, steps = node.replica, node.steps
-    return NodeStatus(rank=node.rank, machine=replica.machine.status(), membership=replica.membership.status(),
-                      transport=node.transport.status(), steps_in_flight=tuple(sorted(steps.running)),
-                      last_steps=tuple(steps.durations), note_counts=dict(node.notes.counts),
-                      reruns=steps.reruns, foreign_frames=node.foreign.count,
+    return NodeStatus(rank=node.rank, machine=node.machine.status(), membership=node.membership.status(),
+                      transport=node.transport.status(), steps_in_flight=tuple(node.active_steps()),
+                      last_steps=tuple(node.step_durations), note_counts=dict(node.note_counts),
+                      reruns=node.reruns, foreign_frames=node.foreign_frames,
                       late_streak=dict(steps.late_streak), late_total=dict(steps.late_total),
-                      empty_sums=replica.machine.empty_sums, early_dropped=replica.early_dropped,
+                      empty_sums=node.machine.empty_sums, early_dropped=replica.early_dropped,
                       early_dropped_bytes=replica.early_dropped_bytes)
