@@ -136,7 +136,7 @@ class ViewChange:
         if r is None or r.accepting or msg.ballot != r.ballot:
             return
         r.promises[msg.src] = (msg.steps, msg.accepted, ViewValue.of(msg))
-        r.user_steps[msg.src] = msg.training_step
+        r.user_steps[msg.src] = msg.sender_user_step
         r.rates[msg.src] = msg.rate
         if msg.rate > 0:
             self.m.joins.uplinks[msg.src] = msg.rate
@@ -298,7 +298,7 @@ class ViewChange:
         assert b.held is not None
         accepted_ballot, value = b.accepted if b.accepted is not None else (0, None)
         promise = self.agree(Kind.VIEW_PROMISE, ballot=ballot, steps=b.held, accepted=accepted_ballot,
-                             training_step=m.user_step, rate=m.joins.target_pace(),
+                             sender_user_step=m.user_step, rate=m.joins.target_pace(),
                              **(value.fields() if value is not None else {}))
         if coordinator == m.rank:
             self.on_promise(promise, now, out)

@@ -276,7 +276,7 @@ class Agreement(Frame):
             ("mb", "members", "members", _INTS), ("cm", "committed", "committed", _INTS),
             ("pn", "plan", "plan", _INTS), ("us", "user_step", "user step", _INT), ("pc", "pace", "pace", _INT),
             ("ul", "uplinks", "uplinks", _INTS), ("st", "steps", "steps", _INTS),
-            ("ts", "training_step", "training step", _INT),
+            ("ts", "sender_user_step", "sender user step", _INT),
             ("rt", "rate", "rate", _INT), ("dd", "dead", "dead", _INTS), ("jn", "joining", "joining", _INTS),
             ("pr", "pace_round", "pace round", _BOOL), ("pm", "promised", "promised", _INTS),
             ("w", "view_size", "view size", _INT))
@@ -293,7 +293,7 @@ class Agreement(Frame):
     pace: int = 0  # the value's pace, bytes per second (view.py; 0: the configured one)
     uplinks: tuple[int, ...] = ()  # the value's members' measured uplinks, bytes per second (view.py)
     steps: tuple[int, ...] = ()  # VIEW_PROMISE: the steps the sender holds complete results of
-    training_step: int = -1  # VIEW_PROMISE: the training step the sender is in (a join starts after it)
+    sender_user_step: int = -1  # VIEW_PROMISE: the user step the sender is in (a join starts after it)
     rate: int = 0  # VIEW_PROMISE: the sender's measured uplink, bytes per second
     dead: tuple[int, ...] = ()  # VIEW_PREPARE: the ranks the coordinator finds dead
     joining: tuple[int, ...] = ()  # VIEW_PREPARE: the ranks asking to join
