@@ -11,7 +11,7 @@ NAT_TAG="$FTTREE_TAG nat"
 
 usage() {
     cat <<HELP
-Usage: $PROG up    NAME --public RANKS [--site RANKS]... [--nat-ports keep|random|random-fully]
+Usage: $PROG up    NAME --public RANKS [--site RANKS]... [--nat-ports keep|random|random-fully] [--routed]
        $PROG exec  NAME RANK -- COMMAND [ARGS...]
        $PROG peers NAME [--port P] [--site-local]
        $PROG down  NAME
@@ -31,6 +31,11 @@ Builds a small internet in network namespaces, one namespace per rank (NAME-rR):
                  connection's source port where it is free, as most home routers do, so a
                  TCP hole punch can work), random (MASQUERADE --random) or random-fully
                  (--random-fully: a new port for every connection, as carrier NATs do)
+  --routed       the control for measurements: the same namespaces and routers, but the
+                 routers only route (no NAT, no firewall) and every rank can dial every
+                 other, so a run here differs from an all-public one by the routers' hop
+                 alone and from a NAT run by the NATs alone; peers lists every rank's
+                 host:port
 
   up     create it all (fails, removing what it made, if any step fails)
   exec   run COMMAND as rank RANK (inside NAME-rRANK)
@@ -64,7 +69,7 @@ case $CMD in
     *) die "unknown command '$CMD': use up, exec, peers, down or list (see --help)" ;;
 esac
 
-NAME="" PUBLIC="" SITES=() RANK="" REST=() NAT_PORT=29500 SITE_LOCAL=0 NAT_PORTS=keep
+NAME="" PUBLIC="" SITES=() RANK="" REST=() NAT_PORT=29500 SITE_LOCAL=0 NAT_PORTS=keep ROUTED=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -72,6 +77,7 @@ while [[ $# -gt 0 ]]; do
         --site) [[ $# -ge 2 ]] || die "--site needs a list of ranks (3,4)"; SITES+=("$2"); shift 2 ;;
         --port) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || die "--port needs a port number"; NAT_PORT=$2; shift 2 ;;
         --site-local) SITE_LOCAL=1; shift ;;
+        --routed) ROUTED=1; shift ;;
         --nat-ports)
             [[ $# -ge 2 && $2 =~ ^(keep|random|random-fully)$ ]] \
                 || die "--nat-ports is keep, random or random-fully: got '${2:-}'"
@@ -177,21 +183,36 @@ up() {
         ip -n "$nat" addr add "$SITE_NET.$k.1/24" dev lan
         ip -n "$nat" link set lan up
         ip netns exec "$nat" sysctl -qw net.ipv4.ip_forward=1
-        NETNS=$nat
-        pick_iptables
-        # masquerade what leaves for the public network; let in only what answers it
-        local mapping=()
-        [[ $NAT_PORTS == keep ]] || mapping=("--$NAT_PORTS")
-        ipt -t nat -A POSTROUTING -o wan -m comment --comment "$NAT_TAG" -j MASQUERADE "${mapping[@]}"
-        ipt -A FORWARD -i wan -o lan -m conntrack --ctstate ESTABLISHED,RELATED -m comment --comment "$NAT_TAG" -j ACCEPT
-        ipt -A FORWARD -i wan -m comment --comment "$NAT_TAG" -j DROP
-        ipt -A INPUT -i wan -p tcp --syn -m comment --comment "$NAT_TAG" -j DROP
+        if ((!ROUTED)); then
+            NETNS=$nat
+            pick_iptables
+            # masquerade what leaves for the public network; let in only what answers it
+            local mapping=()
+            [[ $NAT_PORTS == keep ]] || mapping=("--$NAT_PORTS")
+            ipt -t nat -A POSTROUTING -o wan -m comment --comment "$NAT_TAG" -j MASQUERADE "${mapping[@]}"
+            ipt -A FORWARD -i wan -o lan -m conntrack --ctstate ESTABLISHED,RELATED -m comment --comment "$NAT_TAG" -j ACCEPT
+            ipt -A FORWARD -i wan -m comment --comment "$NAT_TAG" -j DROP
+            ipt -A INPUT -i wan -p tcp --syn -m comment --comment "$NAT_TAG" -j DROP
+        fi
         for r in $(ranks "$s"); do
             make_host "$NAME-r$r" "$SITE_NET.$k.$((10 + 10#$r))/24" "$SITE_NET.$k.1" "$nat" "r$r" lan
         done
     done
+    if ((ROUTED)); then
+        # plain routers: every public rank and every other router reaches site k through its router
+        ip -n "$hub" link set br0 alias routed  # the mark `peers` reads
+        local j
+        for ((k = 1; k <= ${#SITES[@]}; k++)); do
+            for r in $(ranks "$PUBLIC"); do
+                ip -n "$NAME-r$r" route add "$SITE_NET.$k.0/24" via "$PUBLIC_NET.$((200 + k))"
+            done
+            for ((j = 1; j <= ${#SITES[@]}; j++)); do
+                ((j == k)) || ip -n "$NAME-nat$j" route add "$SITE_NET.$k.0/24" via "$PUBLIC_NET.$((200 + k))"
+            done
+        done
+    fi
     trap - EXIT
-    echo "network $NAME up: public ranks $PUBLIC on $PUBLIC_NET.0/24;$(k=0; for s in "${SITES[@]}"; do
+    echo "network $NAME up$( ((ROUTED)) && echo ' (routed: no NAT)'): public ranks $PUBLIC on $PUBLIC_NET.0/24;$(k=0; for s in "${SITES[@]}"; do
         k=$((k + 1)); printf ' site%d (ranks %s) behind %s.%d' "$k" "$s" "$PUBLIC_NET" $((200 + k)); done)"
     echo "peers file:  $0 peers $NAME [--site-local];  run a rank:  $0 exec $NAME RANK -- COMMAND"
 }
@@ -199,13 +220,14 @@ up() {
 # The peers file: one line per rank 0..max, from the addresses the namespaces hold.
 peers() {
     local -a lines=()
-    local ns r addr max=-1
+    local ns r addr max=-1 routed=0
+    [[ $(ip -n "$NAME-hub" -o link show br0 2>/dev/null) == *"alias routed"* ]] && routed=1
     for ns in $(our_namespaces); do
         [[ $ns =~ -r([0-9]+)$ ]] || continue
         r=${BASH_REMATCH[1]}
         addr=$(ip -n "$ns" -4 -o addr show dev eth0 | awk '{ split($4, a, "/"); print a[1]; exit }')
         [[ -n $addr ]] || die "rank $r's namespace $ns has no address on eth0"
-        if [[ $addr == "$PUBLIC_NET".* ]]; then
+        if [[ $addr == "$PUBLIC_NET".* ]] || ((routed)); then
             lines[r]="$addr:$NAT_PORT"
         elif ((SITE_LOCAL)); then
             local site=${addr#"$SITE_NET".}

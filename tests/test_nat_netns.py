@@ -60,6 +60,9 @@ PROBE = textwrap.dedent("""
         print(type(exc).__name__)
 """)
 LISTEN = "import socket, sys; s = socket.create_server((sys.argv[1], 4000)); print('up', flush=True); s.accept()"
+# A listener that says where each connection came from, for two connections.
+SEEN = ("import socket, sys; s = socket.create_server((sys.argv[1], 4000)); print('up', flush=True)\n"
+        "for _ in range(2): print('from', s.accept()[1][0], flush=True)")
 
 
 def dial(name: str, rank: int, host: str) -> str:
@@ -98,6 +101,33 @@ def test_site_ranks_dial_out_and_nobody_dials_in() -> None:
     out = subprocess.run([str(NAT), "down", name], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0  # idempotent
     assert "nothing to do" in out.stderr + out.stdout
+
+
+@pytest.mark.usefixtures("root")
+def test_routed_sites_are_dialled_by_everybody() -> None:
+    """The control network (`nat_ports="route"`, nat.sh --routed): the same namespaces and
+    routers with no NAT, so a public rank and another site dial a site rank, which sees their
+    own addresses, and the peers file lists every rank's host:port."""
+    with nat_network([[2, 3], [4]], 5, name=f"fttreenatrt{os.getpid()}", nat_ports="route") as name:
+        peers = subprocess.run([str(NAT), "peers", name, "--site-local", "--port", "4000"], capture_output=True,
+                               text=True, check=True, timeout=30).stdout.splitlines()
+        assert peers == ["10.77.0.10:4000", "10.77.0.11:4000", "10.78.1.12:4000", "10.78.1.13:4000",
+                         "10.78.2.14:4000"]
+        listener = subprocess.Popen([str(NAT), "exec", name, "2", "--", sys.executable, "-c", SEEN, "10.78.1.12"],
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            assert listener.stdout is not None
+            assert listener.stdout.readline().strip() == "up"
+            assert dial(name, 0, "10.78.1.12") == "ok 10.78.1.12"  # a public rank dials in
+            assert listener.stdout.readline().strip() == "from 10.77.0.10"  # no NAT on the way
+            assert dial(name, 4, "10.78.1.12") == "ok 10.78.1.12"  # and another site
+            assert listener.stdout.readline().strip() == "from 10.78.2.14"
+        finally:
+            listener.kill()
+            listener.wait(timeout=10)
+    assert name not in our_networks()
+    with pytest.raises(ConfigError, match="nat_ports is one of"), nat_network([[1]], 2, nat_ports="forward"):
+        pass
 
 
 @pytest.mark.usefixtures("root")

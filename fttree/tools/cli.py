@@ -331,11 +331,12 @@ def worker(rank: int, peers_file: Path, as_json: bool, steps: int, size: int, ti
 @click.option("--behind-nat", "behind_nat", multiple=True, metavar="RANKS",
               help="Put these ranks (3,4) behind a NAT router of their own (repeat for more sites), each rank in a "
                    "namespace of its own (netem/nat.sh). Needs root.")
-@click.option("--nat-ports", type=click.Choice(["keep", "random", "random-fully"]), default="keep",
+@click.option("--nat-ports", type=click.Choice(["keep", "random", "random-fully", "route"]), default="keep",
               show_default=True,
               help="How the --behind-nat routers map source ports: keep (MASQUERADE, as most home routers: a hole "
                    "punch between sites connects), random or random-fully (a new port per connection, as carrier "
-                   "NATs: punches fail and the relay stays).")
+                   "NATs: punches fail and the relay stays); route: no NAT, the routers only route and every rank "
+                   "dials every other (the control run: it differs from an all-public one by the routers' hop only).")
 @click.option("--shape-uplink", "shape_uplink", default=None, metavar="RATE",
               help="Limit what each rank sends to RATE (tc units: 100mbit; 100mbit,3=10mbit: rank 3 at 10), each rank "
                    "in a namespace of its own (netem/nat.sh's network, all public unless --behind-nat) and limited on "

@@ -354,16 +354,22 @@ def parse_sites(sites: Sequence[str], world: int) -> list[list[int]]:
     return parsed
 
 
+NAT_PORTS = ("keep", "random", "random-fully", "route")  # how nat_network's routers treat a site's connections
+
+
 @contextlib.contextmanager
 def nat_network(sites: Sequence[Sequence[int]], world: int, name: str | None = None,
                 nat_ports: str = "keep") -> Iterator[str]:
     """netem/nat.sh's network for `world` ranks, `sites` behind NATs of their own and the
     rest public; removed on exit, processes inside included. `nat_ports`: how the routers
-    map source ports (keep, random, random-fully: nat.sh --nat-ports)."""
+    map source ports (keep, random, random-fully: nat.sh --nat-ports), or route: no NAT, the
+    routers only route (nat.sh --routed), the control that measures their hop alone."""
+    if nat_ports not in NAT_PORTS:
+        raise ConfigError(f"nat_ports is one of {', '.join(NAT_PORTS)}: got {nat_ports!r}")
     name = name or f"fttreenat{os.getpid()}"
     behind = {r for site in sites for r in site}
     args = ["up", name, "--public", ",".join(str(r) for r in range(world) if r not in behind),
-            "--nat-ports", nat_ports]
+            *(["--routed"] if nat_ports == "route" else ["--nat-ports", nat_ports])]
     for site in sites:
         args += ["--site", ",".join(map(str, site))]
     try:
@@ -400,7 +406,10 @@ def launch_behind_nat(sites: Sequence[Sequence[int]], world: int, worker_args: S
     nat = str(netem_dir() / "nat.sh")
     with sigterm_as_interrupt(), nat_network(sites, world, name=name, nat_ports=nat_ports) as name:
         peers = run_script("nat.sh", "peers", name, "--port", str(port), *(["--site-local"] if site_local else []))
-        if sites:
+        if sites and nat_ports == "route":
+            echo(f"ranks behind plain routers, no NAT: {'; '.join(','.join(map(str, s)) for s in sites)} "
+                 f"(network {name}; every rank dials every other)")
+        elif sites:
             echo(f"ranks behind NATs: {'; '.join(','.join(map(str, s)) for s in sites)} (network {name})")
         else:
             echo(f"every rank public, each in a namespace of its own (network {name})")
