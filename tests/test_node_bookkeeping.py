@@ -60,7 +60,7 @@ def test_metadata_frames_say_what_was_queued_ahead_of_them() -> None:
     spies = []
     for node in sim.nodes:
         spy = _Queueing(node.transport)
-        node.transport = node.senses.transport = spy  # type: ignore[assignment]
+        node.transport = node.senses.transport = node.effector.transport = spy  # type: ignore[assignment]
         spies.append(spy)
     for step in range(3):
         sim.submit_all(step, [np.full(1000, r + step, np.float32) for r in range(7)])

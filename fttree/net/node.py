@@ -1,13 +1,14 @@
 """Node: one rank's driver. What the worker decides is the replica's (core/replica.py); the
-node turns frames and fired timers into its events and its actions into frames, timers and
-completed futures.
+node turns frames and fired timers into its events, and its effector (effector.py) turns its
+actions into frames, timers and completed futures.
 
 The transport and the clock are injected (the seam): `TcpTransport` on an asyncio loop for
 real runs, an in-memory transport on a fake clock in the simulator (fttree.testing), so both
-run this same code. The node's parts: steps.py (the caller's steps, cut into chunks and put
-together), timers.py, senses.py (what the transport measures, for the replica), notes.py
-(counting and logging), joining.py and leaving.py (the polls of joining and leaving), and
-core/farewell.py (when a finished rank may close). session.py awaits its procedures on asyncio.
+run this same code. The node's parts: effector.py (carrying out the replica's actions),
+steps.py (the caller's steps, cut into chunks and put together), timers.py, senses.py (what
+the transport measures, for the replica), notes.py (counting and logging), joining.py and
+leaving.py (the polls of joining and leaving), and core/farewell.py (when a finished rank may
+close). session.py awaits its procedures on asyncio.
 """
 
 from __future__ import annotations
@@ -20,37 +21,29 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..core.admission import Handshake
 from ..core.config import Config
-from ..core.effects import CancelTimer, Cause, Complete, Fail, Note, Send, SetTimer, TimerKey, TimerKind, Void
+from ..core.effects import Cause, Note, TimerKey, TimerKind
 from ..core.events import TimerFired
-from ..core.member_events import Busy, Hold, Installed, MemberTimer, Stopped, Suspected
-from ..core.messages import LINK_QUERY_KINDS, Frame, Kind, Message, State
+from ..core.member_events import Busy, MemberTimer
+from ..core.messages import LINK_QUERY_KINDS, Frame, Message
 from ..core.replica import (
     AckDue,
-    Admit,
     Arrived,
     Connected,
-    Deliver,
-    Farewells,
     Finish,
     FirstStart,
-    Foreign,
     Heard,
-    JoinInEffect,
     Leave,
     LinkLost,
-    Redeliver,
     Replica,
-    ReplicaAction,
     ReplicaEvent,
     StepBoundary,
     Stop,
-    ViewApplied,
 )
 from ..core.view import View
 from ..errors import GroupLeft, PeerError, StepAborted
 from .address import Address
+from .effector import Effector
 from .holds import HoldQueue
 from .joining import CONTACT, Asker
 from .leaving import Leaver
@@ -83,7 +76,6 @@ class Node:
         self.transport = transport
         self.scheduler = scheduler
         self.stopped: str | None = None  # why this rank produces no more results
-        self._evicted: tuple[int, ...] = ()  # left out by the last view change
         self.joining = join or contact is not None  # this process asks a running group to admit it
         # what this worker decides (core/replica.py): the tree, the membership, the life cycle, joins
         self.replica = Replica(rank, view, config, join=self.joining)
@@ -93,9 +85,6 @@ class Node:
         self.foreign = ForeignLog(rank)
         self.note_counts = self.notes.counts
         self.note_listeners = self.notes.listeners
-        self.view_listeners: list[Callable[[Installed], None]] = []
-        self.elastic_listeners: list[Callable[[State], None]] = []  # STATE and STATE_REQUEST frames
-        self.quiet_listeners: list[Callable[[], None]] = []  # told when the node may owe peers nothing
         self.steps = StepBook(config, scheduler, self.replica, run_chunk=self._run_chunk,
                               member=self._member, tell=self._replica_step, settled=self._step_settled)
         self.step_durations = self.steps.durations
@@ -109,6 +98,15 @@ class Node:
         self.leaver = Leaver(rank, scheduler, transport, self.replica, busy=lambda: bool(self.steps),
                              stopped=lambda: self.stopped is not None)
         self.holds = HoldQueue()  # a join is being agreed: boundaries and submits wait
+        # carrying out the replica's actions (effector.py); its do_all bound once: the hot path
+        self.effector = Effector(rank, transport, scheduler, senses=self.senses, timers=self.timers,
+                                steps=self.steps, notes=self.notes, foreign=self.foreign, holds=self.holds,
+                                asker=self.asker, deliver=self.on_message, member=self._member,
+                                stopped=self._stopped, ack_done=self._ack_done)
+        self._do_all = self.effector.do_all
+        self.view_listeners = self.effector.view_listeners
+        self.elastic_listeners = self.effector.elastic_listeners  # STATE and STATE_REQUEST frames
+        self.quiet_listeners = self.effector.quiet_listeners  # told when the node may owe peers nothing
         self._marked = False  # the caller marks training steps (boundary); else each step is one
         transport.bind(self)
 
@@ -194,7 +192,7 @@ class Node:
 
     def owes_peers(self) -> bool:
         """Are we still watching a link for a peer (it may need our relay or result)?"""
-        return bool(self.steps) or self.timers.watching
+        return self.effector.owes_peers()
 
     def stop(self, reason: str) -> None:
         """Cancel every timer and fail every step still in flight or held back with `reason`."""
@@ -321,7 +319,7 @@ class Node:
         else:
             self._handle(TimerFired(key=key))
 
-    # ---- carrying out the replica's actions ------------------------------------------------------
+    # ---- stepping the replica (its actions go to the effector) ---------------------------------
 
     def _handle(self, event: ReplicaEvent, *, raise_errors: bool = False) -> None:
         try:
@@ -341,106 +339,8 @@ class Node:
     def _replica_step(self, event: ReplicaEvent) -> None:
         self._do_all(self.replica.step(event, self.scheduler.now()))
 
-    def _tell_quiet(self) -> None:
-        for listener in self.quiet_listeners:
-            listener()
-
-    def _do_all(self, actions: list[ReplicaAction]) -> None:
-        if not actions:  # most frames from members: nothing changed, nothing to carry out
-            return
-        voided: set[int] = set()  # steps a new view voided: run again (or failed) once it is applied
-        self.senses.forget_stamp()  # the backlog may have drained since the last batch
-        for action in actions:
-            try:
-                self._do(action, voided)
-            except Exception:  # a bug in carrying out one action must not drop the rest of the batch
-                log.exception("rank %d: error while carrying out %s", self.rank, type(action).__name__)
-        for step in sorted(voided):
-            self.steps.voided(step, self._evicted)
-        if not self.owes_peers():
-            self._tell_quiet()
-
-    def _do(self, action: ReplicaAction, voided: set[int]) -> None:
-        match action:
-            case Send(dst=dst, msg=msg):
-                if msg.kind in (Kind.META_REDUCE_SENT, Kind.META_BCAST_SENT) and isinstance(msg, Message):
-                    msg = self.senses.stamp(msg)
-                if dst == self.rank:  # a message to ourselves (a coordinator is a member too)
-                    self.scheduler.call_later(0.0, lambda: self.on_message(msg))
-                else:
-                    self.transport.send(dst, msg)
-                if msg.payload is not None:
-                    self.senses.forget_stamp()  # the backlog just grew
-            case SetTimer(key=key, at=at):
-                self.timers.set(key, at)
-            case CancelTimer(key=key):
-                self.timers.cancel(key)
-            case Complete():
-                self.steps.complete(action)
-            case Fail():
-                log.warning("rank %d: step %d chunk %d failed: %s", self.rank, action.step, action.chunk,
-                            action.reason)
-                self.steps.fail(action)
-            case Note():
-                self.notes.record(action)
-            case Void(step=step):
-                voided.add(step)
-            case ViewApplied():
-                self._view_applied(action, sorted(voided))
-                voided.clear()
-            case _:
-                self._do_rare(action)
-
-    def _do_rare(self, action: ReplicaAction) -> None:
-        """The actions of view changes and the join handshake."""
-        match action:
-            case Admit():
-                self._evicted = ()
-            case JoinInEffect(installed=inst, first_step=first_step):
-                log.warning("rank %d: view %d takes effect at step %d: %s", self.rank, inst.view.epoch,
-                            first_step, inst.reason)
-                for listener in self.view_listeners:
-                    listener(inst)
-            case Hold(on=on):
-                self.holds.set(on)
-            case Stopped(reason=reason):
-                self._stopped(reason)
-            case Suspected(peer=peer, reason=reason):
-                log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
-            case Handshake():
-                self.asker.carry(action)
-            case Redeliver(frames=frames):  # frames that came before this rank took part
-                for msg in frames:
-                    self.on_message(msg)
-            case Foreign(msg=msg, rule=rule):
-                self.foreign.dropped(msg, rule)
-            case Deliver(msg=msg):
-                for hear in self.elastic_listeners:
-                    hear(msg)
-            case Farewells():
-                self._ack_done()
-                self._tell_quiet()
-
-    def _view_applied(self, applied: ViewApplied, voided: list[int]) -> None:
-        """A new view is in effect: the steps it voided run again (or fail, by policy), then
-        the steps held back during the change start in it."""
-        inst = applied.installed
-        # what changed, not the member list (a line of 255 numbers on every rank of a big job)
-        log.warning("rank %d: view %d installed: %d members; evicted %s (%s)", self.rank, inst.view.epoch,
-                    inst.view.size, list(inst.evicted), inst.reason)
-        self._evicted = inst.evicted
-        if applied.superseded:
-            log.warning("rank %d: view %d supersedes the joins of views %s not yet in effect", self.rank,
-                        inst.view.epoch, list(applied.superseded))
-        for step in voided:
-            self.steps.voided(step, self._evicted)
-        self.steps.start_held()
-        for listener in self.view_listeners:
-            listener(inst)
-        if self.steps:
-            self._member(Busy(since=self.steps.oldest_began(), step=max(self.steps.running)))
-
     def _stopped(self, reason: str) -> None:
+        """This rank produces no more results (evicted, left, or on a minority side): fail what waits."""
         left = self.replica.leaving
         if left:
             reason = f"rank {self.rank} left the group (the others go on without it)"
@@ -451,4 +351,4 @@ class Node:
         self.leaver.stopped()  # a leave waits for this
         self.steps.fail_all(lambda step: GroupLeft(step, reason))
         self._ack_done()
-        self._do_rare(Hold(on=False))  # what waited for a join runs into GroupLeft now
+        self.holds.set(False)  # what waited for a join runs into GroupLeft now
