@@ -133,3 +133,20 @@ def test_a_corrupt_piece_loses_its_donor_and_is_taken_from_the_others() -> None:
     members = trainers[0].state_bytes()
     for rank, trainer in trainers.items():
         assert trainer.state_bytes() == members, f"rank {rank} holds other training state than rank 0"
+
+
+@pytest.mark.parametrize("faults", ["restart 2 @5", "restart 2 @4..6", f"join {JOINER} @3; join {JOINER + 1} @3",
+                                    f"join {JOINER} @3; crash 2 @5"])
+def test_every_process_admitted_under_a_schedule_ends_with_the_members_bytes(faults: str) -> None:
+    """A restarted rank and joiners admitted together take the state the same way; a member
+    that dies meanwhile changes nothing for the others."""
+    run, trainers = simulate_training(WORLD, faults, steps=20)
+    run.check()
+    assert run.admitted, "no process was admitted"
+    members = trainers[0].state_bytes()
+    for rank in run.admitted:
+        assert trainers[rank].transfer.record is not None, f"rank {rank} never had a checked state"
+    for rank, trainer in trainers.items():
+        if rank not in run.network.wire.crashed:
+            assert not trainer.syncing
+            assert trainer.state_bytes() == members, f"rank {rank} holds other training state than rank 0"
