@@ -41,6 +41,7 @@ another; the joiner decodes it and `state.load`s it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import threading
@@ -48,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.messages import Kind, State
 from ..errors import FTTreeError, PeerError
@@ -56,8 +57,10 @@ from .pieces import DIGEST_BYTES, Ledger, Manifest, Verdict, split, start_offset
 from .state import StateError, TrainingState, decode, encode, state_digest
 
 if TYPE_CHECKING:
-    from ..api import FTTreeAllreduce
+    from ..core.config import Config
     from ..core.membership import Installed
+    from ..core.view import View
+    from ..net.node import Node
 
 log = logging.getLogger("fttree.training.elastic")
 
@@ -120,7 +123,7 @@ class _Fetch:
     donors: list[int] = field(default_factory=list)  # those whose manifest matched, in order of answer
     delivered: Counter[int] = field(default_factory=Counter)  # donor -> pieces it delivered
     check: _Check | None = None  # the whole digest and the decode, once every piece is in
-    manifest_at: float = 0.0  # monotonic, the first manifest's arrival; the timeline TransferRecord reports
+    manifest_at: float = 0.0  # StateTransfer.now(), the first manifest's arrival; the timeline TransferRecord reports
     first_piece_at: float | None = None
     all_pieces_at: float | None = None
 
@@ -137,7 +140,7 @@ class _Check:
     state: TrainingState | None = None
     error: BaseException | None = None  # decoding failed (or the check itself did)
     nbytes: int = 0
-    checked_at: float | None = None  # monotonic
+    checked_at: float | None = None  # StateTransfer.now()
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +170,55 @@ class TransferRecord:
         return self.donors[0]
 
 
+class GroupLink(Protocol):
+    """What the state transfer uses of its worker's place in the group: its rank, the view, the
+    node whose listeners hear STATE frames and views, and a way to send a frame. An
+    FTTreeAllreduce is one; the simulator hands it a simulated node's (fttree.testing.simstate),
+    so that a join is tested end to end on the fake clock."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def view(self) -> View: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def joining(self) -> bool: ...
+
+    @property
+    def node(self) -> Node | None: ...
+
+    def send_frame(self, dst: int, msg: Any) -> None:
+        """Queue a frame for rank `dst` (from any thread)."""
+
+
+Background = Callable[[str, Callable[[], None]], None]  # (a thread's name, the work): runs it off the caller
+
+
+def in_thread(name: str, work: Callable[[], None]) -> None:
+    """Run `work` on a daemon thread named `name`: encoding or checking a state takes a while,
+    and the training thread (a node of the trees) must not wait for it."""
+    threading.Thread(target=work, name=name, daemon=True).start()
+
+
 class StateTransfer:
     """Both sides of the state transfer for one worker. `capture()` returns the training state
     (fttree.training.state.capture) on the caller's thread; frames arrive on the node's loop
-    thread (`_on_frame`)."""
+    thread (`_on_frame`). `now` (seconds, monotonic) and `background` (how work leaves the
+    training thread) are the wall clock and threads, except in the simulator, which gives its
+    fake clock and runs the work on it."""
 
-    def __init__(self, ar: FTTreeAllreduce, capture: Callable[[], TrainingState],
-                 wait_s: float | None = None, max_donors: int = MAX_DONORS, window: int = WINDOW) -> None:
+    def __init__(self, ar: GroupLink, capture: Callable[[], TrainingState],
+                 wait_s: float | None = None, max_donors: int = MAX_DONORS, window: int = WINDOW, *,
+                 now: Callable[[], float] = time.monotonic, background: Background = in_thread) -> None:
         if max_donors <= 0 or window <= 0:
             raise ValueError(f"max_donors and window must be positive, got {max_donors} and {window}")
         self.ar = ar
+        self.now = now
+        self.background = background
         self.capture = capture
         self.wait_s = wait_s if wait_s is not None else max(2.0, ar.config.step_timeout_s)
         self.max_donors = max_donors
@@ -230,9 +272,9 @@ class StateTransfer:
             order = [r for r in order if r not in self._given_up] + [r for r in order if r in self._given_up]
         donors = order[:self.max_donors]
         if not self._asked:
-            self._started_at = time.monotonic()
+            self._started_at = self.now()
         self._asked.extend(donors)
-        self._asked_at = time.monotonic()
+        self._asked_at = self.now()
         with self._lock:
             self._fetch = None
             self._asking = set(donors)
@@ -246,7 +288,7 @@ class StateTransfer:
     def poll(self, user_step: int) -> tuple[int, TrainingState] | None:
         """The state, once fully received and checked: (its training step, the state).
         Hands a dead, late or departed donor's pieces to the others; asks again if none is left."""
-        now = time.monotonic()
+        now = self.now()
         with self._lock:
             fetch = self._fetch
         if fetch is None:
@@ -327,7 +369,7 @@ class StateTransfer:
         for the joiners whose join takes effect at this step, serve the joiners waiting for a
         state of this step or earlier, and forget the states of joiners that left or stopped
         asking."""
-        now = time.monotonic()
+        now = self.now()
         with self._lock:
             due = [j for j, first in self._requests.items() if first <= user_step and j not in self._preparing]
             for j in due:
@@ -345,7 +387,7 @@ class StateTransfer:
 
     def _in_background(self, target: Callable[..., None], *args: Any) -> None:
         """Run `target(*args)` off the training thread (encoding a state takes a while)."""
-        threading.Thread(target=target, args=args, name="fttree-state-donor", daemon=True).start()
+        self.background("fttree-state-donor", functools.partial(target, *args))
 
     def _send_manifest(self, due: list[int], user_step: int, state: TrainingState,
                        fresh: Iterable[int] = ()) -> None:
@@ -353,7 +395,7 @@ class StateTransfer:
         and `fresh` (their join took effect at `user_step`: they get it once they ask)."""
         snap = encode(state)
         manifest = split(snap.data, CHUNK_BYTES)
-        now = time.monotonic()
+        now = self.now()
         held = _Held(user_step=user_step, digest=snap.hexdigest, data=snap.data, manifest=manifest, used_at=now)
         answer = list(due)
         with self._lock:
@@ -388,7 +430,7 @@ class StateTransfer:
             if self._stateless:
                 offer = None
             elif held is not None and held.user_step >= msg.user_step:
-                held.used_at = time.monotonic()
+                held.used_at = self.now()
                 offer = held
             else:
                 self._requests[msg.src] = max(msg.user_step, self._requests.get(msg.src, -1))
@@ -407,7 +449,7 @@ class StateTransfer:
                 ok = False
             else:
                 ok = True
-                held.used_at = time.monotonic()
+                held.used_at = self.now()
         if not ok or held is None:
             self._drop("a request for a piece of a state not held for it", msg)
             return
@@ -448,7 +490,7 @@ class StateTransfer:
             fetch = self._fetch
             if fetch is not None:
                 fetch.ledger.lose(msg.src)
-                self._ask_pieces(fetch, time.monotonic())
+                self._ask_pieces(fetch, self.now())
         log.info("rank %d: rank %d holds no training state to give (it is joining too)", self.ar.rank, msg.src)
 
     def _on_manifest(self, msg: State) -> None:
@@ -465,19 +507,19 @@ class StateTransfer:
                 self._drop(f"an unusable manifest ({exc})", msg)
                 if fetch is not None:
                     fetch.ledger.lose(msg.src)
-                    self._ask_pieces(fetch, time.monotonic())
+                    self._ask_pieces(fetch, self.now())
                 return
             if fetch is not None and ((fetch.user_step, fetch.digest) != (msg.user_step, msg.digest)
                                       or manifest != fetch.ledger.manifest):
                 log.warning("rank %d: rank %d offers the state as of step %d, not step %d as the first donor; "
                             "its share goes to the others", self.ar.rank, msg.src, msg.user_step, fetch.user_step)
                 fetch.ledger.lose(msg.src)
-                self._ask_pieces(fetch, time.monotonic())
+                self._ask_pieces(fetch, self.now())
                 return
             if fetch is None:
                 fetch = self._fetch = self._start(msg, manifest)
             fetch.donors.append(msg.src)
-            self._ask_pieces(fetch, time.monotonic())
+            self._ask_pieces(fetch, self.now())
 
     def _start(self, msg: State, manifest: Manifest) -> _Fetch:
         """The transfer of the state the first manifest of a round offers: the one whose
@@ -496,7 +538,7 @@ class StateTransfer:
         if old is not None:
             self._refetched += old.ledger.refetched
         return _Fetch(user_step=msg.user_step, digest=msg.digest, ledger=Ledger(manifest=manifest, joiner=self.ar.rank),
-                      expected=expected, manifest_at=time.monotonic())
+                      expected=expected, manifest_at=self.now())
 
     def _on_piece(self, msg: State) -> None:
         assert msg.payload is not None
@@ -508,7 +550,7 @@ class StateTransfer:
                 return
             verdict = fetch.ledger.receive(msg.src, msg.piece, msg.payload)
             if verdict is Verdict.ACCEPTED:
-                now = time.monotonic()
+                now = self.now()
                 fetch.delivered[msg.src] += 1
                 fetch.ledger.progress(msg.src, now)
                 if fetch.first_piece_at is None:
@@ -523,20 +565,19 @@ class StateTransfer:
             else:
                 self._drop(f"a piece {verdict.value}", msg)
                 return
-            self._ask_pieces(fetch, time.monotonic())
+            self._ask_pieces(fetch, self.now())
 
     def _check_in_background(self, target: Callable[..., None], *args: Any) -> None:
         """Run the joiner's check of a whole state, `target(*args)`, off the training thread."""
-        threading.Thread(target=target, args=args, name="fttree-state-check", daemon=True).start()
+        self.background("fttree-state-check", functools.partial(target, *args))
 
-    @staticmethod
-    def _check(data: bytes, digest: str, check: _Check) -> None:
+    def _check(self, data: bytes, digest: str, check: _Check) -> None:
         """Hash `data` (hashlib lets the training thread run meanwhile) and, if it matches
         `digest`, decode it; whatever happens, `check.done` is set."""
         try:
             check.nbytes = len(data)
             check.matched = state_digest(data) == digest
-            check.checked_at = time.monotonic()
+            check.checked_at = self.now()
             if check.matched:
                 check.state = decode(data)
         except Exception as exc:  # handed to the training thread, which raises it
@@ -575,7 +616,7 @@ class StateTransfer:
                               f"failed: {check.error!r}") from check.error
         began = self._started_at
         self.record = TransferRecord(donors=donors, pieces=dict(fetch.delivered), user_step=fetch.user_step,
-                                     nbytes=check.nbytes, seconds=time.monotonic() - began,
+                                     nbytes=check.nbytes, seconds=self.now() - began,
                                      donors_asked=tuple(self._asked), refetched=self._refetched + led.refetched,
                                      replayed=0, manifest_s=fetch.manifest_at - began,
                                      first_piece_s=(fetch.first_piece_at or began) - began,
