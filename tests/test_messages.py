@@ -14,10 +14,12 @@ from fttree.core.messages import (
     SENDER_RULES,
     VERSION,
     Agreement,
+    Answer,
     Frame,
     Join,
     Kind,
     Message,
+    Query,
     Sender,
     State,
     decode,
@@ -52,6 +54,8 @@ def _sample(field_type: str, name: str) -> object:
         return True
     if field_type == "str":
         return "x7"
+    if field_type in ("Query", "Answer"):  # enums: their last member (the default is the first)
+        return list(Query if field_type == "Query" else Answer)[-1]
     return 123456789
 
 
@@ -128,6 +132,9 @@ def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int 
     (_raw({"k": 26, "f": 0, "ad": [[0, "a"]] * 4097}), "at most 4096"),
     (_raw({"k": 17, "f": 0, "pr": 1}), "pace round"),
     (_raw({"k": 15, "f": 0, "gn": "yes"}), "gone"),
+    (_raw({"k": 25, "f": 0, "q": 7}), r"query must be one of \[0, 1\], got 7"),
+    (_raw({"k": 26, "f": 0, "an": True}), r"answer must be one of \[0, 1, 2\], got True"),
+    (_raw({"k": 26, "f": 0, "an": "1"}), "answer must be one of"),
     (_raw({"k": 29, "f": 0, "d": "<f4", "e": 4}, b"\0" * 4), "raw bytes"),
     (_raw({"k": 2, "f": 0, "e": 4}), "must not carry a payload"),
     (PREFIX.pack(b"FT", VERSION, 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
@@ -138,6 +145,17 @@ def _raw(header: dict, payload: bytes = b"", magic: bytes = b"FT", version: int 
 def test_broken_frames_raise_frame_error(raw: bytes, needle: str) -> None:
     with pytest.raises(FrameError, match=needle):
         decode(raw)
+
+
+def test_a_joins_query_and_answer_arrive_as_their_enums() -> None:
+    """The types hold enums, not ints: what a JOIN asks and a JOIN_REPLY says decode to members."""
+    ask = decode(frame(Join(kind=Kind.JOIN, src=4, query=Query.ADMIT_ME)))
+    reply = decode(frame(Join(kind=Kind.JOIN_REPLY, src=0, answer=Answer.STARTING)))
+    assert isinstance(ask, Join)
+    assert isinstance(reply, Join)
+    assert ask.query is Query.ADMIT_ME
+    assert reply.answer is Answer.STARTING
+    assert decode(frame(Join(kind=Kind.JOIN, src=4))).query is Query.IS_RUNNING  # the default is not sent
 
 
 def test_every_field_has_its_own_meaning_on_the_wire() -> None:

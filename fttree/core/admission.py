@@ -17,24 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
 
+from .messages import Answer as Answer
+from .messages import Query as Query
 from .view import View
-
-
-class Query(IntEnum):
-    """What a JOIN asks (its `code`)."""
-
-    IS_RUNNING = 0  # is a group running already? (every starting process asks its peers)
-    ADMIT_ME = 1  # let this process in as its rank
-
-
-class Answer(IntEnum):
-    """What a JOIN_REPLY says (its `code`)."""
-
-    RUNNING = 0  # a group runs in view `epoch` with `members`: ask it to admit you
-    ADMITTED = 1  # you are in view `epoch` from allreduce `step`, training step `user_step`
-    STARTING = 2  # no group runs yet: this rank is starting up too
 
 
 class Handshake:
@@ -126,13 +112,13 @@ class Admission:
 
     # ---- the asking side ---------------------------------------------------------------------
 
-    def heard(self, rank: int, answer: int, epoch: int, members: tuple[int, ...], *, starting: bool) -> None:
+    def heard(self, rank: int, answer: Answer, epoch: int, members: tuple[int, ...], *, starting: bool) -> None:
         """`rank` answered a start's or a joiner's question (`starting`: still asking whether a
         group runs, not yet asking to be admitted)."""
-        if answer == Answer.STARTING:
+        if answer is Answer.STARTING:
             if starting:
                 self.starting.add(rank)
-        elif answer == Answer.RUNNING and (self.group is None or not starting):
+        elif answer is Answer.RUNNING and (self.group is None or not starting):
             self.group = (epoch, members)
 
     def start_settled(self, peers: Iterable[int], *, waited_s: float, grace_s: float) -> bool:

@@ -100,7 +100,7 @@ class JoinsAndPace:
     def on_request(self, msg: Join, now: float, out: list[MemberAction]) -> None:
         """A process asks to be admitted, or a member passes such a request on."""
         match msg.kind:
-            case Kind.JOIN if msg.query == Query.ADMIT_ME:
+            case Kind.JOIN if msg.query is Query.ADMIT_ME:
                 self.on_join(msg.src, now, out)
                 self.pass_on(msg, now, out)
             case Kind.JOIN_ASK if msg.src in self.m.view and msg.target not in self.gone:

@@ -98,8 +98,8 @@ class Kind(IntEnum):
     MINORITY = 23  # the change found no majority: `members` promised, `world` was the view's size
     CATCHUP = 24  # the committed result of (step, chunk) for a rank that did not get it
     # elastic membership (membership.py, net/node.py, training/elastic.py)
-    JOIN = 25  # `code` a Query (admission.py); `incarnation`: this process; `addresses`: where `src` listens
-    JOIN_REPLY = 26  # `code` an Answer: RUNNING in view `epoch` (`members`); ADMITTED into `epoch` (`members`)
+    JOIN = 25  # `query` a Query; `incarnation`: this process; `addresses`: where `src` listens
+    JOIN_REPLY = 26  # `answer` an Answer: RUNNING in view `epoch` (`members`); ADMITTED into `epoch` (`members`)
     #                  from allreduce `step`, training step `user_step`; STARTING (no group yet). `addresses`:
     #                  where the members listen
     LEAVE = 27  # `src` finished its last step and leaves: drop it from the next view without waiting
@@ -144,6 +144,21 @@ LINK_QUERY_KINDS = frozenset({Kind.META_REDUCE_REQUEST, Kind.META_BCAST_REQUEST}
 STATE_DTYPE = "|u1"  # STATE carries raw bytes
 
 
+class Query(IntEnum):
+    """What a JOIN asks (Join.query; admission.py)."""
+
+    IS_RUNNING = 0  # is a group running already? (every starting process asks its peers)
+    ADMIT_ME = 1  # let this process in as its rank
+
+
+class Answer(IntEnum):
+    """What a JOIN_REPLY says (Join.answer; admission.py)."""
+
+    RUNNING = 0  # a group runs in view `epoch` with `members`: ask it to admit you
+    ADMITTED = 1  # you are in view `epoch` from allreduce `step`, training step `user_step`
+    STARTING = 2  # no group runs yet: this rank is starting up too
+
+
 class Sender(Enum):
     """Who may send a kind. The transport proves the rank a frame comes from (net/handshake.py);
     these rules say which proven ranks a frame is taken from (core/replica.py applies them before
@@ -165,6 +180,7 @@ class Sender(Enum):
 # wire keys of a family's fields are in `WIRE`: (header key, field, what errors call it, type).
 
 _INT, _INTS, _STR, _BOOL, _ADDRS = range(5)
+WireType = int | type[IntEnum]  # one of the five above, or an enum whose values the field takes
 Payload = bytes | bytearray | memoryview
 
 
@@ -179,7 +195,7 @@ class Frame:
     field, take a copy with `but`."""
 
     RULES: ClassVar[Mapping[Kind, Sender]] = {}
-    WIRE: ClassVar[tuple[tuple[str, str, str, int], ...]] = ()
+    WIRE: ClassVar[tuple[tuple[str, str, str, WireType], ...]] = ()
 
     kind: Kind
     src: int
@@ -312,13 +328,14 @@ class Join(Frame):
         Kind.JOIN_REPLY: Sender.PROVEN,  # to such a process, which knows no view yet
         Kind.JOIN_ASK: Sender.MEMBER,
     }
-    WIRE = (("q", "query", "query", _INT), ("an", "answer", "answer", _INT), ("in", "incarnation", "incarnation", _INT),
+    WIRE = (("q", "query", "query", Query), ("an", "answer", "answer", Answer),
+            ("in", "incarnation", "incarnation", _INT),
             ("t", "target", "target", _INT), ("ad", "addresses", "addresses", _ADDRS),
             ("mb", "members", "members", _INTS), ("s", "step", "step", _INT), ("us", "user_step", "user step", _INT),
             ("pc", "pace", "pace", _INT), ("ul", "uplinks", "uplinks", _INTS))
 
-    query: int = 0  # JOIN, JOIN_ASK: what is asked, a Query (admission.py)
-    answer: int = 0  # JOIN_REPLY: an Answer (admission.py)
+    query: Query = Query.IS_RUNNING  # JOIN, JOIN_ASK: what is asked
+    answer: Answer = Answer.RUNNING  # JOIN_REPLY: what the member says
     incarnation: int = 0  # JOIN, JOIN_ASK: which start of the asking process this is
     target: int = -1  # JOIN_ASK: the rank asking to be admitted
     addresses: tuple[tuple[int, str], ...] = ()  # (rank, "host:port") of the ranks the frame names
@@ -483,7 +500,7 @@ def decode_prefix(raw: bytes, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BY
 _KINDS: dict[int, Kind] = {kind.value: kind for kind in Kind}
 _COMMON = (("f", "src", "src", _INT), ("ep", "epoch", "epoch", _INT))
 #: family -> header key -> (field, what errors call it, type)
-_FIELDS: dict[type[Frame], dict[str, tuple[str, str, int]]] = {
+_FIELDS: dict[type[Frame], dict[str, tuple[str, str, WireType]]] = {
     cls: {key: (name, label, kind_of) for key, name, label, kind_of in (*_COMMON, *cls.WIRE)} for cls in FAMILIES}
 _DEFAULTS: dict[type[Frame], dict[str, Any]] = {
     cls: {f.name: f.default for f in dataclass_fields(cls)} for cls in FAMILIES}
@@ -508,7 +525,7 @@ def unpack_map(head: bytes, what: str) -> dict[Any, Any]:
     return header
 
 
-def _header_fields(header: dict[Any, Any], table: dict[str, tuple[str, str, int]]) -> dict[str, Any]:
+def _header_fields(header: dict[Any, Any], table: dict[str, tuple[str, str, WireType]]) -> dict[str, Any]:
     """The fields of a header that its family has (`table`), each checked for its type; keys
     the family lacks are ignored, as unknown ones are."""
     fields: dict[str, Any] = {"src": -1}
@@ -529,6 +546,11 @@ def _header_fields(header: dict[Any, Any], table: dict[str, tuple[str, str, int]
                 raise FrameError(f"frame field {label} must be a string")
         elif kind_of == _ADDRS:
             value = _addresses(value, label)
+        elif isinstance(kind_of, type):  # an enum: one of its values, as its member
+            member = kind_of._value2member_map_.get(value) if type(value) is int else None
+            if member is None:
+                raise FrameError(f"frame field {label} must be one of {[int(m) for m in kind_of]}, got {value!r}")
+            value = member
         elif type(value) is not bool:
             raise FrameError(f"frame field {label} must be true or false, got {value!r}")
         fields[name] = value

@@ -586,7 +586,7 @@ class Replica:
         phase = self._life.phase
         if phase is Phase.ASKING:
             return  # not a member yet: nothing to tell
-        if msg.kind is Kind.JOIN and msg.query == Query.IS_RUNNING:
+        if msg.kind is Kind.JOIN and msg.query is Query.IS_RUNNING:
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r == msg.src != self.rank)
             view = self._membership.view
             answer = self._admission.answer(msg.src, msg.incarnation, view=view,
@@ -606,7 +606,7 @@ class Replica:
         """A starting or joining process hears: the group is starting too, is running in this
         view, or admits this rank from this step."""
         phase = self._life.phase
-        if phase is Phase.ASKING and msg.answer == Answer.ADMITTED and self.rank in msg.members:
+        if phase is Phase.ASKING and msg.answer is Answer.ADMITTED and self.rank in msg.members:
             # the admitting member's address book: ranks that joined with us (other trees link them)
             out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
             self._admitted(View(msg.epoch, msg.members, msg.pace, msg.uplinks, self.view.reach), msg.step,
@@ -617,6 +617,6 @@ class Replica:
             out.append(Joined(first_step=msg.step, user_step=msg.user_step))
         elif phase in (Phase.STARTING, Phase.ASKING):
             self._admission.heard(msg.src, msg.answer, msg.epoch, msg.members, starting=phase is Phase.STARTING)
-            if phase is Phase.ASKING and msg.answer == Answer.RUNNING:
+            if phase is Phase.ASKING and msg.answer is Answer.RUNNING:
                 out.extend(LearnAddress(rank=r, address=a) for r, a in msg.addresses if r != self.rank)
         out.append(Answered())
