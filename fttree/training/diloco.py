@@ -99,10 +99,12 @@ class EagerCorrection:
     """One worker's eager update (overlap="eager"), kept apart from the shared outer step: the
     paper's worker applies the outer SGD to `avg(t-1) + (own(t) - own(t-1) * w(t-1))`, where
     own(t) is its pseudo-gradient of the round just ended (weighted 1 / the last step's
-    contributors) and own(t-1) * w(t-1) the weight its previous one really had in the average
-    that just landed (0 when the average left it out). SGD with momentum is linear in its
-    gradient, so that is the shared outer step on avg(t-1) (the global parameters, alike
-    everywhere) plus this worker's own SGD on the difference: `offset`, with its momentum.
+    contributors) and own(t-1) * w(t-1) what its previous one weighs in the average that just
+    landed (where the average left it out: 0 dense, and with sparse the weight it went in with,
+    since its sent part went back into the accumulator and is stood in again when sent). SGD
+    with momentum is linear in its gradient, so that is the shared outer step on avg(t-1) (the
+    global parameters, alike everywhere) plus this worker's own SGD on the difference: `offset`,
+    with its momentum.
     With sparse compression own(t) is what the worker sent (its term in the average)."""
 
     def __init__(self, outer: torch.optim.Optimizer) -> None:
@@ -116,7 +118,8 @@ class EagerCorrection:
         """Take in this round's pseudo-gradient (`own`, None for an empty contribution) and
         return the offset (empty: none yet). `weight`: the share own(t) will likely have in its
         average (1 / the last step's contributors); `previous_weight`: the share own(t-1) had
-        in the average that just landed (0 if it left this worker out)."""
+        in the average that just landed (0 if it left this worker out; sparse passes the weight
+        own(t-1) went in with, `previous_stand_in`)."""
         group = self.outer.param_groups[0]
         lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
         terms = [] if own is None else [(own, weight)]
