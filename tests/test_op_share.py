@@ -6,6 +6,8 @@ simulator, no sockets (tests/test_op_share_real.py floods a real job from anothe
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 
 from fttree.core.config import Config
@@ -82,27 +84,77 @@ def test_a_members_flood_of_chunks_no_step_has_fills_its_share_not_the_table() -
     assert machine.footprint()["unclaimed"] == share  # rank 2's op became rank 0's own at its submit
 
 
+def test_a_members_flood_holds_its_share_in_bytes() -> None:
+    """10,500 flood frames at max_live_ops=4,000: rank 0's memory grows by what its share of
+    1,000 ops holds (printed per op; at most 5 KB each), not by a table of 4,000."""
+    replica = Replica(0, View.initial(3), Config(max_live_ops=4000))
+    replica.step(FirstStart(), 0.0)
+    replica.step(Connected(), 0.0)
+    replica.step(Submit(step=0, data=np.zeros(4, np.float32), signature="float32[4]"), 0.0)
+    machine = replica.machine
+    bogus = [c for c in range(1, CHUNKS) if machine.tree_of(c, CHUNKS) == 0]
+    flood = [Message(kind=Kind.META_BCAST_REQUEST, src=1, step=step, chunk=chunk, chunks=CHUNKS, tree=0, target=2)
+             for step in range(100, 600) for chunk in bogus]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for msg in flood:
+            replica.step(Arrived(msg=msg), 0.0)
+        grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    share = 4000 // PEER_SHARE
+    print(f"{len(flood)} frames: {machine.footprint()['unclaimed']} ops made, {grown / 1e6:.2f} MB held, "
+          f"{grown / share:.0f} bytes an op")
+    assert machine.footprint()["unclaimed"] == share
+    assert grown <= share * 5000, grown
+
+
 def test_a_full_share_lets_go_of_ops_for_steps_long_past() -> None:
-    """Once rank 0 has submitted steps well past the flood's (UNCLAIMED_STALE_STEPS: a late rank
-    is closed at most that far ahead), the ops rank 1 made for them will never run: its next
-    frame finds its share full, the stale ops are let go of and counted, and the frame is
-    taken. Ops of near steps are kept (a late rank's chunks may still come)."""
+    """Once rank 0 has submitted steps UNCLAIMED_STALE_STEPS past some of the flood's (a late
+    rank is closed at most CLOSE_AHEAD_STEPS ahead), the ops rank 1 made for those will never
+    run: its next frame finds its share full, they are let go of and counted, and the frame is
+    taken. The ops of the flood's newest step are kept (a late rank's chunks may still come)."""
     replica = _replica()
     machine = replica.machine
     share = LIVE // PEER_SHARE
     _flood(replica, range(1, 60))
     assert machine.footprint()["unclaimed"] == share
+    last = max(op.step for op in machine._ops.values() if op.maker == 1)  # the share fills steps 1 to `last`
+    kept = sum(op.maker == 1 and op.step == last for op in machine._ops.values())
     refused = machine.ops_refused
-    newest = 60 + UNCLAIMED_STALE_STEPS
+    newest = last + UNCLAIMED_STALE_STEPS
     for step in range(1, newest + 1):
         replica.step(Submit(step=step, data=np.zeros(4, np.float32), signature="float32[4]"), 1.0)
-    stale = machine.ops_refused  # submitting made no op of rank 1's
-    assert stale == refused
-    _flood(replica, range(newest, newest + 1))
-    assert machine.ops_reclaimed == share
-    assert machine.footprint()["makers"] == 1
-    assert 0 < machine.footprint()["unclaimed"] <= share
-    assert all(op.maker < 0 or op.step >= newest for op in machine._ops.values())
+    assert machine.ops_refused == refused  # rank 0's own submits take no share
+    notes = _flood(replica, range(newest + 1, newest + 2))  # a step rank 0 has not reached
+    assert machine.ops_reclaimed == share - kept
+    assert sum(op.maker == 1 and op.step == last for op in machine._ops.values()) == kept
+    assert all(op.maker < 0 or op.step in (last, newest + 1) for op in machine._ops.values())
+    per_step = len([c for c in range(1, CHUNKS) if machine.tree_of(c, CHUNKS) == 0])
+    assert machine.footprint()["unclaimed"] == kept + per_step  # the new step's frames found room
+    assert machine.ops_refused == refused
+    assert not notes
+
+
+def test_frames_cutting_a_step_this_rank_submitted_otherwise_make_no_op() -> None:
+    """Rank 0 has submitted steps 1 to 10, each one chunk: rank 1's frames naming 64-chunk cuts
+    of them are dropped before they make an op or spend its share, counted, and noted once
+    (the chunk rule is the same on every worker, so an honest frame never names another cut);
+    rank 2's sum for step 1 is taken as before."""
+    replica = _replica()
+    machine = replica.machine
+    for step in range(1, 11):
+        replica.step(Submit(step=step, data=np.zeros(4, np.float32), signature="float32[4]"), 0.0)
+    ops = machine.footprint()["ops"]
+    notes = _flood(replica, range(1, 11))
+    assert machine.footprint()["ops"] == ops
+    assert machine.footprint()["unclaimed"] == 0
+    assert machine.ops_refused == 10 * len([c for c in range(1, CHUNKS) if machine.tree_of(c, CHUNKS) == 0])
+    assert [n.text for n in notes if "cut into 1 chunks" in n.text] == [n.text for n in notes]
+    assert len(notes) == 1
+    replica.step(Arrived(msg=_sum_of(2, 1, 2.0)), 0.0)
+    assert 2 in machine._ops[(1, 0)].reduce.held
 
 
 def test_peers_running_steps_ahead_have_nothing_refused() -> None:

@@ -68,7 +68,8 @@ class MachineBase(ABC):
     _bf16_up: bool  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
     _made: dict[int, int]  # peer -> ops its frames made here that this rank has not submitted (Op.maker)
     _swept_at: dict[int, int]  # peer -> this rank's newest submit when its full share was last swept
-    ops_refused: int  # frames dropped because their sender's share of ops was full (PEER_SHARE)
+    ops_refused: int  # frames that made no op: their sender's share was full (PEER_SHARE), or a cut not ours
+    _refusals_noted: set[str]  # the reasons of those noted once ("share", "cut")
     ops_reclaimed: int  # ops a peer made for steps long past here and never submitted, let go of
 
     # ---- one part calls these on another (each is implemented in the part named) -----------
@@ -203,11 +204,19 @@ class MachineBase(ABC):
                             text=f"dropped a message for step {step} chunk {chunk}: {len(self._ops)} ops in flight "
                                  f"already (max_live_ops)"))
             return None
+        ours = self._ops.get((step, 0))
+        if ours is not None and ours.submitted and ours.chunks != chunks:
+            self._refuse(step, src, out, "cut", f"step {step} chunk {chunk} of {chunks}, a step rank {self.rank} "
+                                                f"cut into {ours.chunks} chunks (the chunk rule is alike everywhere)")
+            return None
         made = self._made.get(src, 0)
         if made >= self.cfg.max_live_ops // PEER_SHARE:
             made = self._sweep(src)
             if made >= self.cfg.max_live_ops // PEER_SHARE:
-                self._refuse(step, chunk, chunks, src, made, out)
+                self._refuse(step, src, out, "share", f"step {step} chunk {chunk} of {chunks}: its frames made "
+                                                      f"{made} ops here that rank {self.rank} has not submitted, "
+                                                      f"its share of max_live_ops ({self.cfg.max_live_ops} // "
+                                                      f"{PEER_SHARE})")
                 return None
         op = self._ops[op_id] = Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
                                     chunks=chunks, tree=self.tree_of(chunk, chunks, epoch), maker=src)
@@ -216,16 +225,15 @@ class MachineBase(ABC):
 
     # ---- what one peer's frames make here (PEER_SHARE) -------------------------------------
 
-    def _refuse(self, step: int, chunk: int, chunks: int, src: int, made: int, out: list[Action]) -> None:
-        """Rank `src`'s frames made a full share of ops here that this rank has not submitted:
-        one more is dropped and counted, the first one noted."""
+    def _refuse(self, step: int, src: int, out: list[Action], reason: str, what: str) -> None:
+        """A frame of rank `src` makes no op: dropped and counted, the first one of each
+        `reason` noted."""
         self.ops_refused += 1
-        if self.ops_refused == 1:
+        if reason not in self._refusals_noted:
+            self._refusals_noted.add(reason)
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
-                            text=f"dropped a message of rank {src} for step {step} chunk {chunk} of {chunks}: its "
-                                 f"frames made {made} ops here that rank {self.rank} has not submitted, its share "
-                                 f"of max_live_ops ({self.cfg.max_live_ops} // {PEER_SHARE}); further ones are "
-                                 "counted (ops_refused), not logged"))
+                            text=f"dropped a message of rank {src} for {what}; further ones are counted "
+                                 "(ops_refused), not logged"))
 
     def _sweep(self, src: int) -> int:
         """Let go of the ops `src` made for steps long past here and never submitted (they never

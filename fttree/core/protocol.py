@@ -144,6 +144,7 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         self._made = {}
         self._swept_at = {}
         self.ops_refused = 0
+        self._refusals_noted = set()
         self.ops_reclaimed = 0
 
     # ---- public ------------------------------------------------------------------------
