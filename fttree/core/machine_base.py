@@ -24,12 +24,22 @@ from .events import Submit
 from .messages import Kind, Message, wire_numel
 from .op_state import Op, OpId
 from .shares import measured_rates, plan, tree_of_planned, uniform
+from .stragglers import CLOSE_AHEAD_STEPS
 from .timeouts import TimeoutPolicy
 from .trees import tree_of
 from .view import View
 
 if TYPE_CHECKING:
     from .tree_links import Tree
+
+# One peer's frames make at most max_live_ops // PEER_SHARE ops here that this rank has not
+# submitted (`Op.maker`): a key holder's flood of frames for steps that will never run here
+# fills its own share, never the table the other members' frames need (docs/security.md).
+PEER_SHARE = 4
+# An op a peer made for a step this many steps below this rank's newest submit, and still not
+# submitted here, never will be (steps are submitted in order, every chunk at once; a late rank
+# takes part with zeros at most CLOSE_AHEAD_STEPS ahead): a full share lets go of such ops.
+UNCLAIMED_STALE_STEPS = CLOSE_AHEAD_STEPS + 1
 
 
 class MachineBase(ABC):
@@ -56,6 +66,11 @@ class MachineBase(ABC):
     _rates: tuple[float, ...] | None  # the members' unequal uplinks (None: even shares)
     _earlier_rates: dict[int, tuple[float, ...] | None]  # those of the _same_trees epochs
     _bf16_up: bool  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
+    _made: dict[int, int]  # peer -> ops its frames made here that this rank has not submitted (Op.maker)
+    _swept_at: dict[int, int]  # peer -> this rank's newest submit when its full share was last swept
+    ops_refused: int  # frames that made no op: their sender's share was full (PEER_SHARE), or a cut not ours
+    _refusals_noted: set[str]  # the reasons of those noted once ("share", "cut")
+    ops_reclaimed: int  # ops a peer made for steps long past here and never submitted, let go of
 
     # ---- one part calls these on another (each is implemented in the part named) -----------
 
@@ -189,9 +204,62 @@ class MachineBase(ABC):
                             text=f"dropped a message for step {step} chunk {chunk}: {len(self._ops)} ops in flight "
                                  f"already (max_live_ops)"))
             return None
+        ours = self._ops.get((step, 0))
+        if ours is not None and ours.submitted and ours.chunks != chunks:
+            self._refuse(step, src, out, "cut", f"step {step} chunk {chunk} of {chunks}, a step rank {self.rank} "
+                                                f"cut into {ours.chunks} chunks (the chunk rule is alike everywhere)")
+            return None
+        made = self._made.get(src, 0)
+        if made >= self.cfg.max_live_ops // PEER_SHARE:
+            made = self._sweep(src)
+            if made >= self.cfg.max_live_ops // PEER_SHARE:
+                self._refuse(step, src, out, "share", f"step {step} chunk {chunk} of {chunks}: its frames made "
+                                                      f"{made} ops here that rank {self.rank} has not submitted, "
+                                                      f"its share of max_live_ops ({self.cfg.max_live_ops} // "
+                                                      f"{PEER_SHARE})")
+                return None
         op = self._ops[op_id] = Op(step=step, chunk=chunk, epoch=self.view.epoch if epoch is None else epoch,
-                                    chunks=chunks, tree=self.tree_of(chunk, chunks, epoch))
+                                    chunks=chunks, tree=self.tree_of(chunk, chunks, epoch), maker=src)
+        self._made[src] = made + 1
         return op
+
+    # ---- what one peer's frames make here (PEER_SHARE) -------------------------------------
+
+    def _refuse(self, step: int, src: int, out: list[Action], reason: str, what: str) -> None:
+        """A frame of rank `src` makes no op: dropped and counted, the first one of each
+        `reason` noted."""
+        self.ops_refused += 1
+        if reason not in self._refusals_noted:
+            self._refusals_noted.add(reason)
+            out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=src,
+                            text=f"dropped a message of rank {src} for {what}; further ones are counted "
+                                 "(ops_refused), not logged"))
+
+    def _sweep(self, src: int) -> int:
+        """Let go of the ops `src` made for steps long past here and never submitted (they never
+        will be: UNCLAIMED_STALE_STEPS); how many it holds then. At most one pass over the ops
+        per peer and step submitted here, so a flood at a full share costs no pass per frame."""
+        newest = self._max_step_submitted
+        if self._swept_at.get(src) != newest:
+            self._swept_at[src] = newest
+            below = newest - UNCLAIMED_STALE_STEPS
+            for op_id, op in [(k, o) for k, o in self._ops.items() if o.maker == src and o.step < below]:
+                del self._ops[op_id]  # not retired: no id of it is kept
+                self._claim(op)
+                self.ops_reclaimed += 1
+        return self._made.get(src, 0)
+
+    def _claim(self, op: Op) -> None:
+        """`op` is no longer its maker's to answer for: submitted here, or gone."""
+        maker = op.maker
+        if maker < 0:
+            return
+        op.maker = -1
+        left = self._made[maker] - 1
+        if left:
+            self._made[maker] = left
+        else:
+            del self._made[maker]
 
     def _retire(self, op: Op) -> None:
         """Forget a finished op but remember its id, so its late messages are dropped.
@@ -200,7 +268,8 @@ class MachineBase(ABC):
         that falls out raises the floor to its step: every step below the floor was submitted
         here (steps are submitted in order), so an op below it is active or retired."""
         op_id = (op.step, op.chunk)
-        self._ops.pop(op_id, None)
+        if self._ops.pop(op_id, None) is op:
+            self._claim(op)
         if op_id in self._retired:
             return
         self._retired.add(op_id)

@@ -94,6 +94,7 @@ class Op:
     chunks: int = 1  # how many chunks its step has (which tree it runs on depends on it)
     tree: int = 0  # the tree it runs on (TreeMachine.tree_of)
     submitted: bool = False
+    maker: int = -1  # the rank whose frame made it before this rank submitted it (-1: ours; MachineBase._get_op)
     signature: str = ""
     dtype: str = ""
     own: np.ndarray | None = None  # our contribution, never written to: a step may run again on it

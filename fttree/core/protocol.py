@@ -141,6 +141,11 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         self.buffers = BufferPool(keep=SUM_BUFFERS)
         self.scratch = BufferPool(keep=SCRATCH_BUFFERS)
         self.empty_sums = 0
+        self._made = {}
+        self._swept_at = {}
+        self.ops_refused = 0
+        self._refusals_noted = set()
+        self.ops_reclaimed = 0
 
     # ---- public ------------------------------------------------------------------------
 
@@ -171,6 +176,7 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
                     out.append(SetTimer(key=self._timer(TimerKind.DEADLINE, op), at=now + self.cfg.step_timeout_s))
                 continue
             del self._ops[op_id]  # not retired: the step runs again under the same id
+            self._claim(op)
             if op.submitted:
                 out.append(Void(step=op.step, chunk=op.chunk))
         voided = {a.step for a in out if isinstance(a, Void)}
@@ -286,7 +292,8 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         number of ops run (tests check it over many thousands of ops)."""
         return {"ops": len(self._ops), "active_ops": sum(not op.done for op in self._ops.values()),
                 "retired": len(self._retired), "closed_steps": len(self._closed_steps),
-                "held": sum(len(op.reduce.held) for op in self._ops.values())}
+                "held": sum(len(op.reduce.held) for op in self._ops.values()),
+                "unclaimed": sum(self._made.values()), "makers": len(self._made), "swept": len(self._swept_at)}
 
     # ---- the trees (trees.py) ---------------------------------------------------------
 
@@ -340,6 +347,8 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         op = self._ops.get(op_id) or self._ops.setdefault(op_id, Op(step=ev.step, chunk=ev.chunk,
                                                                     epoch=self.view.epoch, chunks=ev.chunks,
                                                                     tree=self.tree_of(ev.chunk, ev.chunks)))
+        if op.maker >= 0:  # a peer's frame made it: this rank answers for it now
+            self._claim(op)
         t = self._t(op)
         op.submitted, op.signature, op.dtype, op.started = True, ev.signature, ev.data.dtype.str, now
         op.nbytes = ev.data.nbytes

@@ -32,6 +32,7 @@ class NodeStatus:
     empty_sums: int = 0  # subtree sums that named no contributor: nothing of them added
     early_dropped: int = 0  # data frames for steps not submitted here yet, dropped for want of room
     early_dropped_bytes: int = 0
+    ops_refused: int = 0  # step frames dropped: their sender's share of ops not submitted here was full
 
 
 def node_status(node: Node) -> NodeStatus:
@@ -43,4 +44,5 @@ def node_status(node: Node) -> NodeStatus:
                       reruns=node.reruns, foreign_frames=node.foreign_frames,
                       late_streak=dict(steps.late_streak), late_total=dict(steps.late_total),
                       empty_sums=node.machine.empty_sums, early_dropped=replica.early_dropped,
-                      early_dropped_bytes=replica.early_dropped_bytes)
+                      early_dropped_bytes=replica.early_dropped_bytes,
+                      ops_refused=node.machine.ops_refused)

@@ -158,6 +158,10 @@ def render(snap: Snapshot) -> str:
              [({}, snap.early_dropped)])
     w.family("fttree_early_bytes_dropped_total", "counter", "The payload bytes of those frames.",
              [({}, snap.early_dropped_bytes)])
+    w.family("fttree_ops_refused_total", "counter",
+             "Step frames dropped because the ops their sender made here, for steps not submitted here yet, "
+             "were at its share of max_live_ops (a key holder's flood of chunks no step has).",
+             [({}, snap.ops_refused)])
     w.family("fttree_late_steps_total", "counter",
              "Steps that closed without a member's contribution, that member being late (a straggler).",
              [({"rank": r}, n) for r, n in sorted(snap.late_total.items())])

@@ -193,6 +193,7 @@ class Snapshot:
     empty_sums: int  # subtree sums that named no contributor: nothing of them added
     early_dropped: int  # data frames for steps not submitted here yet, dropped for want of room
     early_dropped_bytes: int
+    ops_refused: int  # step frames dropped: their sender's share of ops not submitted here was full
     late_streak: dict[int, int]  # member -> steps in a row it was late in (straggler_policy="deadline")
     late_total: dict[int, int]  # member -> steps it was late in
     computing_waits: int  # steps whose deadline was put off for a member still computing (submit_wait_s)
@@ -234,7 +235,8 @@ class Snapshot:
                        "stale": self.stale, "protocol_errors": self.protocol_errors,
                        "frame_errors": self.frame_errors, "refusals": self.refusals,
                        "foreign_frames": self.foreign_frames, "empty_sums": self.empty_sums,
-                       "early_dropped": self.early_dropped, "early_dropped_bytes": self.early_dropped_bytes},
+                       "early_dropped": self.early_dropped, "early_dropped_bytes": self.early_dropped_bytes,
+                       "ops_refused": self.ops_refused},
             "stragglers": {"late_in_a_row": {str(r): n for r, n in sorted(self.late_streak.items())},
                            "late_total": {str(r): n for r, n in sorted(self.late_total.items())},
                            "waited_past_deadline": self.computing_waits},
@@ -508,7 +510,7 @@ class Monitor:
             protocol_errors=counts.get(NoteKind.PROTOCOL, 0), frame_errors=status.transport.frame_errors,
             refusals=status.transport.refusals, foreign_frames=status.foreign_frames,
             empty_sums=status.empty_sums, early_dropped=status.early_dropped,
-            early_dropped_bytes=status.early_dropped_bytes,
+            early_dropped_bytes=status.early_dropped_bytes, ops_refused=status.ops_refused,
             late_streak=status.late_streak, late_total=status.late_total,
             computing_waits=counts.get(NoteKind.WAIT, 0),
             faults=status.transport.faults,
