@@ -81,6 +81,7 @@ from .events import LinkDown as LinkDown
 from .events import Received as Received
 from .events import Submit as Submit
 from .events import TimerFired as TimerFired
+from .machine_base import PEER_SHARE
 from .machine_status import MachineStatus as MachineStatus
 from .machine_status import OpPhase as OpPhase
 from .machine_status import OpStatus as OpStatus
@@ -134,7 +135,8 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         self._last_abort_at = -float("inf")
         self.timeouts = self.cfg.make_timeouts()
         self.fenced = False
-        self._later: deque[Message] = deque(maxlen=self.cfg.max_ops_ahead)  # frames of a view not installed yet
+        self._later: deque[Message] = deque()  # frames of a view not installed yet (_hold_later)
+        self._later_by_src: dict[int, int] = {}  # how many of them each rank sent
         self._expected = None
         self._closed_steps = {}
         self._same_trees = set()
@@ -207,12 +209,11 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         if view.members != self.view.members or view.epoch <= self.view.epoch:
             return out
         self._expected = view
-        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
-        for msg in later:
+        for msg in self._take_later():
             if msg.epoch == view.epoch:
                 self._on_message(msg, now, out)
             else:
-                self._later.append(msg)
+                self._hold_later(msg, out)
         return out
 
     def _enter(self, view: View) -> None:
@@ -233,10 +234,30 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
     def _replay_later(self, view: View, now: float, out: list[Action]) -> None:
         """Frames that came before this view was installed here: handled now (those of a later
         view are kept again by _on_message)."""
-        later, self._later = self._later, deque(maxlen=self.cfg.max_ops_ahead)
-        for msg in later:
+        for msg in self._take_later():
             if msg.epoch >= view.epoch:
                 self._on_message(msg, now, out)
+
+    def _hold_later(self, msg: Message, out: list[Action]) -> None:
+        """Keep a frame of a view not installed here (its commit is on its way): up to
+        max_ops_ahead of them, a rank's frames at most a PEER_SHARE of those, so that one
+        member's flood neither holds more nor pushes out the others' frames (their bytes are
+        bounded before: the replica's early bytes). A frame past that is dropped and counted."""
+        held = self._later_by_src.get(msg.src, 0)
+        if len(self._later) >= self.cfg.max_ops_ahead or held >= self.cfg.max_ops_ahead // PEER_SHARE:
+            self._refuse(msg.step, msg.src, out, "later", f"view {msg.epoch}, not installed here: rank {msg.src} "
+                                                          f"has {held} frames of later views held here, "
+                                                          f"{len(self._later)} from all ranks (max_ops_ahead "
+                                                          f"{self.cfg.max_ops_ahead}, a rank's share 1/{PEER_SHARE})")
+            return
+        self._later.append(msg)
+        self._later_by_src[msg.src] = held + 1
+
+    def _take_later(self) -> deque[Message]:
+        """The frames of later views held here, handed over: none held from now."""
+        later, self._later = self._later, deque()
+        self._later_by_src = {}
+        return later
 
     def start_at(self, step: int) -> None:
         """A joiner: its first op is `step`; every earlier step belongs to the group's past."""
@@ -389,7 +410,7 @@ class TreeMachine(Reduce, Broadcast, Watching, StragglerClose, Deadlines, LinkMe
         expected = self._expected
         if msg.epoch != self.view.epoch and (expected is None or msg.epoch != expected.epoch):
             if msg.epoch > self.view.epoch:
-                self._later.append(msg)  # a view we are about to install (its commit is on its way)
+                self._hold_later(msg, out)  # a view we are about to install (its commit is on its way)
                 return
             if msg.epoch in self._same_trees:  # an op of an earlier pace: its trees are ours
                 held = self._ops.get(msg.op)

@@ -372,7 +372,8 @@ class Replica:
             self._join_frame(msg, now, out)
             return
         running = self._life.phase is not Phase.STOPPED
-        stale = msg.epoch < self._membership.view.epoch and running  # its sender may not know it was left out
+        epoch = self._membership.view.epoch
+        stale = msg.epoch < epoch and running  # its sender may not know it was left out
         if rule not in _MEMBER_RULES or not self.may_send(msg.src):
             out.append(Foreign(msg=msg, rule=rule))
             if stale and rule in _MEMBER_RULES:
@@ -394,7 +395,10 @@ class Replica:
             return
         if stale:
             self._carry(self._membership.stale_sender(msg), now, out)
-        if msg.kind is Kind.DATA_REDUCE and msg.step > self.newest_submitted and not self._room_early(msg, out):
+        # data held until its step runs here, or until its view is installed: within the early bytes
+        if (msg.payload is not None
+                and (msg.epoch > epoch or (msg.kind is Kind.DATA_REDUCE and msg.step > self.newest_submitted))
+                and not self._room_early(msg, out, later_view=msg.epoch > epoch)):
             return
         out.extend(self._machine.handle(Received(msg=msg, link=link), now))
 
@@ -499,15 +503,20 @@ class Replica:
                 for step in [s for s in self._early_steps if s <= ev.step]:
                     self.early_bytes -= self._early_steps.pop(step)
 
-    def _room_early(self, msg: Message, out: list[ReplicaAction]) -> bool:
+    def _room_early(self, msg: Message, out: list[ReplicaAction], *, later_view: bool = False) -> bool:
         """Is there room to hold `msg`, a subtree sum for a step not submitted here (the tree
-        holds it until the step runs)? If not, it is dropped and counted (the first one noted).
-        One for a step too far ahead is the tree's to drop (Config.max_ops_ahead)."""
+        holds it until the step runs), or any data of a view not installed here (`later_view`:
+        the tree holds it until the view is)? If not, it is dropped and counted (the first one
+        noted). A subtree sum for a step too far ahead is the tree's to drop
+        (Config.max_ops_ahead); a later view's frame is held whatever its step, so it is
+        counted and dropped here when its step is that far ahead (released, as the others, once
+        this rank submits past it)."""
         size = len(memoryview(msg.payload).cast("B")) if msg.payload is not None else 0
         step = msg.step
         if step > self.newest_submitted + self.cfg.max_ops_ahead:
-            return True
-        if self.early_bytes + size <= self.early_limit() and self._room_far(step, size):
+            if not later_view:
+                return True
+        elif self.early_bytes + size <= self.early_limit() and self._room_far(step, size):
             self._early_steps[step] = self._early_steps.get(step, 0) + size
             self.early_bytes += size
             return True
@@ -515,10 +524,10 @@ class Replica:
         self.early_dropped_bytes += size
         if self.early_dropped == 1:
             out.append(Note(step=step, cause=Cause.PROTOCOL_VIOLATION, peer=msg.src,
-                            text=f"dropped {msg.kind.name} of {size} bytes from rank {msg.src} for step {step}, "
-                                 f"which this rank has not submitted yet: it holds {self.early_bytes} bytes for "
-                                 f"such steps already (at most {self.early_limit()}); further ones are counted, "
-                                 "not logged"))
+                            text=f"dropped {msg.kind.name} of {size} bytes from rank {msg.src} for step {step}"
+                                 f"{f' of view {msg.epoch}, not installed here' if later_view else ''}, which this "
+                                 f"rank has not submitted yet: it holds {self.early_bytes} bytes for such steps "
+                                 f"already (at most {self.early_limit()}); further ones are counted, not logged"))
         return False
 
     def _room_far(self, step: int, size: int) -> bool:
