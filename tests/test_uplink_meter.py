@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from fttree.net.uplink import (
+    CLEAR_BYTES,
     INITIAL_BUDGET_BYTES,
     MAX_BUDGET_BYTES,
     POLL_MIN_S,
     QUEUE_TARGET_S,
     SLICE_S,
+    WINDOW_S,
     LossHistory,
     TcpCounters,
     UplinkMeter,
@@ -189,3 +191,25 @@ def test_the_transport_and_the_simulator_share_one_stall_rule() -> None:
     assert not lossy.clean
     assert not stall_found(cut, lossy, 0.06, 0, fast)
     assert not stall_found(cut, clean, 0.06, int(fast.rate or 1e9), fast)  # a second's bytes ahead
+
+
+def test_a_link_rate_is_forgotten_after_a_window_of_traffic_with_no_queue() -> None:
+    """A slow spell (or a loss burst) gives a link rate, which the group paces itself by; once
+    the link carried CLEAR_BYTES over WINDOW_S with no queue forming, it limits nothing and the
+    figure is forgotten. Idle time alone forgets nothing (a slow link's rounds apart), and a
+    queue seen on the way starts the spell again."""
+    meter = UplinkMeter(min_rtt_s=0.001)
+    for i in range(1, 6):  # a queue on the path: a measured link
+        meter.add(SLICE_S, int(1.25e6 * SLICE_S), i * SLICE_S, queued=True)
+    queued_at = 5 * SLICE_S
+    assert meter.link_rate == pytest.approx(1.25e6)
+    meter.acknowledged(queued_at + WINDOW_S + 100, 0, queued=False)  # idle: kept
+    assert meter.link_rate == pytest.approx(1.25e6)
+    half = CLEAR_BYTES // 2
+    meter.acknowledged(queued_at + 1, half, queued=False)
+    meter.acknowledged(queued_at + WINDOW_S / 2, half, queued=True)  # a queue again: the spell restarts
+    meter.acknowledged(queued_at + WINDOW_S + 1, CLEAR_BYTES, queued=False)
+    assert meter.link_rate == pytest.approx(1.25e6)  # not a window since the last queue
+    meter.acknowledged(queued_at + WINDOW_S / 2 + WINDOW_S, 1, queued=False)
+    assert meter.link_rate == 0.0
+    assert meter.rate == pytest.approx(1.25e6)  # what it measured stays, as a rate, not a limit

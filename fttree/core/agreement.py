@@ -159,6 +159,8 @@ class ViewChange:
             members = view.members + tuple(j for j in r.joining if j not in view)
             rates = [rate for rate in r.rates.values() if rate > 0]
             pace = min(rates) if r.pace and rates else view.pace
+            if pace >= self.m.cfg.uplink_bytes_per_s:  # nobody's link holds the group back: unpaced
+                pace = 0
             # each member's figure: what it promised now in a pace round, else what the view held
             uplinks = tuple((r.rates.get(x, 0) if r.pace else 0) or view.uplink_of(x) for x in members)
             return ViewValue(epoch=epoch, members=members, committed=(), plan=(),

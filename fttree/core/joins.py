@@ -70,6 +70,7 @@ class JoinsAndPace:
         self.gone: dict[int, str] = {}  # ranks known gone without a suspicion (restarted), and why
         self.done: dict[int, int] = {}  # members that finished their job -> their last step
         self.rate = 0.0  # this rank's measured uplink (Uplink events)
+        self.clear = False  # its link had a figure and showed no queue since (uplink.py): it limits nothing
         self.uplinks: dict[int, int] = {}  # member -> the uplink it reported (PACE, VIEW_PROMISE)
         self.pace_wanted: dict[int, int] = {}  # coordinator: member -> the uplink it asked a pace round for
 
@@ -254,9 +255,21 @@ class JoinsAndPace:
         return float(min(known, default=0.0))
 
     def target_pace(self) -> int:
-        """The pace this rank's uplink calls for: its rate, never above the configured one (above
-        it, steps are cut as on a LAN anyway)."""
-        return int(min(self.rate, self.m.cfg.uplink_bytes_per_s))
+        """The pace this rank's uplink calls for: its measured rate, never above the configured
+        one (above it, steps are cut as on a LAN anyway); the configured one once a link that
+        had a figure showed no queue over the meter's window (`clear`: uplink.py forgets the
+        figure), so that a pace a loss burst or a slow spell brought is lifted after it; 0
+        while nothing was measured."""
+        configured = self.m.cfg.uplink_bytes_per_s
+        if self.rate:
+            return int(min(self.rate, configured))
+        return int(configured) if self.clear else 0
+
+    def measured(self, rate: float) -> None:
+        """The transport's figure for this rank's uplink (Uplink): 0 after a figure means the
+        link limits nothing any more."""
+        self.clear = not rate and (self.rate > 0 or self.clear)
+        self.rate = rate
 
     def held_rate(self, rank: int) -> float:
         """The uplink the view plans `rank` at (View.planned_uplink); the view's pace while it

@@ -179,7 +179,7 @@ class Membership:
                 self.user_step = max(self.user_step, user_step)
                 self.joins.boundary(now, out)
             case Uplink(rate=rate, retransmit_s=retransmit_s):
-                self.joins.rate = rate
+                self.joins.measured(rate)
                 self.detection.set_retransmit(retransmit_s)
                 self.joins.maybe_ask_pace(now, out)
             case Fenced(held=held):
@@ -280,7 +280,8 @@ class Membership:
         if joined:
             reason = f"ranks {list(joined)} joined from training step {user_step}"
         elif user_step >= 0 and view.pace != previous.pace:
-            reason = f"pace {view.pace / 1e6:.3g} MB/s from training step {user_step}"
+            reason = (f"pace {view.pace / 1e6:.3g} MB/s" if view.pace else "unpaced (no link holds the group back)") + \
+                f" from training step {user_step}"
         out.append(Installed(view=view, previous=previous, committed=frozenset(value.committed), catch_up=plan,
                              evicted=evicted, reason=reason, joined=joined, activate_at=user_step))
         if was_holding:

@@ -30,9 +30,11 @@ class Senses:
         rate = self.transport.uplink_rate()
         neighbours = membership.view.neighbours(self.rank).all if self.rank in membership.view else ()
         retransmit = round(max((self.transport.retransmit_s(p) for p in neighbours), default=0.0), 3)
-        if (rate and rate != membership.rate) or retransmit != self._retransmit_s:
+        if rate != membership.rate or retransmit != self._retransmit_s:
+            # 0 too: the link showed no queue for the meter's window (uplink.py link_rate), so
+            # a pace that a loss burst or a slow spell brought is lifted (joins.target_pace)
             self._retransmit_s = retransmit
-            return Uplink(rate=rate or membership.rate, retransmit_s=retransmit)
+            return Uplink(rate=rate, retransmit_s=retransmit)
         return None
 
     def forget_stamp(self) -> None:

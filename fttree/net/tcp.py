@@ -916,6 +916,8 @@ class TcpTransport:
                         queued = queued or (ch.bulk and queue_formed(counters))
             if queued:  # whether bytes wait for the budget or not: it is too large for the link
                 self.meter.saw_queue()
+            if total > acked or queued:
+                self.meter.acknowledged(now, total - acked, queued=queued)
             if backlogged and waiting and total > acked and not any(ch.stalled for ch in channels):
                 # (a stalled link says nothing of the uplink)
                 self.meter.add(now - last, total - acked, now, queued=queued)

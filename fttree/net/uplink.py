@@ -42,6 +42,7 @@ SLICE_S = 0.2  # the rate is measured over slices of this much busy time ...
 RAMP_SLICE_S = 0.05  # ... or this much for the first figure of a link that queues (one sample of the transport's)
 WINDOW_S = 30.0  # ... and is the best slice of this long ago or since
 MAX_SLICES = 256
+CLEAR_BYTES = 4 * 1024 * 1024  # acknowledged over WINDOW_S with no queue: the link limits nothing
 
 
 @dataclass
@@ -65,6 +66,8 @@ class UplinkMeter:
         self._queued = False  # a queue formed during the slice being filled
         self._budget = INITIAL_BUDGET_BYTES
         self._grown_at = -float("inf")
+        self._queue_at = -float("inf")  # when a queue was last seen on the path
+        self._clear_bytes = 0  # bytes acknowledged since, with no queue
 
     def add(self, seconds: float, acked_bytes: int, now: float, *, queued: bool = False) -> None:
         """`acked_bytes` were acknowledged over `seconds` (ending `now`) during which this rank
@@ -74,6 +77,8 @@ class UplinkMeter:
         self._busy_s += seconds
         self._bytes += acked_bytes
         self._queued = self._queued or queued
+        if queued:
+            self._queue_at, self._clear_bytes = now, 0
         # the first figure of a link that queues comes after RAMP_SLICE_S, to bring the budget
         # down soon; later ones over whole slices (a lossy link's acknowledgements come in bursts
         # after each hole, and a short slice's maximum overstates the link)
@@ -88,6 +93,21 @@ class UplinkMeter:
         self._link_rate = max((rate for _at, rate, queued in self._slices if queued), default=0.0)
         if self.link_rate:
             self._budget = self._rate_budget(self.link_rate)
+
+    def acknowledged(self, now: float, acked_bytes: int, *, queued: bool) -> None:
+        """`acked_bytes` were acknowledged by `now`, whether the rank had more to send or not;
+        `queued`: the round trip showed a queue meanwhile. A link that carried CLEAR_BYTES and
+        more over WINDOW_S with no queue forming limits nothing (any more): its link rate is
+        forgotten, so that a pace a loss burst or a slow spell brought is lifted (the group
+        paces itself by link_rate). Without traffic nothing is forgotten: an idle slow link
+        (rounds apart) keeps its figure."""
+        if queued:
+            self._queue_at, self._clear_bytes = now, 0
+            return
+        self._clear_bytes += acked_bytes
+        if self._link_rate and now - self._queue_at >= WINDOW_S and self._clear_bytes >= CLEAR_BYTES:
+            self._slices = deque((at, rate, False) for at, rate, _queued in self._slices)
+            self._link_rate = 0.0
 
     def grow(self, now: float, rtt_s: float) -> None:
         """The budget held the rank back (it had more to send) and no queue formed on the path:

@@ -502,6 +502,7 @@ class ShapedNetwork:
         queued = queue_s > QUEUE_SEEN_S
         if queued:
             up.meter.saw_queue()
+        up.meter.acknowledged(now, offset - s.acked, queued=queued)
         if up.backlogged:  # the rank had more to send: the acknowledgements measure its uplink
             up.meter.add(now - up.sampled_at, offset - s.acked, now, queued=queued)
             up.sampled_at = now
