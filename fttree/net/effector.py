@@ -2,9 +2,9 @@
 timers are set and cancelled, steps complete or fail, notes are kept, a new view is applied,
 and the rare actions of joins and leaves reach the parts that wait for them.
 
-Apart from node.py, which turns frames and fired timers into the replica's events, because
-carrying out is one job of its own. The node binds `do_all` once, so the hot path (every
-frame of every step) costs what it did when this was the node's own method.
+It is a module apart from node.py (which turns frames and fired timers into the replica's
+events) because carrying out is a job of its own. The node binds `do_all` once, so the hot
+path (every frame of every step) costs what it did when this was the node's own method.
 """
 
 from __future__ import annotations
