@@ -68,8 +68,8 @@ class MachineBase(ABC):
     _bf16_up: bool  # a slow uplink: float32 sums go up as bf16 (Config.bf16_uplinks_below)
     _made: dict[int, int]  # peer -> ops its frames made here that this rank has not submitted (Op.maker)
     _swept_at: dict[int, int]  # peer -> this rank's newest submit when its full share was last swept
-    ops_refused: int  # frames that made no op: their sender's share was full (PEER_SHARE), or a cut not ours
-    _refusals_noted: set[str]  # the reasons of those noted once ("share", "cut")
+    ops_refused: int  # frames dropped: over their sender's share (PEER_SHARE: ops, later views), or a cut not ours
+    _refusals_noted: set[str]  # the reasons of those noted once ("share", "cut", "later")
     ops_reclaimed: int  # ops a peer made for steps long past here and never submitted, let go of
 
     # ---- one part calls these on another (each is implemented in the part named) -----------

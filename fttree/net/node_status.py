@@ -32,7 +32,7 @@ class NodeStatus:
     empty_sums: int = 0  # subtree sums that named no contributor: nothing of them added
     early_dropped: int = 0  # data frames for steps not submitted here yet, dropped for want of room
     early_dropped_bytes: int = 0
-    ops_refused: int = 0  # step frames dropped: their sender's share of ops not submitted here was full
+    ops_refused: int = 0  # step frames dropped: over their sender's share (ops, later views' frames), or a cut not ours
 
 
 def node_status(node: Node) -> NodeStatus:

@@ -160,7 +160,8 @@ def render(snap: Snapshot) -> str:
              [({}, snap.early_dropped_bytes)])
     w.family("fttree_ops_refused_total", "counter",
              "Step frames dropped because the ops their sender made here, for steps not submitted here yet, "
-             "were at its share of max_live_ops (a key holder's flood of chunks no step has).",
+             "were at its share of max_live_ops (a key holder's flood of chunks no step has), its frames of views "
+             "not installed here at its share of max_ops_ahead, or they cut a submitted step otherwise.",
              [({}, snap.ops_refused)])
     w.family("fttree_late_steps_total", "counter",
              "Steps that closed without a member's contribution, that member being late (a straggler).",

@@ -193,7 +193,7 @@ class Snapshot:
     empty_sums: int  # subtree sums that named no contributor: nothing of them added
     early_dropped: int  # data frames for steps not submitted here yet, dropped for want of room
     early_dropped_bytes: int
-    ops_refused: int  # step frames dropped: their sender's share of ops not submitted here was full
+    ops_refused: int  # step frames dropped: over their sender's share (ops, later views' frames), or a cut not ours
     late_streak: dict[int, int]  # member -> steps in a row it was late in (straggler_policy="deadline")
     late_total: dict[int, int]  # member -> steps it was late in
     computing_waits: int  # steps whose deadline was put off for a member still computing (submit_wait_s)
