@@ -38,6 +38,7 @@ from .net.address import Address, parse_address, parse_peers, reach_classes
 from .net.credentials import Credentials, Tls, check_exposure, http_token
 from .net.faulty import FaultyTransport, StepMarks
 from .net.node import Node, StepResult
+from .net.node_status import NodeStatus
 from .net.scheduler import AsyncioScheduler
 from .net.session import Session
 from .net.tcp import TcpTransport
@@ -453,6 +454,22 @@ class FTTreeAllreduce:
             return
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(node.crash(reason), loop).result(timeout=10)
+
+    def status(self, timeout_s: float = 10.0) -> NodeStatus:
+        """This rank's status (what /status serves), taken on the node's event loop: the node
+        changes its state only there, so a read from this thread could see a dict mid-change."""
+        loop, node = self._loop, self.node
+        if loop is None or node is None or loop.is_closed():
+            raise FTTreeError(f"rank {self.rank}: no status, the node is not running")
+
+        async def take() -> NodeStatus:
+            return node.status()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(take(), loop).result(timeout=timeout_s)
+        except FutureTimeout:
+            raise PeerError(f"rank {self.rank}: its event loop did not answer a status request "
+                            f"within {timeout_s:g} s") from None
 
     @property
     def view(self) -> View:

@@ -137,7 +137,7 @@ def worker_main(a: argparse.Namespace) -> int:
     try:
         for rec in run_steps(ar, 1 << 40, a.size, before_step=before_step):
             node = ar.node
-            status = None if node is None else node.membership.status()
+            status = None if node is None else ar.status().membership
             emit({"step": rec.step, "t0": began[0], "t1": time.time(), "duration_s": rec.duration_s,
                   "exact": rec.exact, "ranks": rec.ranks, "error": rec.error, "epoch": rec.epoch,
                   "deadline_s": None if status is None else status.node_deadline_s,
@@ -149,7 +149,7 @@ def worker_main(a: argparse.Namespace) -> int:
         node = ar.node
         evictions = [] if node is None else [
             {"rank": e.rank, "reason": e.reason, "detected_after_s": e.detected_after_s}
-            for e in node.membership.status().evictions]
+            for e in ar.status().membership.evictions]
         emit({"final": True, "evictions": evictions, "left_group": ar.left_group})
         ar.close()
     return 0

@@ -40,7 +40,7 @@ def steps(handles: list[FTTreeAllreduce], first: int, count: int, size: int = 40
 
 def link(h: FTTreeAllreduce, peer: int) -> dict[str, int]:
     assert h.transport is not None
-    s = h.transport.status().link(peer)
+    s = h.status().transport.link(peer)
     return {"connects": s.connects, "adopted": s.adopted, "errors": s.errors}
 
 

@@ -65,7 +65,7 @@ def test_garbage_on_the_wire_is_named_and_the_node_keeps_serving(make, needle: s
         assert node is not None
         addr = handles[0].peers[0]
         _send_and_wait_closed(addr.host, addr.port, make())
-        status = node.status().transport
+        status = handles[0].status().transport
         assert status.refusals == 1
         assert status.frame_errors == 0
         assert needle in status.last_frame_error
@@ -84,8 +84,8 @@ def test_unknown_kind_after_a_valid_handshake_is_refused() -> None:
             assert handshake(sock, 1, channel=BULK)
             sock.sendall(_raw({"k": 77, "f": 1}))
             assert closed_by_peer(sock)
-        assert node.status().transport.frame_errors == 1
-        last = node.status().transport.last_frame_error
+        assert handles[0].status().transport.frame_errors == 1
+        last = handles[0].status().transport.last_frame_error
         assert "unknown message kind 77" in last
         assert "rank 1" in last
 

@@ -50,7 +50,7 @@ def test_a_joiner_process_silent_after_its_admission_is_evicted_and_steps_go_on(
                 durations[step] = time.monotonic() - began
                 deadline = max([deadline] + [h.node.membership.node_deadline_s for h in handles if h.node is not None])
                 time.sleep(0.01)  # a step of compute: the joiner's process starts meanwhile
-                if joined_at is None and any(h.node is not None and h.node.membership.status().evicted_total
+                if joined_at is None and any(h.node is not None and h.status().membership.evicted_total
                                              for h in handles):
                     joined_at = step  # admitted, silent, evicted: some more steps without it
                 if joined_at is not None:
@@ -59,7 +59,7 @@ def test_a_joiner_process_silent_after_its_admission_is_evicted_and_steps_go_on(
             for h in handles:
                 assert h.view.members == (0, 1, 2)
                 assert h.node is not None
-                (eviction,) = h.node.membership.status().evictions
+                (eviction,) = h.status().membership.evictions
                 assert eviction.rank == 3
                 assert "suspected by" in eviction.reason
             assert joiner.poll() is None  # stopped, not dead: its connections stayed open

@@ -51,7 +51,7 @@ def secured_settings(secured: str, tmp_path: Path) -> dict[str, object]:
 def links(h: FTTreeAllreduce) -> dict[int, tuple[int, int]]:
     """peer -> (connections dialled to it, connections it dialled that carry our frames)."""
     assert h.transport is not None
-    return {s.peer: (s.connects, s.adopted) for s in h.transport.status().links}
+    return {s.peer: (s.connects, s.adopted) for s in h.status().transport.links}
 
 
 def unlisted(*ranks: int) -> object:
@@ -106,7 +106,7 @@ def test_a_rank_nobody_can_dial_trains_with_the_others_on_the_connections_it_ope
             assert adopted >= 2, f"rank {h.rank} sent to rank 3 on {adopted} of its connections"  # control + bulk
         to_public = links(handles[3])
         assert all(to_public[p][0] >= 2 and to_public[p][1] == 0 for p in range(3)), to_public
-        assert all(h.transport is not None and h.transport.status().refusals == 0 for h in handles)
+        assert all(h.status().transport.refusals == 0 for h in handles)
 
 
 def test_a_lost_connection_of_a_rank_nobody_can_dial_comes_back_from_its_side() -> None:
@@ -146,7 +146,7 @@ def test_a_rank_nobody_can_dial_that_dies_is_evicted_without_waiting_for_a_steps
         while not all(h.view.members is not None and 3 not in h.view.members for h in survivors):
             assert time.monotonic() < deadline, f"rank 3 not evicted within 30 s: {[h.view for h in survivors]}"
             time.sleep(0.05)
-        evicted = [e for h in survivors if h.node is not None for e in h.node.status().membership.evictions
+        evicted = [e for h in survivors if h.node is not None for e in h.status().membership.evictions
                    if e.rank == 3]
         assert len(evicted) == 3, evicted
         assert all(len(e.suspected_by) >= 2 for e in evicted), evicted
@@ -182,7 +182,7 @@ def test_two_ranks_nobody_can_dial_exchange_their_frames_through_a_relay(secured
     # (no hole punch: on loopback one would not connect, but the pair must stay on the relay here)
     with cluster(4, listed=unlisted(2, 3), hole_punch=False, **settings) as handles:
         exact_steps(handles, 4)
-        status = [h.transport.status() for h in handles if h.transport is not None]
+        status = [h.status().transport for h in handles if h.transport is not None]
         via = {st.rank: st.link(5 - st.rank).relay for st in status[2:]}
         assert via[2] == via[3] in (0, 1), via  # one relay for both directions, a rank both can reach
         assert all(st.link(p).relay == -1 for st in status for p in range(4) if {st.rank, p} != {2, 3})
@@ -249,7 +249,7 @@ def test_an_outsider_claiming_the_rank_nobody_can_dial_is_not_sent_its_frames(tm
                 assert closed_by_peer(sock)
         assert links(handles[0])[2] == before
         assert handles[0].transport is not None
-        assert handles[0].transport.status().refusals >= 2
+        assert handles[0].status().transport.refusals >= 2
         exact_steps(handles, 2)
         assert links(handles[0])[2] == before
 
@@ -313,7 +313,7 @@ def test_when_the_relay_dies_its_pair_goes_through_another_and_only_the_dead_ran
                  hole_punch=False) as handles:  # (the pair stays on its relays)
         exact_steps(handles, 2)
         assert handles[3].transport is not None
-        relay = handles[3].transport.status().link(4).relay
+        relay = handles[3].status().transport.link(4).relay
         assert relay in (0, 1, 2)
         handles[relay].crash("test: the relay dies")
         survivors = [h for h in handles if h.rank != relay]
@@ -336,7 +336,7 @@ def test_when_the_relay_dies_its_pair_goes_through_another_and_only_the_dead_ran
         for h in survivors:
             assert h.view.members is not None
             assert sorted(h.view.members) == list(ranks), (h.rank, h.view)
-        after = handles[3].transport.status().link(4).relay
+        after = handles[3].status().transport.link(4).relay
         assert after in (0, 1, 2)
         assert after != relay
 
@@ -352,8 +352,8 @@ def test_an_envelope_from_an_outsider_is_refused_before_anything_is_relayed(tmp_
                  step_timeout_s=20, hole_punch=False) as handles:  # (the pair stays on the relay)
         exact_steps(handles, 2)
         assert handles[2].transport is not None
-        relay = handles[2].transport.status().link(3).relay
-        status = handles[relay].transport.status()  # type: ignore[union-attr]
+        relay = handles[2].status().transport.link(3).relay
+        status = handles[relay].status().transport  # type: ignore[union-attr]
         forwarded, refusals = status.relayed_forwarded_bytes, status.refusals
         addr = handles[relay].peers[relay]
         forged = Message(kind=Kind.DATA_REDUCE, src=2, step=5, origin=2, target=3, dtype="<f4", numel=4,
@@ -373,9 +373,9 @@ def test_an_envelope_from_an_outsider_is_refused_before_anything_is_relayed(tmp_
             sock.sendall(hs.encode(hs.Proof(src=2, mac=hs.dial_mac(b"x" * 32, hello, challenge.nonce))) + envelope)
             assert closed_by_peer(sock)
         exact_steps(handles, 2)
-        after = handles[relay].transport.status()  # type: ignore[union-attr]
+        after = handles[relay].status().transport  # type: ignore[union-attr]
         assert after.refusals >= refusals + 2
-        received = handles[3].transport.status().relayed_received_bytes  # type: ignore[union-attr]
+        received = handles[3].status().transport.relayed_received_bytes  # type: ignore[union-attr]
         assert received > 0  # (the pair's own frames still pass)
         assert after.relayed_forwarded_bytes > forwarded  # the pair's frames of the steps since
         assert all(h.last is not None and h.last.contributors == (0, 1, 2, 3) for h in handles)

@@ -48,7 +48,7 @@ def exact_steps(handles: list[FTTreeAllreduce], steps: int) -> None:
 
 def status(h: FTTreeAllreduce) -> TransportStatus:
     assert h.transport is not None
-    return h.transport.status()
+    return h.status().transport
 
 
 def tcp(h: FTTreeAllreduce) -> TcpTransport:

@@ -65,7 +65,7 @@ def test_a_tls_job_sums_exactly_and_names_its_job_by_its_ca(tmp_path: Path) -> N
     with cluster(3, tls_dir=str(tmp_path / "tls"), timeout_s=0.3, step_timeout_s=20) as handles:
         exact_steps(handles, 10, size=50_000)
         assert {h.credentials.job for h in handles} == {Tls.from_dir(tmp_path / "tls", 0).ca_fingerprint[:16]}
-        assert all(h.transport is not None and h.transport.status().refusals == 0 for h in handles)
+        assert all(h.status().transport.refusals == 0 for h in handles)
     key = write_key(tmp_path / "job.key")  # a key and TLS together: the key names the job
     with cluster(3, tls_dir=str(tmp_path / "tls"), auth_key_file=str(key), timeout_s=0.3, step_timeout_s=20) as handles:
         exact_steps(handles, 3, size=50_000)
@@ -95,10 +95,10 @@ def test_outsiders_and_a_member_claiming_another_rank_are_refused(tmp_path: Path
         # the lie about the rank, and three failed TLS handshakes (counted as their
         # connections are let go, which a collection of cycles may be needed for)
         deadline = time.monotonic() + 30
-        while transport.status().refusals < 4 and time.monotonic() < deadline:
+        while handles[0].status().transport.refusals < 4 and time.monotonic() < deadline:
             gc.collect()
             exact_steps(handles, 1, size=50_000)
-        assert transport.status().refusals >= 4, transport.status().refusals
+        assert handles[0].status().transport.refusals >= 4, handles[0].status().transport.refusals
 
 
 def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_a_flood_of_idle_tls_connections_costs_bounded_memory(tmp_path: Path) ->
         assert prober.returncode == 0, err
         transport = handles[0].transport
         assert transport is not None
-        assert transport.status().refusals > 0  # the stalled handshakes, at their deadline
+        assert handles[0].status().transport.refusals > 0  # the stalled handshakes, at their deadline
         assert peak - before < 50, (before, peak)
         exact_steps(handles, 3)
 

@@ -61,11 +61,11 @@ def test_an_outsider_without_the_key_changes_nothing(tmp_path: Path) -> None:
         assert sum(report["tried"].values()) > 300, report
         for h in handles:
             assert h.node is not None
-            member = h.node.membership.status()
+            member = h.status().membership
             assert member.evicted_total == 0
             assert member.suspicions_total == 0
             assert h.view.members == (0, 1, 2)
-            assert h.node.status().transport.refusals > 0
+            assert h.status().transport.refusals > 0
         assert after - before < 50, (before, after)
 
 
@@ -77,7 +77,7 @@ def test_a_worker_of_another_job_is_named_and_refused(tmp_path: Path) -> None:
         with connect(addr.host, addr.port, source="127.0.0.2") as sock:
             handshake(sock, 1, key=stranger.key)
             assert closed_by_peer(sock)
-        status = handles[0].node.status().transport if handles[0].node else None
+        status = handles[0].status().transport if handles[0].node else None
         assert status is not None
         assert f"a worker of job {stranger.job} connected; this is job {handles[0].credentials.job}" \
             in status.last_frame_error
@@ -89,7 +89,7 @@ def test_a_worker_of_another_job_is_named_and_refused(tmp_path: Path) -> None:
             sock.sendall(hs.encode(hello))
             sock.sendall(hs.encode(hs.Proof(src=1, mac=b"\0" * hs.MAC_BYTES)))
             assert closed_by_peer(sock)
-        assert "did not prove the job's key" in handles[0].node.status().transport.last_frame_error  # type: ignore[union-attr]
+        assert "did not prove the job's key" in handles[0].status().transport.last_frame_error  # type: ignore[union-attr]
 
 
 def test_a_worker_with_a_wrong_key_cannot_start_and_says_why(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_membership_frames_from_a_rank_outside_the_view_change_nothing() -> None
         for h in handles:
             assert h.node is not None
             assert h.view.members == (0, 1, 2)
-            assert h.node.membership.status().evicted_total == 0
+            assert h.status().membership.evicted_total == 0
             assert h.node.foreign_frames >= len(forged), (h.rank, h.node.foreign_frames)
         assert addr.port > 0
 
@@ -172,8 +172,6 @@ def test_a_flood_of_made_up_chunks_from_a_member_makes_bounded_state() -> None:
     from .rawpeer import message_frame
 
     with cluster(3, timeout_s=0.3, step_timeout_s=20, max_live_ops=500, max_payload_bytes=8 << 20) as handles:
-        node = handles[0].node
-        assert node is not None
         addr = handles[0].peers[0]
         before = rss_mb()
         with connect(addr.host, addr.port, source="127.0.0.2") as sock:
@@ -187,8 +185,8 @@ def test_a_flood_of_made_up_chunks_from_a_member_makes_bounded_state() -> None:
             sock.sendall(PREFIX.pack(b"FT", VERSION, 16, 300 << 20) + bytes(16))
             sock.settimeout(60)  # a deadline: the worker reads the 23,000 frames before the bad prefix
             assert closed_by_peer(sock)
-        assert "exceeds the limit" in node.status().transport.last_frame_error
-        assert node.footprint()["ops"] <= 500
+        assert "exceeds the limit" in handles[0].status().transport.last_frame_error
+        assert handles[0].status().machine.footprint["ops"] <= 500
         for _step in range(3):
             futures = [h.allreduce_async(np.full(8, float(h.rank))) for h in handles]
             for fut in futures:

@@ -101,9 +101,7 @@ async def _call(fn: Any) -> Any:
 def _membership(ar: Any) -> dict[str, Any]:
     """What this rank's membership layer knows of each eviction, and how many neighbours it
     suspected (read on the node's loop)."""
-    import asyncio
-
-    status = asyncio.run_coroutine_threadsafe(_call(ar.node.membership.status), ar._loop).result(timeout=10)
+    status = ar.status().membership
     return {"evictions": [{"rank": e.rank, "epoch": e.epoch, "reason": e.reason,
                            "detected_after_s": e.detected_after_s, "suspected_by": list(e.suspected_by)}
                           for e in status.evictions],
