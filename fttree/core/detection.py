@@ -81,6 +81,7 @@ class Detector:
         self.ping_rtt: tuple[float, float] | None = None  # (SRTT, RTTVAR) of answered pings
         self.retransmit_s = 0.0  # the longest retransmission timeout to a neighbour (Uplink events)
         self.check_armed = False
+        self.check_due = float("inf")  # when the armed check is due (self_check.py: a freeze makes it late)
         self.computing_of: dict[int, tuple[int, float]] = {}  # member -> (oldest step it has not submitted, when said)
         self.computing_said = -1e9  # when this rank last said COMPUTING
         self.suspicions_total = 0
@@ -148,14 +149,24 @@ class Detector:
 
     def arm_check(self, now: float, out: list[MemberAction]) -> None:
         self.check_armed = True
-        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CHECK, -1, 0), at=now + self.node_deadline_s / 4))
+        self.check_due = now + self.node_deadline_s / 4
+        out.append(SetTimer(key=TimerKey(TimerKind.MEMBER_CHECK, -1, 0), at=self.check_due))
+
+    def late_by(self, now: float) -> float:
+        """How far past its due time the armed check timer is, beyond half a node deadline: more
+        than 0 means this process did not run for that long with a step in flight."""
+        return now - self.check_due - self.node_deadline_s / 2
 
     def check(self, now: float, out: list[MemberAction]) -> None:
         """While a step is in flight: ping neighbours silent for half the node deadline, suspect
-        those silent for all of it."""
+        those silent for all of it. Idle, only come again: a freeze shows as this timer coming
+        late (self_check.py), and a rank frozen between steps finds its children's sums of the
+        next step waiting when it resumes."""
         self.check_armed = False
+        self.check_due = float("inf")
         busy_since = self.busy_since
         if busy_since is None:
+            self.arm_check(now, out)
             return
         deadline = self.node_deadline_s
         term = self.m.term
@@ -222,7 +233,9 @@ class Detector:
         its caller is still computing: it tells every member (they cannot all ping it), at
         most every half node deadline."""
         m = self.m
-        out.append(Send(dst=msg.src, msg=Detection(kind=Kind.PONG, src=m.rank, epoch=m.view.epoch)))
+        # a self-check's ping (target >= 0) hears back its number, and whether a change is under way here
+        out.append(Send(dst=msg.src, msg=Detection(kind=Kind.PONG, src=m.rank, epoch=m.view.epoch, target=msg.target,
+                                                   gone=msg.target >= 0 and m.state is MemberState.CHANGING)))
         if self.submitted >= msg.step or now - self.computing_said < self.node_deadline_s / 2 \
                 or m.state is not MemberState.ACTIVE or m.rank not in m.view:
             return
@@ -277,6 +290,8 @@ class Detector:
                 self.computing_of[msg.src] = (msg.step, now)
             case Kind.PONG:
                 self.pong(msg.src, now)  # `heard` counted it as life
+                if msg.target >= 0:
+                    self.m.self_check.answered(msg, now, out)
             case Kind.SUSPECT if msg.epoch == view.epoch and msg.target in view:
                 self.report(msg.src, msg.target, msg.gone, now, out)
                 if msg.gone and msg.target in self.neighbours() and msg.target not in s.mine:

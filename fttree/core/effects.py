@@ -30,6 +30,7 @@ class TimerKind(Enum):
     MEMBER_CONFIRM = "member_confirm"  # membership: a suspicion may have stood long enough
     MEMBER_ROUND = "member_round"  # membership: the coordinator's round deadline
     MEMBER_STALL = "member_stall"  # membership: fenced and no decision yet
+    MEMBER_DOUBT = "member_doubt"  # membership: after a freeze, ask the neighbours again (self_check.py)
 
 
 @dataclass(frozen=True, slots=True)

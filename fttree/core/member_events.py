@@ -143,6 +143,25 @@ class Suspected:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Doubted:
+    """This process did not run for `frozen_s` with a step in flight: it may have been left out
+    meanwhile, so its results wait until one of `asked` confirms it is still a member
+    (self_check.py)."""
+
+    frozen_s: float
+    asked: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Confirmed:
+    """A neighbour (`by`) confirmed this rank is still a member after a freeze of `frozen_s`, or
+    (`by` -1) it has no neighbour, or a view change kept it: the results kept back go out."""
+
+    frozen_s: float
+    by: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NotCoordinator:
     """A VIEW_COMMIT of this view from a member that is not the coordinator its ballot names:
     dropped, changing nothing (for the driver to count with the other foreign frames)."""
@@ -150,7 +169,8 @@ class NotCoordinator:
     msg: Agreement
 
 
-MemberAction = Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold | Suspected | NotCoordinator
+MemberAction = (Send | SetTimer | CancelTimer | Fence | Installed | Stopped | Hold | Suspected | NotCoordinator
+                | Doubted | Confirmed)
 
 
 # ---- the value agreed on -----------------------------------------------------------------------
@@ -220,3 +240,5 @@ class MemberStatus:
     node_deadline_s: float
     suspicions_total: int = 0  # neighbours this rank has suspected (each once per suspicion)
     no_change: str = ""  # why the last look for a view change started none ("": it started one, or none looked yet)
+    self_checks: int = 0  # freezes this rank noticed with a step in flight, each checked with its neighbours
+    self_check_stops: int = 0  # of those, the checks no neighbour confirmed: this rank stopped

@@ -37,7 +37,9 @@ from .member_events import (
     Boundary,
     Busy,
     CatchUp,
+    Confirmed,
     ControlReceived,
+    Doubted,
     Eviction,
     Fence,
     Fenced,
@@ -59,13 +61,15 @@ from .member_events import (
     unflatten_plan,
 )
 from .messages import Agreement, Detection, Frame, Join, Notice
+from .self_check import SelfCheck
 from .term import Term
 from .view import View
 
 __all__ = [
     "CLOCK_SLACK_S", "COMPUTING_FRESH", "JOIN_PASS_ON_S", "MAX_NODE_DEADLINE_S", "MAX_STALLS", "MAX_WAITING_JOINS",
     "PACE_FACTOR", "RELAYED_KINDS", "RETRANSMIT_TRIES", "SLOTS",
-    "Boundary", "Busy", "CatchUp", "ControlReceived", "Eviction", "Fence", "Fenced", "Hold", "Installed",
+    "Boundary", "Busy", "CatchUp", "Confirmed", "ControlReceived", "Doubted", "Eviction", "Fence", "Fenced", "Hold",
+    "Installed",
     "MemberAction", "MemberEvent", "MemberFrame", "MemberState", "MemberStatus", "MemberTimer", "Membership",
     "NotCoordinator", "PeerDown", "Stopped", "Suspected", "Uplink", "ViewValue",
     "confirmed_dead", "coordinator", "flatten_plan", "unflatten_plan",
@@ -87,6 +91,7 @@ class Membership:
         self.detection = Detector(self)
         self.change = ViewChange(self)
         self.joins = JoinsAndPace(self)
+        self.self_check = SelfCheck(self)
 
     # ---- readings --------------------------------------------------------------------------------
 
@@ -145,7 +150,8 @@ class Membership:
                                       if r},
                             evictions=tuple(d.evictions), evicted_total=d.evicted_total,
                             node_deadline_s=d.node_deadline_s, suspicions_total=d.suspicions_total,
-                            no_change=self.change.no_change)
+                            no_change=self.change.no_change, self_checks=self.self_check.checks_total,
+                            self_check_stops=self.self_check.stops_total)
 
     # ---- events ----------------------------------------------------------------------------------
 
@@ -160,6 +166,23 @@ class Membership:
     def stale_sender(self, msg: Frame) -> list[MemberAction]:
         """A frame of an older view: tell its sender the decision it missed (agreement.py)."""
         return self.change.stale_sender(msg)
+
+    @property
+    def doubting(self) -> bool:
+        """After a freeze: not sure yet that this rank is still a member (self_check.py)."""
+        return self.self_check.doubting
+
+    def froze(self, frozen_s: float, now: float) -> list[MemberAction]:
+        """This process did not run for `frozen_s` with a step in flight (self_check.py)."""
+        out: list[MemberAction] = []
+        self.self_check.begin(frozen_s, now, out)
+        return out
+
+    def kept_by_view(self) -> list[MemberAction]:
+        """A view change that kept this rank was installed while it doubted (self_check.py)."""
+        out: list[MemberAction] = []
+        self.self_check.kept(out)
+        return out
 
     def handle(self, event: MemberEvent, now: float) -> list[MemberAction]:
         out: list[MemberAction] = []
@@ -207,6 +230,8 @@ class Membership:
                 self.change.round_deadline(now, out)
             case TimerKind.MEMBER_STALL:
                 self.change.stalled(now, out)
+            case TimerKind.MEMBER_DOUBT:
+                self.self_check.timer(now, out)
 
     # ---- what the parts share --------------------------------------------------------------------
 

@@ -271,8 +271,10 @@ class Detection(Frame):
         (Kind.PING, Kind.PONG, Kind.SUSPECT, Kind.ALIVE, Kind.COMPUTING), Sender.MEMBER)
     WIRE = (("t", "target", "target", _INT), ("gn", "gone", "gone", _BOOL), ("s", "step", "step", _INT))
 
-    target: int = -1  # SUSPECT, ALIVE: the rank reported
-    gone: bool = False  # SUSPECT: silent or gone to the sender (False: heard again)
+    # SUSPECT, ALIVE: the rank reported; PING: a self-check's number (-1: none), which its PONG echoes
+    target: int = -1
+    # SUSPECT: silent or gone to the sender (False: heard again); PONG: the answerer is in a view change
+    gone: bool = False
     step: int = -1  # PING: the newest step the sender waits on; COMPUTING: the oldest one not submitted here
 
 

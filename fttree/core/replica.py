@@ -46,12 +46,13 @@ from typing import NamedTuple
 
 from .admission import Admission, Answer, Answered, Joined, LearnAddress, Query, Reply
 from .config import Config
-from .effects import Action, Cause, LinkState, Note, Send
+from .effects import Action, Cause, Complete, LinkState, Note, Send
 from .effects import Foreign as Foreign  # (re-exported: the driver takes it from here with the others)
 from .farewell import Farewell
 from .lifecycle import Life, Lifecycle, Phase
 from .membership import (
     Boundary,
+    Confirmed,
     ControlReceived,
     Fence,
     Fenced,
@@ -252,6 +253,7 @@ class Replica:
         self._recent_bytes = 0
         self.early_dropped = 0  # data frames dropped for want of room (counted; the first is noted)
         self.early_dropped_bytes = 0
+        self._unconfirmed: list[Complete] = []  # results kept back after a freeze (self_check.py)
 
     # ---- what the driver may read (it changes nothing but through `step`) ----------------------
 
@@ -323,14 +325,24 @@ class Replica:
     def step(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
         """Take `event` at time `now`; what comes back is for the driver to carry out, in order."""
         kind = type(event)
+        membership = self._membership
+        if membership.detection.late_by(now) > 0 and not membership.doubting:
+            return self._froze(event, now)
         if kind in _TREE_EVENTS:  # hundreds a step: straight to the tree
             if kind is Submit:
                 self._submitted(event)  # type: ignore[arg-type]
-            return self._machine.handle(event, now)  # type: ignore[arg-type, return-value]
+            actions = self._machine.handle(event, now)  # type: ignore[arg-type]
+            return self._keep_back(actions) if membership.doubting else actions  # type: ignore[return-value]
         out: list[ReplicaAction] = []
         if kind is Arrived:  # one per frame
             self._arrived(event.msg, event.link, now, out)  # type: ignore[union-attr]
-            return out
+        else:
+            self._other(event, now, out)
+        return out
+
+    def _other(self, event: ReplicaEvent, now: float, out: list[ReplicaAction]) -> None:
+        """Everything but a step's events and its frames (a few a step)."""
+        kind = type(event)
         match event:
             case Heard(peer=peer):
                 if self._life.running:
@@ -340,7 +352,8 @@ class Replica:
                 self._boundary(event, now, out)
             case LinkLost(peer=peer, reason=reason, refused=refused):
                 if self._life.running and peer not in self._membership.done:  # not starting, nor finished
-                    out.extend(self._machine.handle(LinkDown(peer=peer, reason=reason), now))
+                    actions = self._machine.handle(LinkDown(peer=peer, reason=reason), now)
+                    out.extend(self._keep_back(actions) if self._membership.doubting else actions)
                     if refused:
                         self._member(PeerDown(peer=peer, reason=reason), now, out)
             case Finish(step=step):
@@ -355,7 +368,26 @@ class Replica:
                 self._life.on(_LIFE_EVENTS[kind])
             case _:
                 self._member(event, now, out)  # type: ignore[arg-type]
+
+    def _froze(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
+        """The check timer is late: this process did not run with a step in flight, and may have
+        been left out meanwhile. Its results wait until a neighbour confirms (self_check.py);
+        then `event` is taken as any other."""
+        detection = self._membership.detection
+        frozen_s = now - detection.check_due
+        detection.check_due = float("inf")  # noticed once; the timer's firing re-arms it
+        out: list[ReplicaAction] = []
+        self._carry(self._membership.froze(frozen_s, now), now, out)
+        out.extend(self.step(event, now))
         return out
+
+    def _keep_back(self, actions: list[Action]) -> list[Action]:
+        """While this rank doubts it is a member, its results wait (a failure goes out: it hands
+        the caller no sum)."""
+        if not any(type(a) is Complete for a in actions):
+            return actions
+        self._unconfirmed.extend(a for a in actions if isinstance(a, Complete))
+        return [a for a in actions if type(a) is not Complete]
 
     def alive(self, now: float) -> frozenset[int]:
         """Peers whose tensor data arrived within the node deadline (a frame or part of one):
@@ -400,7 +432,8 @@ class Replica:
                 and (msg.epoch > epoch or (msg.kind is Kind.DATA_REDUCE and msg.step > self.newest_submitted))
                 and not self._room_early(msg, out, later_view=msg.epoch > epoch)):
             return
-        out.extend(self._machine.handle(Received(msg=msg, link=link), now))
+        actions = self._machine.handle(Received(msg=msg, link=link), now)
+        out.extend(self._keep_back(actions) if self._membership.doubting else actions)
 
     def _view_frame(self, msg: MemberFrame, running: bool, now: float, out: list[ReplicaAction]) -> None:
         if isinstance(msg, Notice) and msg.kind is Kind.DONE_ACK:
@@ -430,6 +463,10 @@ class Replica:
     def _carry(self, actions: list[MemberAction], now: float, out: list[ReplicaAction]) -> None:
         for action in actions:
             match action:
+                case Confirmed():
+                    out.append(action)
+                    out.extend(self._unconfirmed)
+                    self._unconfirmed.clear()
                 case Fence():
                     self._machine.fence()
                     self._member(Fenced(held=tuple(sorted(set(self._completed)))), now, out)
@@ -441,8 +478,14 @@ class Replica:
                     out.append(Admit(installed=action))
                 case Installed():
                     self._apply_view(action, now, out)
+                    if self._membership.doubting:
+                        # kept by the change (self_check.py): of the results kept back, those of
+                        # committed steps go out; the others' steps were voided and run again
+                        self._unconfirmed = [c for c in self._unconfirmed if c.step in action.committed]
+                        self._carry(self._membership.kept_by_view(), now, out)
                 case Stopped():  # left out or a minority: the tree produces no more results
                     self._machine.fence()
+                    self._unconfirmed.clear()  # the driver fails their steps as it fails all others
                     out.append(action)
                 case NotCoordinator(msg=msg):  # counted as any frame its sender may not send
                     out.append(Foreign(msg=msg, rule=Sender.COORDINATOR))

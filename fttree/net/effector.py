@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ..core.admission import Handshake
 from ..core.effects import CancelTimer, Complete, Fail, Note, Send, SetTimer, Void
-from ..core.member_events import Busy, Hold, Installed, Stopped, Suspected
+from ..core.member_events import Busy, Confirmed, Doubted, Hold, Installed, Stopped, Suspected
 from ..core.messages import Frame, Kind, Message, State
 from ..core.replica import (
     Admit,
@@ -139,6 +139,12 @@ class Effector:
                 self._stopped(reason)
             case Suspected(peer=peer, reason=reason):
                 log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
+            case Doubted(frozen_s=frozen_s, asked=asked):
+                log.warning("rank %d: did not run for %.2f s with a step in flight; its results wait until one of "
+                            "%s confirms it is still a member", self.rank, frozen_s, list(asked))
+            case Confirmed(frozen_s=frozen_s, by=by):
+                log.warning("rank %d: rank %d confirmed it is still a member after %.2f s without running; its "
+                            "results go out", self.rank, by, frozen_s)
             case Handshake():
                 self.asker.carry(action)
             case Redeliver(frames=frames):  # frames that came before this rank took part

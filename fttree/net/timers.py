@@ -10,7 +10,7 @@ from ..core.effects import TimerKey, TimerKind
 from .scheduler import Handle, Scheduler
 
 MEMBER_TIMERS = frozenset({TimerKind.MEMBER_CHECK, TimerKind.MEMBER_CONFIRM, TimerKind.MEMBER_ROUND,
-                           TimerKind.MEMBER_STALL})
+                           TimerKind.MEMBER_STALL, TimerKind.MEMBER_DOUBT})
 WATCH_TIMERS = frozenset({TimerKind.REDUCE_WATCH, TimerKind.BCAST_WATCH})  # a peer may still need us
 
 
