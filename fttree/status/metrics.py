@@ -129,6 +129,12 @@ def render(snap: Snapshot) -> str:
              [({}, snap.evicted_total)])
     w.family("fttree_suspicions_total", "counter", "Neighbours this worker suspected dead (refuted or not).",
              [({}, snap.suspicions_total)])
+    w.family("fttree_self_checks_total", "counter",
+             "Times this worker found it had not run for half a node deadline and asked its neighbours "
+             "whether it is still a member before handing out results.", [({}, snap.self_checks)])
+    w.family("fttree_self_check_stops_total", "counter",
+             "Of those, the checks no neighbour confirmed within two node deadlines: the worker stopped.",
+             [({}, snap.self_check_stops)])
     w.family("fttree_suspects", "gauge", "Workers suspected dead right now (not yet confirmed).",
              [({}, len(snap.suspects))])
     if snap.evictions:

@@ -161,6 +161,8 @@ class Snapshot:
     evictions: tuple[EvictionView, ...]  # newest last
     evicted_total: int
     suspicions_total: int  # neighbours this worker suspected (a healthy group has none)
+    self_checks: int  # freezes this worker noticed and checked with its neighbours (core/self_check.py)
+    self_check_stops: int  # of those, the checks nobody confirmed: it stopped
     no_change: str  # why the last look for a view change started none (membership's decision)
     node_deadline_s: float
     reruns: int
@@ -219,7 +221,8 @@ class Snapshot:
             "membership": {"state": self.member_state, "stopped": self.stopped,
                            "suspects": {str(r): list(by) for r, by in self.suspects.items()},
                            "evictions": [asdict(e) for e in self.evictions], "evicted_total": self.evicted_total,
-                           "suspicions_total": self.suspicions_total, "no_change": self.no_change,
+                           "suspicions_total": self.suspicions_total, "self_checks": self.self_checks,
+                           "self_check_stops": self.self_check_stops, "no_change": self.no_change,
                            "node_deadline_s": round(self.node_deadline_s, 3), "reruns": self.reruns},
             "address": self.address,
             "uptime_s": round(self.at - self.started_at, 3),
@@ -497,6 +500,7 @@ class Monitor:
                                          detected_after_s=e.detected_after_s, suspected_by=e.suspected_by)
                               for e in member.evictions),
             evicted_total=member.evicted_total, suspicions_total=member.suspicions_total,
+            self_checks=member.self_checks, self_check_stops=member.self_check_stops,
             no_change=member.no_change, node_deadline_s=member.node_deadline_s, reruns=status.reruns,
             address=status.transport.address, started_at=self.started_at, at=self.clock(),
             parent=nb.parent, children=nb.children, brother=nb.brother, uncle=nb.uncle, nephews=nb.nephews,
