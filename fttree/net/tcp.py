@@ -15,7 +15,7 @@ control and bulk connections at the start and keeps them up whether or not it ha
 send; the dialled rank never dials back: once such a connection has proven the key
 (handshake.py), its own channel of that kind to the dialler writes on it (`_Channel.adopt`), with
 the same budget, stall detection and acknowledgement counters as a connection it dialled, and
-the dialler reads frames on it (`_Channel._receive`). A pair neither of which can dial the other
+the dialler reads frames on it (`_Channel._read`). A pair neither of which can dial the other
 exchanges its frames through a relay, a rank both can reach (relay.py); the hooks here are
 `send`, `deliver`, `link_state` and `wait_for_peers`, and a channel writes an envelope
 (relay.Relayed) as it would a frame. Such a pair may get connections of its own by a TCP hole
@@ -48,6 +48,7 @@ from ..errors import ConfigError, FrameError, PeerError
 from . import handshake as hs
 from .address import Address, is_ip, parse_address
 from .credentials import Credentials, rank_of
+from .frame_reader import DialledReader, FrameReader
 from .punch import Punches, is_note, read_seen, seen_frame
 from .relay import Relayed, Relays, is_envelope
 from .transport import LinkHealth, LinkState, LinkStatus, TransportEvents, TransportStatus
@@ -115,7 +116,6 @@ MIN_CHANNEL_BUDGET = 16 * 1024  # however many bulk links share the budget, each
 COUNTERS_FRESH_S = 1.0  # TCP_INFO this recent serves what changes slowly (retransmit_s)
 SAMPLE_S = 0.05  # how often a busy transport reads its connections' acknowledgements
 FLUSH_MAX_S = 60.0  # close() waits at most this long for unacknowledged bytes that still move
-PROGRESS_EVERY_S = 0.05  # how often bytes of a payload still arriving are reported as life
 HELLO_TIMEOUT_S = 10.0  # a connection must finish the handshake this soon (Config.handshake_timeout_s)
 LISTEN_BACKLOG = 1024  # connections the kernel holds until the listener accepts them (it accepts all at once)
 ACCEPT_BATCH = 256  # connections a TLS listener accepts in one turn of the event loop
@@ -207,7 +207,6 @@ class _Channel:
         self.unreachable = False  # the last dial failed: close() does not wait for what is queued here
         self.redial = False  # the peer closed the connection: dial once to learn whether it is gone
         self.retry_now = asyncio.Event()  # the peer is listening again: end the redial backoff now
-        self.eof_watch: asyncio.Task[None] | None = None  # reads the dialled connection (_receive)
         self.rtt_s = 0.0  # the smoothed round trip the kernel gave when the last connection was taken
         self.redial_due: asyncio.TimerHandle | None = None  # a passive peer's grace to dial again
         # acknowledgement progress of the current connection (uplink.py; Linux's SIOCOUTQ)
@@ -366,7 +365,7 @@ class _Channel:
         conn = _Conn(writer.transport, writer.drain)
         self._attach(conn)
         t.stats[self.peer].connects += 1
-        self.eof_watch = asyncio.get_running_loop().create_task(self._receive(reader, conn))
+        self._read(reader, writer, conn)
         return True
 
     def _tune(self, sock: Any) -> socket.socket | None:
@@ -464,45 +463,36 @@ class _Channel:
         conn = _Conn(writer.transport, writer.drain)
         self._attach(conn)
         t.stats[self.peer].connects += 1
-        self.eof_watch = asyncio.get_running_loop().create_task(self._receive(reader, conn))
+        self._read(reader, writer, conn)
         self.wake.set()
         return ""
 
-    async def _receive(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
-        """Frames the peer sends on our connection, until its end of file. A peer that can dial
-        us writes nothing here, so its end of file means its process closed the socket (or
-        died): noticed now, not at the next send. A peer that cannot dial us sends its frames
-        here; the connection proved the peer's key, as an accepted one does before any frame."""
+    def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+        """Read the frames the peer sends on our connection, from the end of the handshake on,
+        into exact-size buffers (frame_reader.py). A peer that can dial us writes nothing here,
+        so the connection's loss means its process closed the socket (or died): noticed now,
+        not at the next send. A peer that cannot dial us sends its frames here; the connection
+        proved the peer's key, as an accepted one does before any frame."""
         t, peer = self.t, self.peer
-        try:
-            while True:
-                head_len, payload_len = decode_prefix(await reader.readexactly(PREFIX.size),
-                                                      max_payload_bytes=t.max_payload_bytes)
-                head = await reader.readexactly(head_len)
-                payload = None
-                if payload_len:
-                    payload = t.pool.take(payload_len)
-                    got, told = 0, time.monotonic()
-                    while got < payload_len:
-                        chunk = await reader.read(payload_len - got)
-                        if not chunk:
-                            raise asyncio.IncompleteReadError(b"", payload_len - got)
-                        payload[got:got + len(chunk)] = chunk
-                        got += len(chunk)
-                        if got < payload_len and time.monotonic() - told >= PROGRESS_EVERY_S:
-                            told = time.monotonic()
-                            t.events.on_progress(peer)
-                t.deliver(peer, head, payload)
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        except FrameError as exc:
+
+        def frame_error(exc: FrameError) -> None:
             t._frame_error(f"rank {peer}", exc)
-            conn.transport.abort()
-        if self.writer is conn and not self.t.closed:
-            self._drop_connection(f"rank {self.peer} closed the connection")
-            self.t.events.on_link_down(self.peer, "closed by the peer")
-            self.redial = True
-            self.wake.set()
+
+        def lost(_exc: Exception | None) -> None:
+            if self.writer is conn and not t.closed:
+                self._drop_connection(f"rank {peer} closed the connection")
+                t.events.on_link_down(peer, "closed by the peer")
+                self.redial = True
+                self.wake.set()
+
+        frames = DialledReader(t.pool, t.max_payload_bytes, stream=writer.transport.get_protocol(),
+                               deliver=lambda head, payload: t.deliver(peer, head, payload),
+                               progress=lambda: t.events.on_progress(peer), frame_error=frame_error, lost=lost)
+        # what the stream read beyond the handshake (normally nothing: the peer speaks once proven)
+        buffered: bytearray = vars(reader)["_buffer"]
+        leftover = bytes(buffered)
+        buffered.clear()
+        frames.take_over(writer.transport, leftover)
 
     def _drop_connection(self, why: str) -> None:
         stats = self.t.stats[self.peer]
@@ -1292,10 +1282,6 @@ class TcpTransport:
         for inbound in list(self._inbound):
             inbound.abort()
         tasks: list[asyncio.Task[None]] = [ch.task for ch in channels]
-        for ch in channels:
-            if ch.eof_watch is not None:
-                ch.eof_watch.cancel()
-                tasks.append(ch.eof_watch)
         if self._sampler is not None:
             self._sampler.cancel()
             tasks.append(self._sampler)
@@ -1677,30 +1663,21 @@ def _cert_rank(rank: int | None) -> str:
     return "no rank" if rank is None else f"rank {rank}"
 
 
-class _Inbound(asyncio.BufferedProtocol):
-    """Reads frames from one accepted connection. Payloads are read by the kernel straight
-    into a buffer of their exact size (no stream-buffer copies); prefixes and headers go
-    through a small scratch buffer, several per read when frames are small."""
-
-    SCRATCH_BYTES = 256 * 1024  # > prefix + the largest header, so a header always fits
+class _Inbound(FrameReader):
+    """Reads frames from one accepted connection (frame_reader.py): its handshake first, then
+    a proven rank's frames."""
 
     def __init__(self, owner: TcpTransport) -> None:
+        super().__init__(owner.pool, owner.max_payload_bytes)
         self.t = owner
-        self.scratch = bytearray()  # SCRATCH_BYTES once the connection is let into its handshake
-        self.start = self.end = 0  # unread bytes are scratch[start:end]
-        self.payload: bytearray | memoryview | None = None  # the payload being read, if any
-        self.payload_got = 0
-        self.head = b""
         self.src = -1  # rank, once it proved the job's key
         self.hello: hs.Hello | None = None  # its opening, once checked
         self.nonce = b""  # ours, in the challenge
-        self.transport: asyncio.Transport | None = None
         self.peer: tuple[str, int] = ("?", 0)
         self.hello_timer: asyncio.TimerHandle | None = None
         self.host = ""  # the source address (_host_key)
         self.member = False  # an address a rank of the job listens on
         self.accepted_at = 0.0
-        self.progress_at = 0.0  # when the node was last told that bytes of a payload arrived
         self.heard_at = 0.0  # when bytes last arrived (an unknown rank's connection is closed when idle)
         self.idle_timer: asyncio.TimerHandle | None = None
         self.unknown_held = 0  # bytes of the payload being read counted in t.unknown_unfinished
@@ -1740,7 +1717,7 @@ class _Inbound(asyncio.BufferedProtocol):
             self.transport.abort()
             return
         self.accepted_at = time.monotonic()
-        self.scratch = bytearray(self.SCRATCH_BYTES)  # (not for a refused one: a flood refused costs no memset)
+        self.begin_reading()  # (not for a refused one: a flood refused costs no memset)
         # an outsider's first bytes are due soon (a member's come with its connection); the whole
         # handshake within handshake_timeout_s
         first_s = t.handshake_timeout_s if self.member else min(FIRST_BYTE_S, t.handshake_timeout_s)
@@ -1774,7 +1751,7 @@ class _Inbound(asyncio.BufferedProtocol):
     def _check_idle(self) -> None:
         """A rank the transport does not know: closed once it sends nothing for idle_unknown_s
         (its slot among MAX_UNKNOWN_RANKS goes to another joiner). A rank of the job never is:
-        its peer would take the close for a broken link (_Channel._receive)."""
+        its peer would take the close for a broken link (_Channel._read)."""
         self.idle_timer = None
         t = self.t
         if self.transport is None or t.closed or t.knows(self.src):
@@ -1803,80 +1780,43 @@ class _Inbound(asyncio.BufferedProtocol):
         t.refused(f"{self.peer[0]}:{self.peer[1]}", why)
         self.transport.abort()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.payload is not None:
-            return memoryview(self.payload)[self.payload_got:]
-        if self.end == len(self.scratch):  # move the unread tail to the front
-            unread = self.end - self.start
-            self.scratch[:unread] = self.scratch[self.start:self.end]
-            self.start, self.end = 0, unread
-        return memoryview(self.scratch)[self.end:]
+    # ---- what a frame is for (frame_reader.py cuts them) ---------------------------------------
 
-    def buffer_updated(self, nbytes: int) -> None:
+    def on_bytes(self) -> None:
         self.heard_at = time.monotonic()
-        try:
-            if self.payload is not None:
-                self.payload_got += nbytes
-                if self.payload_got < len(self.payload):
-                    self._progress()
-                    return
-                payload, self.payload = self.payload, None
-                self._release_unknown()
-                self._frame(self.head, payload)
-            else:
-                self.end += nbytes
-            self._parse()
-        except FrameError as exc:
-            if self.src >= 0:
-                self.t._frame_error(f"rank {self.src}", exc)
-            else:
-                self.t.refused(f"{self.peer[0]}:{self.peer[1]}", str(exc))
-            if self.transport is not None:
-                self.transport.abort()
 
-    def _progress(self) -> None:
-        """Part of a payload arrived: the sender is alive (told at most every PROGRESS_EVERY_S)."""
-        now = time.monotonic()
-        if now - self.progress_at >= PROGRESS_EVERY_S and self.src >= 0:
-            self.progress_at = now
+    def on_progress(self) -> None:
+        """Part of a payload arrived: the sender is alive."""
+        if self.src >= 0:
             self.t.events.on_progress(self.src)
 
-    def _parse(self) -> None:
-        """Handle every whole frame in the scratch buffer; start reading a payload if one begins."""
-        while self.transport is not None and self.payload is None:
-            avail = self.end - self.start
-            if avail < PREFIX.size:
-                break
-            head_len, payload_len = decode_prefix(bytes(self.scratch[self.start:self.start + PREFIX.size]),
-                                                  max_payload_bytes=self.t.max_payload_bytes)
-            if self.src < 0:
-                hs.check_prefix(head_len, payload_len)
-            if avail < PREFIX.size + head_len:
-                break
-            head_start = self.start + PREFIX.size
-            head = bytes(self.scratch[head_start:head_start + head_len])
-            self.start = head_start + head_len
-            if not payload_len:
-                self._frame(head, None)
-                continue
-            take = min(payload_len, self.end - self.start)
-            if take < payload_len and self.src >= 0 and not self.t.knows(self.src):
-                why = self.t.hold_unknown(self.src, payload_len)
-                if why:
-                    self.t.refused(f"rank {self.src} at {self.peer[0]}", why)
-                    assert self.transport is not None
-                    self.transport.abort()
-                    return
-                self.unknown_held = payload_len
-            payload = self.t.pool.take(payload_len)
-            payload[:take] = self.scratch[self.start:self.start + take]
-            self.start += take
-            if take == payload_len:
-                self._frame(head, payload)
-            else:
-                self.payload, self.payload_got, self.head = payload, take, head
-        if self.start == self.end:
-            self.start = self.end = 0
+    def on_frame_error(self, exc: FrameError) -> None:
+        if self.src >= 0:
+            self.t._frame_error(f"rank {self.src}", exc)
+        else:
+            self.t.refused(f"{self.peer[0]}:{self.peer[1]}", str(exc))
+
+    def check_prefix(self, head_len: int, payload_len: int) -> None:
+        if self.src < 0:
+            hs.check_prefix(head_len, payload_len)
+
+    def payload_begins(self, payload_len: int, have: int) -> bool:
+        """A rank the transport does not know yet holds at most its share of unfinished payloads."""
+        if self.src >= 0 and not self.t.knows(self.src):
+            why = self.t.hold_unknown(self.src, payload_len)
+            if why:
+                self.t.refused(f"rank {self.src} at {self.peer[0]}", why)
+                assert self.transport is not None
+                self.transport.abort()
+                return False
+            self.unknown_held = payload_len
+        return True
+
+    def payload_done(self) -> None:
+        self._release_unknown()
+
+    def on_frame(self, head: bytes, payload: bytearray | memoryview | None) -> None:
+        self._frame(head, payload)
 
     def _slot(self) -> tuple[int, int, int]:
         assert self.hello is not None

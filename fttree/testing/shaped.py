@@ -37,7 +37,7 @@ from .memory import Pair, WireStats, pair
 HEADER_BYTES = 64  # a frame's prefix and header, as far as the uplink's time goes
 RTO_MAX_S = 1.0  # net/tcp.py caps the backoff at 1 s where the kernel allows
 RECEIVE_BUFFER_BYTES = 4 << 20  # what a hung rank's kernel still takes before its window closes
-PROGRESS_EVERY_S = 0.05  # as net/tcp.py reports bytes of a payload still arriving
+PROGRESS_EVERY_S = 0.05  # as net/frame_reader.py reports bytes of a payload still arriving
 
 
 def segment_bytes(rate: float) -> int:
