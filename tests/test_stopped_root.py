@@ -30,14 +30,20 @@ WORLD = 7
 FROZEN_ROOT = Path(__file__).with_name("frozen_root.py")
 
 
-def test_a_root_evicted_while_stopped_hands_its_caller_no_result_the_group_does_not_hold() -> None:
-    net = SimNetwork(WORLD, seed=7)
-    root = 0  # tree 0's root: a one-chunk step's
+def step_one_submitted(net: SimNetwork) -> list[np.ndarray]:
+    """Step 0 run by all; step 1 submitted by all (not run yet). Each rank's contribution."""
     data = [np.full(16, float(r + 1), np.float32) for r in range(WORLD)]
     net.submit_all(0, data)
     net.run_until_finished(0)
     for r in range(WORLD):
         net.submit(r, 1, data[r])
+    return data
+
+
+def test_a_root_evicted_while_stopped_hands_its_caller_no_result_the_group_does_not_hold() -> None:
+    net = SimNetwork(WORLD, seed=7)
+    root = 0  # tree 0's root: a one-chunk step's
+    step_one_submitted(net)
     net.hang(root)
     others = [r for r in range(WORLD) if r != root]
     net.run_until_finished(1, limit_s=60, ranks=others)
@@ -58,11 +64,7 @@ def test_a_root_stopped_for_less_than_the_group_waits_confirms_and_hands_out_the
     a neighbour confirms, and its result (of all seven) goes out, the same as everyone's."""
     net = SimNetwork(WORLD, seed=3)
     root = 0
-    data = [np.full(16, float(r + 1), np.float32) for r in range(WORLD)]
-    net.submit_all(0, data)
-    net.run_until_finished(0)
-    for r in range(WORLD):
-        net.submit(r, 1, data[r])
+    data = step_one_submitted(net)
     net.hang(root)
     net.at(net.now + 0.9, lambda: net.resume(root))
     net.run_until_finished(1, limit_s=30)
@@ -82,11 +84,7 @@ def test_whichever_rank_stops_right_after_submitting_no_two_results_of_a_step_di
     victim = seed % WORLD
     for delay in (0.0, 0.001, 0.003, 0.01):
         net = SimNetwork(WORLD, seed=seed)
-        data = [np.full(16, float(r + 1), np.float32) for r in range(WORLD)]
-        net.submit_all(0, data)
-        net.run_until_finished(0)
-        for r in range(WORLD):
-            net.submit(r, 1, data[r])
+        step_one_submitted(net)
         net.at(net.now + delay, functools.partial(net.hang, victim))
         others = [r for r in range(WORLD) if r != victim]
         net.run_until_finished(1, limit_s=60, ranks=others)
