@@ -154,7 +154,7 @@ class Detector:
 
     def late_by(self, now: float) -> float:
         """How far past its due time the armed check timer is, beyond half a node deadline: more
-        than 0 means this process did not run for that long with a step in flight."""
+        than 0 means this process did not run for that long."""
         return now - self.check_due - self.node_deadline_s / 2
 
     def check(self, now: float, out: list[MemberAction]) -> None:

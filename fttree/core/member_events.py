@@ -144,7 +144,7 @@ class Suspected:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Doubted:
-    """This process did not run for `frozen_s` with a step in flight: it may have been left out
+    """This process did not run for `frozen_s`: it may have been left out
     meanwhile, so its results wait until one of `asked` confirms it is still a member
     (self_check.py)."""
 
@@ -240,5 +240,5 @@ class MemberStatus:
     node_deadline_s: float
     suspicions_total: int = 0  # neighbours this rank has suspected (each once per suspicion)
     no_change: str = ""  # why the last look for a view change started none ("": it started one, or none looked yet)
-    self_checks: int = 0  # freezes this rank noticed with a step in flight, each checked with its neighbours
+    self_checks: int = 0  # freezes this rank noticed, each checked with its neighbours
     self_check_stops: int = 0  # of those, the checks no neighbour confirmed: this rank stopped

@@ -173,7 +173,7 @@ class Membership:
         return self.self_check.doubting
 
     def froze(self, frozen_s: float, now: float) -> list[MemberAction]:
-        """This process did not run for `frozen_s` with a step in flight (self_check.py)."""
+        """This process did not run for `frozen_s` (self_check.py)."""
         out: list[MemberAction] = []
         self.self_check.begin(frozen_s, now, out)
         return out

@@ -370,7 +370,7 @@ class Replica:
                 self._member(event, now, out)  # type: ignore[arg-type]
 
     def _froze(self, event: ReplicaEvent, now: float) -> list[ReplicaAction]:
-        """The check timer is late: this process did not run with a step in flight, and may have
+        """The check timer is late: this process did not run, and may have
         been left out meanwhile. Its results wait until a neighbour confirms (self_check.py);
         then `event` is taken as any other."""
         detection = self._membership.detection

@@ -7,8 +7,9 @@ view's op with every rank's sum while the group ran that step again without it: 
 would get a result no other rank holds. An hour of chaos found this (docs/chaos.md).
 
 The freeze shows as the membership's check timer coming late: it is due every quarter node
-deadline while a step is in flight, so being more than half a node deadline past it means the
-process did not run (`Detector.late_by`). From then on the replica keeps this rank's results
+deadline from this rank's first step on (idle too: a rank stopped between steps finds its
+children's sums of the next step waiting), so being more than half a node deadline past it
+means the process did not run (`Detector.late_by`). From then on the replica keeps this rank's results
 back and this part pings the tree neighbours, each ping carrying a number its answer echoes:
 
 - an answer to this check from a member in the same view and not in a view change confirms

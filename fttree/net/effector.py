@@ -140,7 +140,7 @@ class Effector:
             case Suspected(peer=peer, reason=reason):
                 log.info("rank %d suspects rank %d: %s", self.rank, peer, reason)
             case Doubted(frozen_s=frozen_s, asked=asked):
-                log.warning("rank %d: did not run for %.2f s with a step in flight; its results wait until one of "
+                log.warning("rank %d: did not run for %.2f s; its results wait until one of "
                             "%s confirms it is still a member", self.rank, frozen_s, list(asked))
             case Confirmed(frozen_s=frozen_s, by=by):
                 log.warning("rank %d: rank %d confirmed it is still a member after %.2f s without running; its "
