@@ -134,3 +134,24 @@ def test_a_real_root_stopped_with_a_step_in_flight_and_evicted_gets_group_left(t
         if root.poll() is None:
             root.kill()
             root.wait(timeout=10)
+
+
+def test_a_self_check_asks_the_tree_neighbours_that_may_answer_and_none_is_needed_alone() -> None:
+    """The neighbours asked are the tree's, less those that finished their job (closed, they
+    would never answer); with nobody to ask (a group of one) the rank is confirmed at once."""
+    from fttree.core.member_events import Confirmed, Doubted
+    from fttree.core.membership import Membership
+    from fttree.core.view import View
+
+    alone = Membership(0, View.initial(1))
+    assert [type(a) for a in alone.froze(1.5, now=10.0)] == [Confirmed]
+    assert not alone.doubting
+    seven = Membership(0, View.initial(WORLD))
+    neighbours = set(seven.detection.neighbours()) - {0}
+    finished = min(neighbours)
+    seven.joins.done[finished] = 5
+    out = seven.froze(1.5, now=10.0)
+    (doubted,) = [a for a in out if isinstance(a, Doubted)]
+    assert set(doubted.asked) == neighbours - {finished}
+    assert seven.doubting
+    assert seven.status().self_checks == 1

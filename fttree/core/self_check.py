@@ -109,8 +109,10 @@ class SelfCheck:
                                          f"leaves the group rather than hand out a result the group may not hold", out)
 
     def _neighbours(self) -> tuple[int, ...]:
-        view, rank = self.m.view, self.m.rank
-        return tuple(p for p in self.m.detection.neighbours() if p != rank and p in view)
+        """The tree neighbours to ask: members of the view that have not finished their job (a
+        finished one may have closed, and would never answer)."""
+        view, rank, done = self.m.view, self.m.rank, self.m.joins.done
+        return tuple(p for p in self.m.detection.neighbours() if p != rank and p in view and p not in done)
 
     def _ask(self, now: float, out: list[MemberAction]) -> None:
         m = self.m
