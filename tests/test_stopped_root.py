@@ -144,14 +144,17 @@ def test_a_self_check_asks_the_tree_neighbours_that_may_answer_and_none_is_neede
     from fttree.core.view import View
 
     alone = Membership(0, View.initial(1))
-    assert [type(a) for a in alone.froze(1.5, now=10.0)] == [Confirmed]
+    alone.detection.check_due = 8.5  # 1.5 s late at 10.0
+    assert [type(a) for a in alone.froze(now=10.0)] == [Confirmed]
     assert not alone.doubting
     seven = Membership(0, View.initial(WORLD))
     neighbours = set(seven.detection.neighbours()) - {0}
     finished = min(neighbours)
     seven.joins.done[finished] = 5
-    out = seven.froze(1.5, now=10.0)
+    seven.detection.check_due = 8.5
+    out = seven.froze(now=10.0)
     (doubted,) = [a for a in out if isinstance(a, Doubted)]
     assert set(doubted.asked) == neighbours - {finished}
+    assert doubted.frozen_s == 1.5  # how late the check timer was
     assert seven.doubting
     assert seven.status().self_checks == 1

@@ -157,6 +157,13 @@ class Detector:
         than 0 means this process did not run for that long."""
         return now - self.check_due - self.node_deadline_s / 2
 
+    def freeze_seen(self, now: float) -> float:
+        """How long past its due time the check timer is: noticed once (it is due again when
+        it fires and is armed anew)."""
+        frozen_s = now - self.check_due
+        self.check_due = float("inf")
+        return frozen_s
+
     def check(self, now: float, out: list[MemberAction]) -> None:
         """While a step is in flight: ping neighbours silent for half the node deadline, suspect
         those silent for all of it. Idle, only come again: a freeze shows as this timer coming

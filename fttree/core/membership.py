@@ -172,10 +172,11 @@ class Membership:
         """After a freeze: not sure yet that this rank is still a member (self_check.py)."""
         return self.self_check.doubting
 
-    def froze(self, frozen_s: float, now: float) -> list[MemberAction]:
-        """This process did not run for `frozen_s` (self_check.py)."""
+    def froze(self, now: float) -> list[MemberAction]:
+        """The check timer is late (`detection.late_by`): this process did not run for a while
+        (self_check.py)."""
         out: list[MemberAction] = []
-        self.self_check.begin(frozen_s, now, out)
+        self.self_check.begin(self.detection.freeze_seen(now), now, out)
         return out
 
     def kept_by_view(self) -> list[MemberAction]:

@@ -373,11 +373,8 @@ class Replica:
         """The check timer is late: this process did not run, and may have
         been left out meanwhile. Its results wait until a neighbour confirms (self_check.py);
         then `event` is taken as any other."""
-        detection = self._membership.detection
-        frozen_s = now - detection.check_due
-        detection.check_due = float("inf")  # noticed once; the timer's firing re-arms it
         out: list[ReplicaAction] = []
-        self._carry(self._membership.froze(frozen_s, now), now, out)
+        self._carry(self._membership.froze(now), now, out)
         out.extend(self.step(event, now))
         return out
 
