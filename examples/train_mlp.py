@@ -250,6 +250,7 @@ def train(args: argparse.Namespace) -> int:
         rounds = args.epochs * -(-len(data.x_train) // (world * BATCH * (args.diloco or 1)))
     progress = Progress(rounds, enabled=rank == 0, as_json=args.json)
     began = time.perf_counter()
+    computed = [0.0]  # forward and backward seconds: with the wall time, the compute share
 
     def evaluate(step: int) -> None:
         """Rank 0, every --eval-every training steps: the held-out accuracy, and when."""
@@ -262,7 +263,7 @@ def train(args: argparse.Namespace) -> int:
 
     if args.comm == "fttree":
         try:
-            audits = train_elastic(args, job, model, progress, recoveries, evaluate)
+            audits = train_elastic(args, job, model, progress, recoveries, evaluate, computed)
         except Exception as exc:
             if ar.crashed is not None:  # the crash this run asked for (--faults): the others go on
                 print(f"rank {rank}: {ar.crashed}; the other workers go on without it", file=sys.stderr, flush=True)
@@ -272,6 +273,7 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0 and args.json:
             print(json.dumps({"audits": [a.to_dict() for a in audits]}), flush=True)  # the summary stays last
         last = job.last_step
+        wall_s = time.perf_counter() - began
         progress.summary(args.warmup, {"comm": args.comm, "workers": world,
                                        "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
                                        "recoveries": sum(n.kind.value == "recovery" for n in recoveries),
@@ -283,6 +285,7 @@ def train(args: argparse.Namespace) -> int:
                                        "exactly_once": all(a.once for a in audits if a.complete),
                                        "last_contributors": list(last.contributors) if last else [],
                                        "resumed_from_step": job.resumed_step,
+                                       "compute_s": round(computed[0], 3), "wall_s": round(wall_s, 3),
                                        **({"outer_hidden": round(job.opt.stats.hidden, 3),
                                            "outer_waited_s": round(job.opt.stats.waited_s, 3),
                                            "outer_sync_s": round(job.opt.stats.sync_s, 3)}
@@ -335,10 +338,11 @@ def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.o
 
 
 def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress: Progress, recoveries: list[Any],
-                  evaluate: Any) -> list[Any]:
+                  evaluate: Any, computed: list[float]) -> list[Any]:
     """The fttree loop: the job deals the samples (each once per epoch, whoever dies, lags or
     restarts) and does the protocol; what is left here is the model's step and this example's
-    reporting. Returns the epochs' summaries."""
+    reporting. Adds the forward and backward seconds to `computed[0]`. Returns the epochs'
+    summaries."""
     rank = job.rank
     rounds = -(-args.steps // (args.diloco or 1))  # training steps: DiLoCo rounds count as one
     if args.epochs:
@@ -385,6 +389,7 @@ def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress
             loss = loss_fn(out, y)
             loss.backward()
             device_time(args, rank, time.perf_counter() - began)
+            computed[0] += time.perf_counter() - began
             losses.append(loss.item())
             hits[0] += int((out.argmax(1) == y).sum())
             hits[1] += len(y)

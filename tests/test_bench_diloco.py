@@ -26,10 +26,26 @@ def test_time_and_bytes_until_the_first_evaluation_at_the_target() -> None:
     assert gloo.bytes_until(1040) == 10**7  # none after: the last one
     table = render("10mbit", 7, [gloo, diloco, never])
     assert "target 0.9000" in table
-    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 10.0 MB | 1.0000 | 0.9000 |" in table
-    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 1.0 MB | 0.1000 | 0.9500 |" in table
+    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 10.0 MB | 1.0000 | 0.9000 |  |" in table
+    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 1.0 MB | 0.1000 | 0.9500 |  |" in table
     assert "| never | not reached in 30 local steps |" in table
     assert "restart" not in table
+    assert "derived" not in table
+
+
+def test_a_derived_ddp_row_multiplies_its_steps_to_the_target_by_its_step_behind_the_uplinks() -> None:
+    """--ddp-steps: the steps to the target come from the unshaped run, the time and bytes per
+    step from the short shaped one; the DiLoCo rows keep their measured time and show their
+    compute share."""
+    gloo = _run("gloo DDP", [(3, 3, 0.5), (6, 6, 0.85), (9, 9, 0.9)], [(9, 10**9)])  # unshaped: its bytes unused
+    gloo.step_s, gloo.step_bytes = 40.0, 5e7
+    diloco = _run("DiLoCo", [(50, 32, 0.8), (100, 64, 0.93)], [(99, 10**6), (101, 2 * 10**6)])
+    diloco.summary = {"compute_s": 90.0, "wall_s": 100.0}
+    table = render("10mbit", 7, [gloo, diloco])
+    assert "| gloo DDP | 360.0 s (9 steps x 40.00 s, derived) | 1.000 | 450.0 MB | 1.0000 | 0.9000 |  |" in table
+    assert "| DiLoCo | 100.0 s (64 local steps) | 0.278 | 2.0 MB | 0.0044 | 0.9300 | 0.90 |" in table
+    assert "Derived rows:" in table
+    assert "Compute share:" in table
 
 
 def test_the_restart_run_says_whether_the_rank_came_back_and_every_sample_was_used_once() -> None:
@@ -60,3 +76,23 @@ def test_the_configurations_and_the_dry_run() -> None:
     bad = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "fast", "--dry-run"])
     assert bad.exit_code != 0
     assert "--uplink" in bad.output
+
+
+def test_a_large_model_s_runs_one_h_and_derived_ddp() -> None:
+    """--sync-every picks the H values (the eager and restart runs take 32, else the first), and
+    --ddp-steps runs DDP that many steps behind the uplinks, the budget with the limits lifted."""
+    made = configs(30, sync_every=(16,), ddp_steps=3)
+    assert [c.shaped_steps for c in made[:2]] == [3, 3]
+    assert all(c.shaped_steps == 0 for c in made[2:])
+    assert {c.args[1] for c in made if "--diloco" in c.args} == {"16"}
+    assert [c.label for c in made if "--eager" in c.args] == ["fttree DiLoCo H=16 int8, eager outer steps",
+                                                             "fttree DiLoCo H=16 sparse, eager outer steps"]
+    assert configs(30, ddp_steps=30)[0].shaped_steps == 0  # not fewer than the budget: measured whole
+    out = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "10mbit", "--sync-every", "32", "--ddp-steps", "3",
+                                     "--hidden", "12800", "--dry-run"])
+    assert out.exit_code == 0, out.output
+    assert "10mbit: gloo DDP: 30 local steps with the limits lifted, then 3 behind the uplinks (derived)" in out.output
+    assert "H=8" not in out.output
+    bad = CliRunner().invoke(bench, ["--diloco", "7", "--sync-every", "0", "--dry-run"])
+    assert bad.exit_code != 0
+    assert "--sync-every" in bad.output

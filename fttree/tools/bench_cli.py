@@ -38,6 +38,20 @@ def _split(text: str, convert: Callable[[str], Any], what: str) -> tuple[Any, ..
         raise click.BadParameter(f"{text!r}: {exc}", param_hint=what) from None
 
 
+def _positive_list(what: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, or a usage error naming the flag."""
+    def one(part: str) -> int:
+        n = int(part)
+        if n < 1:
+            raise ValueError(f"{n} is not positive")
+        return n
+
+    items = _split(text, one, what)
+    if not items:
+        raise click.BadParameter(f"{text!r}: give at least one", param_hint=what)
+    return items
+
+
 def _out_option(f: F) -> F:
     return click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
                         show_default=True, help="Where the JSON and PNG files go.")(f)
@@ -158,6 +172,14 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
                    "gloo's accuracy behind each --uplink rate (default 100mbit); audits each epoch's samples.")
 @click.option("--budget", type=click.IntRange(min=1), default=30, show_default=True,
               help="--diloco, --straggler: gloo DDP's training steps (its final accuracy is the target).")
+@click.option("--hidden", type=click.IntRange(min=1), default=None, metavar="UNITS",
+              help="--diloco: the MLP's hidden units (default 1280, 1.02M parameters; 12800 is 10.2M).")
+@click.option("--sync-every", "sync_every_text", default="8,32,128", show_default=True, metavar="LIST",
+              help="--diloco: DiLoCo's local steps per outer step, one run each.")
+@click.option("--ddp-steps", type=click.IntRange(min=2), default=None, metavar="K",
+              help="--diloco: run DDP behind the uplinks for K steps only (its step time and bytes) and for "
+                   "--budget with the limits lifted (its steps to the target); the time to the target is the "
+                   "product, labelled derived. For models whose DDP step takes minutes.")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
@@ -167,7 +189,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           fig11_trials: int, step_timeout: float, chunk_bytes: int | None, long_run: int | None,
           elastic: int | None, uplink: str, tuned: bool, measured: bool, loss: float, compression_text: str,
           trees_text: str,
-          diloco: int | None, straggler: int | None, budget: int, dry_run: bool, strict: bool,
+          diloco: int | None, straggler: int | None, budget: int, hidden: int | None, sync_every_text: str,
+          ddp_steps: int | None, dry_run: bool, strict: bool,
           out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
@@ -187,16 +210,21 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         _long_run(long_run, step_timeout, out_dir, dry_run)
         return
     if diloco is not None:
-        from .bench_diloco import configs
+        from functools import partial
+
+        from .bench_diloco import DATA, configs, data_args
         from .bench_diloco import run as run_diloco
 
         rates = [_checked_uplinks(spec) for spec in split_uplink_list(uplink or "10mbit,100mbit")]
+        make = partial(configs, sync_every=_positive_list("--sync-every", sync_every_text), ddp_steps=ddp_steps or 0)
         if dry_run:
             for rate in rates:
-                for c in configs(budget):
-                    click.echo(f"{rate}: {c.label}: {c.local_steps} local steps")
+                for c in make(budget):
+                    shaped = (f" with the limits lifted, then {c.shaped_steps} behind the uplinks (derived)"
+                              if c.shaped_steps else "")
+                    click.echo(f"{rate}: {c.label}: {c.local_steps} local steps{shaped}")
             return
-        tables = run_diloco(rates, diloco, budget, click.echo)
+        tables = run_diloco(rates, diloco, budget, click.echo, make, data_args(hidden) if hidden else DATA)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "diloco.md").write_text("\n\n".join(tables) + "\n")
         if len(tables) < len(rates):

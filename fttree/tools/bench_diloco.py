@@ -1,12 +1,19 @@
 """`fttree bench --diloco`: data-parallel training against DiLoCo behind emulated edge uplinks.
 
-Each configuration trains examples/train_mlp.py (a 784-1280-10 MLP, 1.02M parameters, on a
-synthetic task of 10 Gaussian classes made on the fly, batch 100 per worker) inside a private
+Each configuration trains examples/train_mlp.py (a 784-1280-10 MLP, 1.02M parameters, or as wide
+as --hidden asks, on a synthetic task of 10 Gaussian classes made on the fly, batch 100 per
+worker) inside a private
 network namespace whose per-rank uplinks are shaped (bench_uplinks.Uplinks). Rank 0 reports the
 held-out accuracy with a timestamp as it goes; the bench reads every rank's uplink byte counter
 every POLL_S seconds. The target is the accuracy gloo DDP reaches in its step budget; for every
 configuration the bench prints the training time and the busiest rank's bytes until it first
-reached that target, and its final accuracy.
+reached that target, its final accuracy, and for DiLoCo rank 0's compute share (forward and
+backward time over wall time).
+
+A DDP step of a large model behind a slow uplink takes a minute, so `ddp_steps` can stand in for
+the DDP runs' budget behind the uplinks: each DDP configuration then runs twice, unshaped for the
+budget (its steps to the target) and shaped for `ddp_steps` steps (its step time and bytes); its
+time to the target is the product, and the table says so.
 """
 
 from __future__ import annotations
@@ -25,9 +32,15 @@ from .bench_uplinks import Uplinks
 
 HIDDEN = 1280  # 784-1280-10: 1,017,610 parameters
 SAMPLES = 1_000_000  # no epoch ends within a budget: the bench times training, not the audit
-DATA = ("--hidden", str(HIDDEN), "--synthetic", str(SAMPLES))  # the model and data of every run
+DATA = ("--hidden", str(HIDDEN), "--synthetic", str(SAMPLES))  # the model and data of every run, unless --hidden
+SYNC_EVERY = (8, 32, 128)  # DiLoCo's local steps per outer step, one run of each
 POLL_S = 0.5  # how often the uplinks' byte counters are read
 FAULT_SAMPLES = 50_000  # the kill-and-restart run: epochs of about 2 rounds of H=32, each audited
+
+
+def data_args(hidden: int) -> tuple[str, ...]:
+    """train_mlp.py's model and data arguments for an MLP of `hidden` units (DATA's otherwise)."""
+    return ("--hidden", str(hidden), "--synthetic", str(SAMPLES))
 
 
 @dataclass(frozen=True)
@@ -35,25 +48,32 @@ class Config:
     label: str
     args: tuple[str, ...]
     local_steps: int  # the step budget in local steps (a DDP step is one)
+    shaped_steps: int = 0  # DDP: steps run behind the uplinks, when fewer than the budget (derived)
 
 
-def configs(budget: int) -> list[Config]:
-    """gloo DDP and fttree DDP for `budget` steps; DiLoCo for 4x that in local steps (at
-    least 4 rounds), H = 8, 32, 128, float32, int8 and sparse (fttree.Sparse's defaults: 1/16
-    of the coordinates at 2 bits); H=32 int8 with the eager outer step (overlap="eager", the
-    outer step behind the next round); and one DiLoCo run with a worker killed and started again,
-    on a data set small enough that its epochs end and are audited."""
-    out = [Config("gloo DDP", ("--comm", "gloo", "--gloo-bind"), budget), Config("fttree DDP", (), budget)]
-    for h in (8, 32, 128):
+def configs(budget: int, sync_every: Sequence[int] = SYNC_EVERY, ddp_steps: int = 0) -> list[Config]:
+    """gloo DDP and fttree DDP for `budget` steps (behind the uplinks, or `ddp_steps` of them
+    there and the budget unshaped); DiLoCo for 4x that in local steps (at least 4 rounds), each H
+    of `sync_every`, float32, int8 and sparse (fttree.Sparse's defaults: 1/16 of the coordinates
+    at 2 bits); int8 and sparse with the eager outer step (overlap="eager", the outer step behind
+    the next round); and DiLoCo runs with a worker killed and started again, on a data set small
+    enough that its epochs end and are audited. The eager and restart runs use H=32, or the first
+    H asked for when 32 is not."""
+    shaped = ddp_steps if 0 < ddp_steps < budget else 0
+    out = [Config("gloo DDP", ("--comm", "gloo", "--gloo-bind"), budget, shaped),
+           Config("fttree DDP", (), budget, shaped)]
+    for h in sync_every:
         for wire in ("float32", "int8", "sparse"):
             extra = ("--compression", wire) if wire != "float32" else ()
             out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, 4 * h)))
-    out.append(Config("fttree DiLoCo H=32 int8, eager outer steps", ("--diloco", "32", "--compression", "int8",
-                                                                     "--eager"), max(4 * budget, 4 * 32)))
+    h = 32 if 32 in sync_every else sync_every[0]
     for wire in ("int8", "sparse"):
-        out.append(Config(f"fttree DiLoCo H=32 {wire}, rank 3 killed in round 2 and restarted",
-                          ("--diloco", "32", "--compression", wire, "--faults", "crash 3 @2", "--restart", "3",
-                           "--synthetic", str(FAULT_SAMPLES)), max(4 * budget, 4 * 32)))
+        out.append(Config(f"fttree DiLoCo H={h} {wire}, eager outer steps",
+                          ("--diloco", str(h), "--compression", wire, "--eager"), max(4 * budget, 4 * h)))
+    for wire in ("int8", "sparse"):
+        out.append(Config(f"fttree DiLoCo H={h} {wire}, rank 3 killed in round 2 and restarted",
+                          ("--diloco", str(h), "--compression", wire, "--faults", "crash 3 @2", "--restart", "3",
+                           "--synthetic", str(FAULT_SAMPLES)), max(4 * budget, 4 * h)))
     return out
 
 
@@ -64,6 +84,32 @@ class Run:
     bytes_at: list[tuple[float, int]] = field(default_factory=list)  # (time.time(), busiest rank's bytes)
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    step_s: float = 0.0  # derived DDP: the median step behind the uplinks
+    step_bytes: float = 0.0  # derived DDP: the busiest rank's bytes per step behind the uplinks
+
+    @property
+    def derived(self) -> bool:
+        return self.step_s > 0
+
+    def to_target(self, target: float) -> tuple[float, int, str] | None:
+        """(seconds, the busiest rank's bytes, how) until the first evaluation at `target`, or
+        None when the run never reached it. A derived run multiplies its steps to the target
+        (unshaped) by its step time and bytes behind the uplinks."""
+        hit = self.first_at(target)
+        if hit is None:
+            return None
+        if self.derived:
+            n = int(hit["local_steps"])
+            return n * self.step_s, round(n * self.step_bytes), f"{n} steps x {self.step_s:.2f} s, derived"
+        return float(hit["t"]), self.bytes_until(hit["at"]), f"{hit['local_steps']} local steps"
+
+    @property
+    def compute_share(self) -> str:
+        """Rank 0's forward and backward time over its training's wall time ('' when not reported)."""
+        s = self.summary
+        if not s.get("wall_s"):
+            return ""
+        return f"{s['compute_s'] / s['wall_s']:.2f}"
 
     def first_at(self, target: float) -> dict[str, Any] | None:
         return next((e for e in self.evals if e["accuracy"] >= target), None)
@@ -114,13 +160,30 @@ class Run:
 
 def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None],
             data: Sequence[str] = DATA) -> Run:
-    up.apply(world)  # zeroes the counters
-    evals_every = 1 if "--diloco" in config.args else max(1, config.local_steps // 10)
-    steps = config.local_steps
+    """One configuration behind the uplinks; a derived DDP one (`shaped_steps`) first for its
+    budget with the limits lifted, then for `shaped_steps` behind them."""
+    if not config.shaped_steps:
+        return _train(up, world, config, echo, data, config.local_steps, shaped=True)
+    run = _train(up, world, config, echo, data, config.local_steps, shaped=False)
+    timed = _train(up, world, config, echo, data, config.shaped_steps, shaped=True)
+    run.step_s = float(timed.summary.get("median_step_s", 0.0))
+    run.step_bytes = timed.bytes_at[-1][1] / config.shaped_steps if timed.bytes_at else 0.0
+    run.error = run.error or timed.error
+    return run
+
+
+def _train(up: Uplinks, world: int, config: Config, echo: Callable[[str], None], data: Sequence[str],
+           steps: int, shaped: bool) -> Run:
+    if shaped:
+        up.apply(world)  # zeroes the counters
+    else:
+        up.lift()
+    evals_every = 1 if "--diloco" in config.args else max(1, steps // 10)
+    timed = shaped and config.shaped_steps > 0  # only the step time counts: the first step (connecting) left out
     cmd = [sys.executable, str(SOURCE_ROOT / "examples" / "train_mlp.py"), "-n", str(world), "--steps", str(steps),
-           *data, "--eval-every", str(evals_every), "--json",
-           "--warmup", "0",
-           "--step-timeout", "120", *config.args]
+           *data, "--eval-every", str(0 if timed else evals_every), "--json",
+           "--warmup", "1" if timed else "0",
+           "--step-timeout", "600" if timed else "120", *config.args]
     run = Run(config)
     done = threading.Event()
 
@@ -130,13 +193,16 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
             run.bytes_at.append((time.time(), max(counts.values(), default=0)))
 
     poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    if shaped:  # with the limits lifted there are no counters, and the bytes are not this run's figure
+        poller.start()
     try:
         out = subprocess.run(up.wrap(cmd), capture_output=True, text=True, timeout=3600, check=False)
     finally:
         done.set()
-        poller.join()
-    run.bytes_at.append((time.time(), max(up.counters().values(), default=0)))
+        if shaped:
+            poller.join()
+    if shaped:
+        run.bytes_at.append((time.time(), max(up.counters().values(), default=0)))
     for line in out.stdout.splitlines():
         try:
             doc = json.loads(line)
@@ -146,9 +212,12 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
             run.evals.append(doc["eval"])
         elif isinstance(doc, dict) and "median_step_s" in doc:
             run.summary = doc
-    if out.returncode != 0 or not run.evals:
+    if out.returncode != 0 or not (run.evals or timed):
         run.error = (out.stderr or out.stdout)[-600:]
-    echo(f"  {config.label}: {len(run.evals)} evaluations, final accuracy {run.final:.4f}"
+    what = (f"{steps} steps behind the uplinks, median step {run.summary.get('median_step_s', float('nan')):.2f} s"
+            if timed else f"{len(run.evals)} evaluations, final accuracy {run.final:.4f}"
+            + ("" if shaped else " (limits lifted)"))
+    echo(f"  {config.label}: {what}"
          + (f" (FAILED: {run.error.strip().splitlines()[-1] if run.error.strip() else 'no output'})"
             if run.error else ""))
     return run
@@ -157,24 +226,29 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
 def render(rate: str, world: int, runs: Sequence[Run]) -> str:
     base = runs[0]
     target = base.final
-    reached = base.first_at(target)
-    base_t = reached["t"] if reached else float("nan")
-    base_b = base.bytes_until(reached["at"]) if reached else 0
+    reached = base.to_target(target)
+    base_t, base_b = (reached[0], reached[1]) if reached else (float("nan"), 0)
     lines = [f"### {rate} uplinks, {world} workers, target {target:.4f} (gloo DDP's accuracy after "
              f"{base.config.local_steps} steps)", "",
-             "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy |",
-             "|---|---|---|---|---|---|"]
+             "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy "
+             "| compute share |",
+             "|---|---|---|---|---|---|---|"]
     for run in runs:
-        hit = run.first_at(target)
+        hit = run.to_target(target)
         if hit is None:
             lines.append(f"| {run.config.label} | not reached in {run.config.local_steps} local steps | | | | "
-                         f"{run.final:.4f} |")
+                         f"{run.final:.4f} | {run.compute_share} |")
             continue
-        b = run.bytes_until(hit["at"])
-        lines.append(f"| {run.config.label} | {hit['t']:.1f} s ({hit['local_steps']} local steps) | "
-                     f"{hit['t'] / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
-                     f"{run.final:.4f} |")
+        t, b, how = hit
+        lines.append(f"| {run.config.label} | {t:.1f} s ({how}) | "
+                     f"{t / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
+                     f"{run.final:.4f} | {run.compute_share} |")
     notes = [line for run in runs for line in (run.restart_line(), run.straggler_line()) if line]
+    if any(run.derived for run in runs):
+        notes.append("Derived rows: the steps to the target come from a run with the uplink limits lifted, the "
+                     "step time (median, the first step left out) and bytes per step from a short run behind them.")
+    if any(run.compute_share for run in runs):
+        notes.append("Compute share: rank 0's forward and backward time over its training's wall time.")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 

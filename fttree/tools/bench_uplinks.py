@@ -66,6 +66,10 @@ class Uplinks:
             for rank in range(world):
                 self._script("loss.sh", "--netns", self.name, str(rank), f"{self.loss:g}")
 
+    def lift(self) -> None:
+        """No limits until the next `apply`: runs whose speed the uplinks must not set."""
+        self._script("uplink.sh", "--netns", self.name, "--remove")
+
     def counters(self) -> dict[int, int]:
         """rank -> bytes its uplink has carried since the last `apply` (IP headers included)."""
         rows = [line.split() for line in self._script("uplink.sh", "--netns", self.name, "--counters").splitlines()]
