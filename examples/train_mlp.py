@@ -250,15 +250,18 @@ def train(args: argparse.Namespace) -> int:
         rounds = args.epochs * -(-len(data.x_train) // (world * BATCH * (args.diloco or 1)))
     progress = Progress(rounds, enabled=rank == 0, as_json=args.json)
     began = time.perf_counter()
-    computed = [0.0]  # forward and backward seconds: with the wall time, the compute share
+    computed = [0.0]  # forward and backward seconds (with --compute-s): the compute share's numerator
+    evaluated = [0.0]  # seconds spent evaluating: not training, so not in the compute share's wall time
 
     def evaluate(step: int) -> None:
         """Rank 0, every --eval-every training steps: the held-out accuracy, and when."""
         if rank != 0 or not args.eval_every or (step + 1) % args.eval_every:
             return
-        info = {"t": round(time.perf_counter() - began, 3), "at": round(time.time(), 3), "step": step + 1,
+        t0 = time.perf_counter()
+        info = {"t": round(t0 - began - evaluated[0], 3), "at": round(time.time(), 3), "step": step + 1,
                 "local_steps": (step + 1) * (args.diloco or 1) if args.comm == "fttree" else step + 1,
                 "accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
+        evaluated[0] += time.perf_counter() - t0
         print(json.dumps({"eval": info}) if args.json else f"eval after step {step}: {info}", flush=True)
 
     if args.comm == "fttree":
@@ -273,7 +276,7 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0 and args.json:
             print(json.dumps({"audits": [a.to_dict() for a in audits]}), flush=True)  # the summary stays last
         last = job.last_step
-        wall_s = time.perf_counter() - began
+        wall_s = time.perf_counter() - began - evaluated[0]
         progress.summary(args.warmup, {"comm": args.comm, "workers": world,
                                        "test_accuracy": round(accuracy(model, data.x_test, data.y_test), 4),
                                        "recoveries": sum(n.kind.value == "recovery" for n in recoveries),

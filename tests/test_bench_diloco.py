@@ -3,6 +3,7 @@ until a run first reached it, and the configurations it runs."""
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from fttree.tools.bench_cli import bench
@@ -45,6 +46,9 @@ def test_a_derived_ddp_row_multiplies_its_steps_to_the_target_by_its_step_behind
     assert "| gloo DDP | 360.0 s (9 steps x 40.00 s, derived) | 1.000 | 450.0 MB | 1.0000 | 0.9000 |  |" in table
     assert "| DiLoCo | 100.0 s (64 local steps) | 0.278 | 2.0 MB | 0.0044 | 0.9300 | 0.90 |" in table
     assert "Derived rows:" in table
+    timed = _run("gloo DDP", [(60, 1, 0.1), (120, 2, 0.2), (180, 3, 0.3)],
+                 [(1, 4 * 10**7), (61, 10**8), (121, 1.6 * 10**8), (181, 2.2 * 10**8)])
+    assert timed.bytes_per_step() == pytest.approx(6e7)  # the first step's start-up traffic left out
     assert "Compute share:" in table
 
 

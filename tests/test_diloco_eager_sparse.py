@@ -233,3 +233,4 @@ def test_train_mlp_trains_with_eager_sparse_outer_steps_and_uses_every_sample_on
     assert summary["exactly_once"], summary
     assert summary["fewest_contributors"] == 3, summary
     assert summary["test_accuracy"] > 0.5, summary
+    assert 0 < summary["compute_s"] < summary["wall_s"], summary  # the bench's compute share: a share

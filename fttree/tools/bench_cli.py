@@ -176,6 +176,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
               help="--diloco: the MLP's hidden units (default 1280, 1.02M parameters; 12800 is 10.2M).")
 @click.option("--sync-every", "sync_every_text", default="8,32,128", show_default=True, metavar="LIST",
               help="--diloco: DiLoCo's local steps per outer step, one run each.")
+@click.option("--compute-s", type=click.FloatRange(min=0), default=0.0, metavar="S",
+              help="--diloco: every worker also spends S seconds per local step as its device would (7 workers "
+                   "on a few cores cannot compute side by side), so the compute share is the device's.")
 @click.option("--ddp-steps", type=click.IntRange(min=2), default=None, metavar="K",
               help="--diloco: run DDP behind the uplinks for K steps only (its step time and bytes) and for "
                    "--budget with the limits lifted (its steps to the target); the time to the target is the "
@@ -190,7 +193,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           elastic: int | None, uplink: str, tuned: bool, measured: bool, loss: float, compression_text: str,
           trees_text: str,
           diloco: int | None, straggler: int | None, budget: int, hidden: int | None, sync_every_text: str,
-          ddp_steps: int | None, dry_run: bool, strict: bool,
+          compute_s: float, ddp_steps: int | None, dry_run: bool, strict: bool,
           out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
@@ -224,7 +227,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
                               if c.shaped_steps else "")
                     click.echo(f"{rate}: {c.label}: {c.local_steps} local steps{shaped}")
             return
-        tables = run_diloco(rates, diloco, budget, click.echo, make, data_args(hidden) if hidden else DATA)
+        model_data = (data_args(hidden) if hidden else DATA) + (("--compute-s", f"{compute_s:g}") if compute_s else ())
+        tables = run_diloco(rates, diloco, budget, click.echo, make, model_data)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "diloco.md").write_text("\n\n".join(tables) + "\n")
         if len(tables) < len(rates):

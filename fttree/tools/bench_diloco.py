@@ -7,8 +7,8 @@ network namespace whose per-rank uplinks are shaped (bench_uplinks.Uplinks). Ran
 held-out accuracy with a timestamp as it goes; the bench reads every rank's uplink byte counter
 every POLL_S seconds. The target is the accuracy gloo DDP reaches in its step budget; for every
 configuration the bench prints the training time and the busiest rank's bytes until it first
-reached that target, its final accuracy, and for DiLoCo rank 0's compute share (forward and
-backward time over wall time).
+reached that target (less the time rank 0 spent evaluating), its final accuracy, and rank 0's
+compute share (forward and backward time, with any emulated device time, over wall time).
 
 A DDP step of a large model behind a slow uplink takes a minute, so `ddp_steps` can stand in for
 the DDP runs' budget behind the uplinks: each DDP configuration then runs twice, unshaped for the
@@ -87,6 +87,17 @@ class Run:
     step_s: float = 0.0  # derived DDP: the median step behind the uplinks
     step_bytes: float = 0.0  # derived DDP: the busiest rank's bytes per step behind the uplinks
 
+    def bytes_per_step(self) -> float:
+        """The busiest rank's bytes per step after the first (which carries the start's traffic:
+        connecting, DDP's broadcast of the model), from the evaluations' times; all of them over
+        the steps when there are fewer than two evaluations."""
+        if len(self.evals) >= 2:
+            first, last = self.evals[0], self.evals[-1]
+            steps = int(last["local_steps"]) - int(first["local_steps"])
+            return (self.bytes_until(last["at"]) - self.bytes_until(first["at"])) / max(1, steps)
+        steps = int(self.summary.get("steps") or self.config.shaped_steps or 1)
+        return self.bytes_at[-1][1] / steps if self.bytes_at else 0.0
+
     @property
     def derived(self) -> bool:
         return self.step_s > 0
@@ -105,7 +116,8 @@ class Run:
 
     @property
     def compute_share(self) -> str:
-        """Rank 0's forward and backward time over its training's wall time ('' when not reported)."""
+        """Rank 0's forward and backward time (with its emulated device time) over its training's
+        wall time less its evaluations ('' when not reported)."""
         s = self.summary
         if not s.get("wall_s"):
             return ""
@@ -167,7 +179,7 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
     run = _train(up, world, config, echo, data, config.local_steps, shaped=False)
     timed = _train(up, world, config, echo, data, config.shaped_steps, shaped=True)
     run.step_s = float(timed.summary.get("median_step_s", 0.0))
-    run.step_bytes = timed.bytes_at[-1][1] / config.shaped_steps if timed.bytes_at else 0.0
+    run.step_bytes = timed.bytes_per_step()
     run.error = run.error or timed.error
     return run
 
@@ -181,7 +193,7 @@ def _train(up: Uplinks, world: int, config: Config, echo: Callable[[str], None],
     evals_every = 1 if "--diloco" in config.args else max(1, steps // 10)
     timed = shaped and config.shaped_steps > 0  # only the step time counts: the first step (connecting) left out
     cmd = [sys.executable, str(SOURCE_ROOT / "examples" / "train_mlp.py"), "-n", str(world), "--steps", str(steps),
-           *data, "--eval-every", str(0 if timed else evals_every), "--json",
+           *data, "--eval-every", str(1 if timed else evals_every), "--json",
            "--warmup", "1" if timed else "0",
            "--step-timeout", "600" if timed else "120", *config.args]
     run = Run(config)
@@ -214,7 +226,8 @@ def _train(up: Uplinks, world: int, config: Config, echo: Callable[[str], None],
             run.summary = doc
     if out.returncode != 0 or not (run.evals or timed):
         run.error = (out.stderr or out.stdout)[-600:]
-    what = (f"{steps} steps behind the uplinks, median step {run.summary.get('median_step_s', float('nan')):.2f} s"
+    what = (f"{steps} steps behind the uplinks, median step {run.summary.get('median_step_s', float('nan')):.2f} s, "
+            f"{run.bytes_per_step() / 1e6:.1f} MB a step through the busiest uplink"
             if timed else f"{len(run.evals)} evaluations, final accuracy {run.final:.4f}"
             + ("" if shaped else " (limits lifted)"))
     echo(f"  {config.label}: {what}"
@@ -248,7 +261,8 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
         notes.append("Derived rows: the steps to the target come from a run with the uplink limits lifted, the "
                      "step time (median, the first step left out) and bytes per step from a short run behind them.")
     if any(run.compute_share for run in runs):
-        notes.append("Compute share: rank 0's forward and backward time over its training's wall time.")
+        notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) over "
+                     "its training's wall time. Times leave out rank 0's evaluations.")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
