@@ -115,6 +115,15 @@ class Run:
         return float(hit["t"]), self.bytes_until(hit["at"]), f"{hit['local_steps']} local steps"
 
     @property
+    def waiting_share(self) -> str:
+        """DiLoCo: the share of rank 0's wall time (less its evaluations) its caller waited for
+        outer steps, building the messages included ('' for other runs)."""
+        s = self.summary
+        if not s.get("wall_s") or "outer_waited_s" not in s:
+            return ""
+        return f"{s['outer_waited_s'] / s['wall_s']:.2f}"
+
+    @property
     def compute_share(self) -> str:
         """Rank 0's forward and backward time (with its emulated device time) over its training's
         wall time less its evaluations ('' when not reported)."""
@@ -180,6 +189,8 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
     timed = _train(up, world, config, echo, data, config.shaped_steps, shaped=True)
     run.step_s = float(timed.summary.get("median_step_s", 0.0))
     run.step_bytes = timed.bytes_per_step()
+    run.summary = {**{k: v for k, v in run.summary.items() if k not in ("compute_s", "wall_s")},  # the shaped run's
+                   **{k: timed.summary[k] for k in ("compute_s", "wall_s") if k in timed.summary}}
     run.error = run.error or timed.error
     return run
 
@@ -244,25 +255,26 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
     lines = [f"### {rate} uplinks, {world} workers, target {target:.4f} (gloo DDP's accuracy after "
              f"{base.config.local_steps} steps)", "",
              "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy "
-             "| compute share |",
-             "|---|---|---|---|---|---|---|"]
+             "| compute share | outer-step wait |",
+             "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         hit = run.to_target(target)
         if hit is None:
             lines.append(f"| {run.config.label} | not reached in {run.config.local_steps} local steps | | | | "
-                         f"{run.final:.4f} | {run.compute_share} |")
+                         f"{run.final:.4f} | {run.compute_share} | {run.waiting_share} |")
             continue
         t, b, how = hit
         lines.append(f"| {run.config.label} | {t:.1f} s ({how}) | "
                      f"{t / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
-                     f"{run.final:.4f} | {run.compute_share} |")
+                     f"{run.final:.4f} | {run.compute_share} | {run.waiting_share} |")
     notes = [line for run in runs for line in (run.restart_line(), run.straggler_line()) if line]
     if any(run.derived for run in runs):
         notes.append("Derived rows: the steps to the target come from a run with the uplink limits lifted, the "
                      "step time (median, the first step left out) and bytes per step from a short run behind them.")
     if any(run.compute_share for run in runs):
         notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) over "
-                     "its training's wall time. Times leave out rank 0's evaluations.")
+                     "its training's wall time; outer-step wait: the share of it rank 0's training loop waited for "
+                     "outer steps (building its messages included). Times leave out rank 0's evaluations.")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
