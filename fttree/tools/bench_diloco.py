@@ -19,6 +19,7 @@ time to the target is the product, and the table says so.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -113,6 +114,19 @@ class Run:
             n = int(hit["local_steps"])
             return n * self.step_s, round(n * self.step_bytes), f"{n} steps x {self.step_s:.2f} s, derived"
         return float(hit["t"]), self.bytes_until(hit["at"]), f"{hit['local_steps']} local steps"
+
+    @property
+    def steady_share(self) -> str:
+        """DiLoCo: rank 0's compute per round over the median time between its outer steps'
+        reports, the last gap left out (the end's flush brings the last reports together): the
+        compute share once the start is behind ('' without two such gaps' worth of reports)."""
+        s = self.summary
+        if "--diloco" not in self.config.args or not s.get("compute_s") or len(self.evals) < 3:
+            return ""
+        h = int(self.config.args[self.config.args.index("--diloco") + 1])
+        per_round = s["compute_s"] / max(1, int(self.evals[-1]["local_steps"])) * h
+        gap = statistics.median(b["t"] - a["t"] for a, b in zip(self.evals[:-2], self.evals[1:-1], strict=True))
+        return f"{per_round / gap:.2f}" if gap > 0 else ""
 
     @property
     def waiting_share(self) -> str:
@@ -255,26 +269,28 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
     lines = [f"### {rate} uplinks, {world} workers, target {target:.4f} (gloo DDP's accuracy after "
              f"{base.config.local_steps} steps)", "",
              "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy "
-             "| compute share | outer-step wait |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| compute share | steady | outer-step wait |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         hit = run.to_target(target)
         if hit is None:
             lines.append(f"| {run.config.label} | not reached in {run.config.local_steps} local steps | | | | "
-                         f"{run.final:.4f} | {run.compute_share} | {run.waiting_share} |")
+                         f"{run.final:.4f} | {run.compute_share} | {run.steady_share} | {run.waiting_share} |")
             continue
         t, b, how = hit
         lines.append(f"| {run.config.label} | {t:.1f} s ({how}) | "
                      f"{t / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
-                     f"{run.final:.4f} | {run.compute_share} | {run.waiting_share} |")
+                     f"{run.final:.4f} | {run.compute_share} | {run.steady_share} | {run.waiting_share} |")
     notes = [line for run in runs for line in (run.restart_line(), run.straggler_line()) if line]
     if any(run.derived for run in runs):
         notes.append("Derived rows: the steps to the target come from a run with the uplink limits lifted, the "
                      "step time (median, the first step left out) and bytes per step from a short run behind them.")
     if any(run.compute_share for run in runs):
-        notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) over "
-                     "its training's wall time; outer-step wait: the share of it rank 0's training loop waited for "
-                     "outer steps (building its messages included). Times leave out rank 0's evaluations.")
+        notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) "
+                     "over its training's wall time; steady: its compute per round over the median time between "
+                     "outer steps' reports (the last gap, the end's flush, left out); outer-step wait: the share of "
+                     "the wall time its training loop waited for outer steps (building its messages included). "
+                     "Times leave out rank 0's evaluations.")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
