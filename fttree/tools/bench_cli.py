@@ -164,8 +164,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
               help="Instead of the matrix: the join/leave pattern with WORKERS workers (a killed rank restarted "
                    "and synced from a peer, then a graceful leave; the thesis MLP).")
 @click.option("--diloco", type=click.IntRange(min=2), default=None, metavar="WORKERS",
-              help="Instead of the matrix: gloo DDP, fttree DDP and fttree DiLoCo (H = 8, 32, 128; float32 and "
-                   "int8) training to gloo's accuracy behind each --uplink rate (default 10mbit,100mbit).")
+              help="Instead of the matrix: gloo DDP, fttree DDP and fttree DiLoCo (each H of --sync-every; "
+                   "float32, int8 and sparse; eager; a worker killed and restarted) training to gloo's accuracy "
+                   "behind each --uplink rate (default 10mbit,100mbit).")
 @click.option("--straggler", type=click.IntRange(min=3), default=None, metavar="WORKERS",
               help="Instead of the matrix: one worker's compute twice as slow (emulated device time), gloo DDP "
                    "against fttree waiting and fttree with straggler_policy=deadline, training the thesis MLP to "
