@@ -51,6 +51,10 @@ class Config:
     local_steps: int  # the step budget in local steps (a DDP step is one)
     shaped_steps: int = 0  # DDP: steps run behind the uplinks, when fewer than the budget (derived)
 
+    def value(self, flag: str) -> int | None:
+        """The integer after `flag` in train_mlp.py's arguments, or None without it."""
+        return int(self.args[self.args.index(flag) + 1]) if flag in self.args else None
+
 
 def configs(budget: int, sync_every: Sequence[int] = SYNC_EVERY, ddp_steps: int = 0) -> list[Config]:
     """gloo DDP and fttree DDP for `budget` steps (behind the uplinks, or `ddp_steps` of them
@@ -121,9 +125,9 @@ class Run:
         reports, the last gap left out (the end's flush brings the last reports together): the
         compute share once the start is behind ('' without two such gaps' worth of reports)."""
         s = self.summary
-        if "--diloco" not in self.config.args or not s.get("compute_s") or len(self.evals) < 3:
+        h = self.config.value("--diloco")
+        if h is None or not s.get("compute_s") or len(self.evals) < 3:
             return ""
-        h = int(self.config.args[self.config.args.index("--diloco") + 1])
         per_round = s["compute_s"] / max(1, int(self.evals[-1]["local_steps"])) * h
         gap = statistics.median(b["t"] - a["t"] for a, b in zip(self.evals[:-2], self.evals[1:-1], strict=True))
         return f"{per_round / gap:.2f}" if gap > 0 else ""
@@ -161,9 +165,9 @@ class Run:
     def restart_line(self) -> str:
         """For a run with --restart: whether the rank came back and every epoch it finished
         used each sample exactly once ('' for other runs)."""
-        if "--restart" not in self.config.args:
+        rank = self.config.value("--restart")
+        if rank is None:
             return ""
-        rank = int(self.config.args[self.config.args.index("--restart") + 1])
         s = self.summary
         if not s:
             return f"{self.config.label}: no summary (the run failed)"
