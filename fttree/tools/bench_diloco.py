@@ -207,8 +207,10 @@ def run_one(up: Uplinks, world: int, config: Config, echo: Callable[[str], None]
     timed = _train(up, world, config, echo, data, config.shaped_steps, shaped=True)
     run.step_s = float(timed.summary.get("median_step_s", 0.0))
     run.step_bytes = timed.bytes_per_step()
-    run.summary = {**{k: v for k, v in run.summary.items() if k not in ("compute_s", "wall_s")},  # the shaped run's
-                   **{k: timed.summary[k] for k in ("compute_s", "wall_s") if k in timed.summary}}
+    for key in ("compute_s", "wall_s"):  # the compute share is the run's behind the uplinks
+        run.summary.pop(key, None)
+        if key in timed.summary:
+            run.summary[key] = timed.summary[key]
     run.error = run.error or timed.error
     return run
 
