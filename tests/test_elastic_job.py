@@ -283,3 +283,19 @@ def test_the_readmes_loop_trains_every_sample_once(tmp_path: Path, monkeypatch: 
     for summaries in ok(run_ranks(3, body)):
         assert_once(summaries, 10, (0, 1, 2))
     assert (tmp_path / "ckpt").is_dir()  # the finished job's checkpoints: started again, it has nothing left
+
+
+def test_plain_outer_sgd_is_outer_momentum_zero() -> None:
+    """`outer_momentum=0` asks for plain outer SGD (SparseLoCo's outer step); the job used to
+    pass it on with Nesterov, which DiLoCo refuses."""
+    def body(rank: int, ar: FTTreeAllreduce) -> tuple[float, bool]:
+        model = mlp(0)
+        job = fttree.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), Pairs(), batch_size=BATCH,
+                                allreduce=ar, diloco=2, outer_lr=1.0, outer_momentum=0.0, joins=False,
+                                bucket_mb=0.0005)
+        assert isinstance(job.opt, fttree.DiLoCo)
+        group = job.opt.outer.optimizer.param_groups[0]
+        loop(job, model, 1)
+        return group["momentum"], group["nesterov"]
+
+    assert ok(run_ranks(2, body)) == [(0.0, False)] * 2

@@ -310,7 +310,8 @@ class ElasticJob:
         self.opt: DistributedOptimizer | DiLoCo
         if diloco:
             self.opt = DiLoCo(model, optimizer, allreduce=allreduce, sync_every=diloco, compression=compression,
-                              overlap=overlap, bucket_mb=bucket_mb, outer_lr=outer_lr, outer_momentum=outer_momentum)
+                              overlap=overlap, bucket_mb=bucket_mb, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                              nesterov=outer_momentum > 0)
         else:
             assert not isinstance(compression, Sparse)  # refused above without diloco
             self.opt = DistributedOptimizer(optimizer, model, allreduce=allreduce, bucket_mb=bucket_mb,
