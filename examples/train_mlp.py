@@ -84,9 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", choices=["bf16", "fp16", "int8", "sparse"], default=None,
                    help="fttree wire compression of the gradients, or with --diloco of the pseudo-gradients "
                         "(float32 sums at every hop; default none; sparse: --diloco only, fttree.Sparse's "
-                        "defaults)")
+                        "defaults unless --sparse says otherwise)")
+    p.add_argument("--sparse", default="", metavar="K=V,...",
+                   help="fttree.Sparse's options for --compression sparse, e.g. density=0.125,bits=3,index=random")
     p.add_argument("--diloco", type=int, default=0, metavar="H",
                    help="fttree.DiLoCo: H local steps per averaged outer step (default 0: data-parallel)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo's outer Nesterov momentum (default 0.9; 0: plain outer SGD)")
     p.add_argument("--hidden", type=int, default=512, help="hidden units of the MLP (default 512, the thesis's)")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="rank 0 prints the held-out accuracy every K training steps (with --json: a JSON line "
@@ -132,6 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler-grace", type=float, default=None, metavar="S",
                    help="fttree's straggler_grace_s: how long past the median arrival a step waits for a late rank")
     args = p.parse_args(argv)
+    if args.sparse:
+        if args.compression != "sparse":
+            p.error("--sparse sets fttree.Sparse's options: it needs --compression sparse")
+        try:
+            import fttree
+            fttree.Sparse(**sparse_options(args.sparse))
+        except (ValueError, fttree.ConfigError) as exc:
+            p.error(f"--sparse {args.sparse}: {exc}")
     args.slow_rank, args.slow_factor = parse_slow(p, args.slow)
     if args.straggler_policy is not None and args.comm != "fttree":
         p.error("--straggler-policy is fttree's (gloo waits for every rank)")
@@ -333,11 +346,37 @@ def make_job(args: argparse.Namespace, ar: Any, model: nn.Module, inner: torch.o
     if args.cache_dir:
         dataset = fttree.CachedDataset(dataset, Path(args.cache_dir) / f"rank{ar.rank}")
     return fttree.ElasticJob(model, inner, dataset, batch_size=BATCH, allreduce=ar, diloco=args.diloco,
-                             overlap="eager" if args.eager else args.overlap, compression=args.compression,
+                             overlap="eager" if args.eager else args.overlap, compression=compression_of(args),
+                             outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                              bucket_mb=args.bucket_mb,
                              seed=args.seed, stable=args.stable, num_workers=args.loader_workers,
                              joins=args.restart is not None,  # --restart: a process comes back mid-job
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+
+
+SPARSE_OPTIONS = {"density": float, "bits": int, "index": str, "block": int, "seed": int}
+
+
+def sparse_options(text: str) -> dict[str, Any]:
+    """--sparse's "K=V,..." as fttree.Sparse's keyword arguments; ValueError names what is wrong."""
+    options: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SPARSE_OPTIONS or not value:
+            raise ValueError(f"{item!r} is not one of {', '.join(k + '=...' for k in SPARSE_OPTIONS)}")
+        try:
+            options[key] = SPARSE_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a {SPARSE_OPTIONS[key].__name__}") from None
+    return options
+
+
+def compression_of(args: argparse.Namespace) -> Any:
+    """--compression, with --sparse's options when it is sparse."""
+    if args.compression != "sparse" or not args.sparse:
+        return args.compression
+    import fttree
+    return fttree.Sparse(**sparse_options(args.sparse))
 
 
 def train_elastic(args: argparse.Namespace, job: Any, model: nn.Module, progress: Progress, recoveries: list[Any],

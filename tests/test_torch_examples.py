@@ -160,3 +160,17 @@ def test_train_mlp_names_a_bad_straggler_setting(capsys: pytest.CaptureFixture[s
                         (["--straggler-policy", "deadline", "--comm", "gloo"], "fttree's")):
         err = refused(capsys, "-n", "4", *extra)
         assert says in err, err
+
+
+def test_train_mlp_passes_sparse_options_and_names_bad_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    module = train_mlp_module()
+    args = module.parse_args(["-n", "2", "--diloco", "4", "--compression", "sparse",
+                              "--sparse", "density=0.125,bits=3,index=random"])
+    import fttree
+    assert module.compression_of(args) == fttree.Sparse(density=0.125, bits=3, index="random")
+    for extra, says in ((["--compression", "sparse", "--sparse", "dense=1"], "'dense=1' is not one of"),
+                        (["--compression", "sparse", "--sparse", "bits=two"], "'two' is not a int"),
+                        (["--compression", "sparse", "--sparse", "bits=5"], "bits must be one of"),
+                        (["--compression", "int8", "--sparse", "bits=3"], "it needs --compression sparse")):
+        err = refused(capsys, "-n", "2", "--diloco", "4", *extra)
+        assert says in err, err
