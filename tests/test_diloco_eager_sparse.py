@@ -21,7 +21,7 @@ from tests.test_diloco_eager import digest
 
 WORKERS, ROUNDS, H = 3, 5, 4
 INNER_LR, OUTER_LR, MU = 0.1, 0.7, 0.9
-CONFIG = fttree.Sparse(density=1 / 4, bits=3, block=8, seed=5)
+CONFIG = fttree.Sparse(density=1 / 4, bits=3, index="random", block=8, seed=5)  # the formulas below are its rule
 Q, STEP_PER_RMS = 3, 0.6  # 3 bits: levels -3..3, a level is 0.6 of the chunk's mean RMS
 SHAPES = [(8, 32), (8,)]  # torch.nn.Linear(32, 8): 264 values, 9 chunks of 32 (the last one padded)
 NUMEL = sum(int(np.prod(s)) for s in SHAPES)

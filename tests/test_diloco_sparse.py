@@ -14,12 +14,12 @@ import torch
 
 import fttree
 from fttree.errors import ConfigError, FTTreeError
-from fttree.training.sparse import Sparse, SparseCodec, field_bits, pack, unpack
+from fttree.training.sparse import LEVEL_MAX, LEVEL_ZERO, Sparse, SparseCodec, block_levels, field_bits, pack, unpack
 from tests.conftest import cluster, local_peers, run_threads
 from tests.test_diloco import SETTINGS, H, Run, batch, digest, make_model
 from tests.test_diloco import train as dense_train
 
-RULES = ("random", "momentum")
+RULES = ("random", "momentum", "energy")
 
 
 def globals_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -83,7 +83,7 @@ def test_the_sum_is_the_mean_of_what_each_sent_and_the_rest_stays_in_the_accumul
         had = torch.zeros(c.padded)
         had[:c.numel] = torch.cat([t.reshape(-1) for t in p])
         sent = had - c.acc.view(-1)  # what this worker took out of its accumulator
-        assert int((sent != 0).sum()) <= c.chunks * c.k  # only the round's shared coordinates
+        assert int((sent != 0).sum()) <= c.values  # only the round's shared coordinates
         mean += sent / 3
     dense = torch.cat([t.reshape(-1) for t in got[0]])
     assert torch.allclose(dense, mean[:cs[0].numel], atol=1e-7)
@@ -93,14 +93,14 @@ def test_the_sum_is_the_mean_of_what_each_sent_and_the_rest_stays_in_the_accumul
 
 
 def test_random_indices_change_every_round_and_reach_every_coordinate() -> None:
-    config = Sparse(density=1 / 8, bits=2, block=8)
+    config = Sparse(density=1 / 8, bits=2, index="random", block=8)
     c = codecs(config, 2)[0]
     seen = torch.zeros(c.padded, dtype=torch.bool)
     plans = []
     for step in range(160):  # a coordinate missed in 160 draws of 1/8: (7/8)**160, 5e-10
         idx = c.plan(step)[0]
         plans.append(idx)
-        seen.view(c.chunks, c.chunk).scatter_(1, idx, True)
+        seen[idx] = True
     assert not torch.equal(plans[0], plans[1])
     assert bool(seen[:c.numel].all())
     assert not bool(seen[c.numel:].any())  # padding is never chosen
@@ -119,7 +119,7 @@ def test_the_momentum_rule_takes_the_largest_outer_momentum_in_each_chunk() -> N
     c.momentum = lambda: momentum
     idx = c.plan(3)[0]
     chosen = torch.zeros(c.padded, dtype=torch.bool)
-    chosen.view(c.chunks, c.chunk).scatter_(1, idx, True)
+    chosen[idx] = True
     large = torch.zeros(c.padded, dtype=torch.bool)
     large[:c.numel] = flat > 0
     per_chunk = large.view(c.chunks, c.chunk).sum(dim=1)
@@ -129,9 +129,54 @@ def test_the_momentum_rule_takes_the_largest_outer_momentum_in_each_chunk() -> N
     assert not torch.equal(c.plan(4)[0], idx)
 
 
+def test_the_energy_rule_sends_the_blocks_with_the_most_unsent_progress_and_then_others() -> None:
+    config = Sparse(density=1 / 8, bits=4, index="energy", block=16)
+    cs = codecs(config, 3)
+    c0 = cs[0]
+    loud = torch.arange(0, c0.chunks, 9)[:c0.picked]  # these blocks carry 3x the others' progress
+    assert 0 < len(loud) <= c0.picked
+
+    def pseudos(seed: int) -> list[list[torch.Tensor]]:
+        out = []
+        for r, c in enumerate(cs):
+            flat = torch.randn(c.padded, generator=torch.Generator().manual_seed(seed + r)) * 1e-4
+            flat.view(c.chunks, c.chunk)[loud] *= 3
+            flat[c.numel:] = 0
+            parts, offset = [], 0
+            for t in c.globals:
+                parts.append(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            out.append(parts)
+        return out
+
+    one_round(cs, 0, pseudos(0))  # round 0: no level known yet, nothing is sent, the levels are learnt
+    assert all(torch.equal(c.rms, c0.rms) for c in cs)
+    assert float(c0.rms[loud].min()) > float(c0.rms.max()) - 1  # loud blocks report the highest levels
+    idx = c0.plan(1)[0]
+    blocks = torch.unique(idx // c0.chunk)
+    assert len(blocks) == c0.picked
+    assert len(idx) == c0.values
+    assert set(loud.tolist()) <= set(blocks.tolist())
+    before = [c.acc.clone() for c in cs]
+    grown = [[t + d for t, d in zip(c.residuals(), p, strict=True)] for c, p in zip(cs, pseudos(10), strict=True)]
+    one_round(cs, 1, grown)
+    for c, b in zip(cs, before, strict=True):  # what was sent came out of the loud blocks' accumulators
+        assert float(c.acc[loud].norm()) < 0.5 * float(b[loud].norm())
+    later = torch.unique(c0.plan(2)[0] // c0.chunk)
+    assert not set(loud.tolist()) <= set(later.tolist())  # a block just sent waits until it has grown again
+
+
+def test_energy_levels_are_half_octaves_of_what_a_worker_keeps() -> None:
+    acc = torch.zeros(4, 8)
+    acc[1] = 1.0  # RMS 1: level 100
+    acc[2] = 2.0 ** -10  # level 80
+    acc[3] = 1e30  # beyond the top: level 127
+    assert block_levels(acc).tolist() == [0, LEVEL_ZERO, LEVEL_ZERO - 20, LEVEL_MAX]
+
+
 def test_workers_that_disagree_on_the_index_set_are_told() -> None:
-    a = SparseCodec(Sparse(block=16, seed=1), globals_of(make_model()), 2)
-    b = SparseCodec(Sparse(block=16, seed=2), globals_of(make_model()), 2)
+    a = SparseCodec(Sparse(index="random", block=16, seed=1), globals_of(make_model()), 2)
+    b = SparseCodec(Sparse(index="random", block=16, seed=2), globals_of(make_model()), 2)
     for c in (a, b):
         c.rms.fill_(1e-2)
     with pytest.raises(FTTreeError, match="different index sets"):
@@ -224,7 +269,9 @@ def test_sparse_sends_a_fraction_of_int8s_bytes() -> None:
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     numel = sum(p.numel() for _, p in named)
     int8 = numel + 4 * -(-numel // 256)
-    for config, most in ((Sparse(), 1 / 16), (Sparse(bits=4), 1 / 8), (Sparse(density=1 / 64), 1 / 64)):
+    # "energy" also reports a level per block of 256: about 1/200 of int8's bytes on top
+    for config, most in ((Sparse(), 1 / 16), (Sparse(bits=4), 1 / 8), (Sparse(density=1 / 64), 1 / 48),
+                         (Sparse(index="random"), 1 / 16), (Sparse(density=1 / 64, index="random"), 1 / 64)):
         codec = SparseCodec(config, named, 7)
         assert codec.wire_bytes <= int8 * most, (config, codec.wire_bytes / int8)
 
@@ -258,7 +305,7 @@ def test_an_empty_contribution_sends_zeros_and_keeps_the_accumulator() -> None:
 
 
 def test_values_the_sum_left_out_go_back_into_the_accumulator() -> None:
-    config = Sparse(density=1 / 8, bits=4, block=16)
+    config = Sparse(density=1 / 8, bits=4, index="random", block=16)  # scales as RMS: set by hand below
     (c,) = codecs(config, 1)
     c.rms.fill_(1e-2)
     pseudo = pseudo_of(0, c)

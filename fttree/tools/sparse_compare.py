@@ -40,7 +40,7 @@ class Setup:
 
 SETUPS = (Setup("float32", None), Setup("int8", "int8"),
           *(Setup(f"sparse {rule} 1/{d} {bits}-bit", Sparse(index=rule, density=1 / d, bits=bits))
-            for d, bits in ((64, 2), (16, 2), (8, 2), (16, 4)) for rule in ("random", "momentum")))
+            for d, bits in ((64, 2), (16, 2), (8, 2), (16, 4)) for rule in ("random", "momentum", "energy")))
 _BUILD = threading.Lock()  # torch's seed is one for all threads: build one model at a time
 
 

@@ -7,8 +7,17 @@ accumulator that is added to its next pseudo-gradient (as SparseLoCo and DeMo do
 Why a shared index set. A tree sums as it goes up; the union of independent top-k masks is not
 sparse (64 masks of 1.56% cover 63%), so every worker sends the values of the same coordinates
 in a round. They are derived from state every worker holds bit for bit (the outer step's count,
-and with `index="momentum"` the outer momentum), so no message agrees on them, and a joiner that
-takes the state over derives them as the others do.
+with `index="momentum"` the outer momentum, with `index="energy"` the block energies every worker
+reported one round earlier), so no message agrees on them, and a joiner that takes the state
+over derives them as the others do.
+
+Why "energy". A random share of the coordinates delivers that share of the workers' progress per
+round: with 1/16 a coordinate waits 16 rounds on average, and for a model whose small layers
+matter (an MLP's output layer is 1% of its parameters) the global model learns slowly. With
+`index="energy"` every worker also reports, per block of `block` coordinates, the size of what
+it kept (its accumulator's RMS after the round, as a log2 level in a small packed field), and the
+next round sends the blocks with the largest mean level: the round's budget goes where the
+unsent progress is, as a top-k would, and a block just sent waits until it has grown again.
 
 Why a shared scale. Per-worker scales would make the sum a sum of dequantised floats (int8's way:
 decode, add and re-quantise at every hop), which needs float words on the wire. With one scale
@@ -41,11 +50,15 @@ from .optim import DistributedOptimizer, broadcast_parameters
 
 __all__ = ["INDEX_RULES", "Sparse", "SparseCodec", "SparseOuter"]
 
-INDEX_RULES = ("random", "momentum")
+INDEX_RULES = ("random", "momentum", "energy")
 EXACT_BITS = 53  # a float64 holds every integer below 2**53 exactly, so sums of them are exact
 # The step between levels, in units of the chunk's RMS: about the best uniform quantiser of a
 # Gaussian for Q = 1, 3 and 7 levels each side.
 STEP_PER_RMS = {2: 1.2, 3: 0.6, 4: 0.33}
+# index="energy": a block's level is 2 log2(its RMS) + LEVEL_ZERO, in 1..LEVEL_MAX (0: nothing kept), so
+# one level is half an octave and the levels cover RMS from 2**-49.5 to 2**13.5
+LEVEL_ZERO = 100
+LEVEL_MAX = 127
 
 
 @dataclass(frozen=True)
@@ -54,15 +67,19 @@ class Sparse:
 
     `density`: the share of coordinates sent per outer step. `bits`: 2, 3 or 4 bits per value
     (levels -Q..Q, Q = 1, 3, 7; the wire field is wider by log2 of the world size, so that the
-    tree's sum fits). `index`: how the round's coordinates are chosen, alike on every worker:
-    "random" (k per chunk drawn from `seed` and the outer step count) or "momentum" (half the
+    tree's sum fits). `index`: how the round's coordinates are chosen, alike on every worker
+    (the default "energy" reached gloo's accuracy in half the rounds "random" took, on the 10M
+    model of docs/diloco.md): "random" (k per chunk drawn from `seed` and the outer step count), "momentum" (half the
     k with the largest outer momentum, the other half drawn as "random", so that no coordinate
-    is starved). `block`: coordinates sent per chunk; a chunk spans block / density coordinates
-    and has one scale."""
+    is starved) or "energy" (whole blocks, those whose unsent progress, as every worker reported
+    it one round earlier, is largest). `block`: "random" and "momentum": coordinates sent per
+    chunk (a chunk spans block / density coordinates and has one scale); "energy": the
+    coordinates of one block, which is sent whole or not at all and has one scale and one
+    reported level."""
 
     density: float = 1 / 16
     bits: int = 2
-    index: str = "random"
+    index: str = "energy"
     block: int = 256
     seed: int = 0
 
@@ -92,32 +109,48 @@ class SparseCodec:
     and scales, and the wire vector (a float64 Parameter whose `.grad` the outer step's
     GradientSync sums, unaveraged).
 
-    Wire layout (float64): packed fields of the k values of every chunk, then per chunk the
-    sender's accumulator RMS, then the count of workers whose values are in (1 per worker),
-    then a digest of the sender's index set and scales (the sum is count x digest when every
-    worker used the same ones: anything else is a bug that would make workers differ, so it
-    raises)."""
+    The accumulator is [chunks, chunk]: "random" and "momentum" send k coordinates of every
+    chunk; "energy" makes a chunk one block and sends `picked` whole blocks. Wire layout
+    (float64): packed fields of the round's values; then "random"/"momentum": per chunk the
+    sender's accumulator RMS, "energy": per block the packed level of what the sender kept,
+    and its whole accumulator's RMS (one float, which carries NaN or Inf to the allreduce's
+    nonfinite policy); then the count of workers whose values are in (1 per worker), then a
+    digest of the sender's index set and scales (the sum is count x digest when every worker
+    used the same ones: anything else is a bug that would make workers differ, so it raises).
+
+    `rms` is the shared per-chunk state the next round's plan reads: the mean RMS the workers
+    reported ("random", "momentum") or the mean level ("energy"); 0 where none is known."""
 
     def __init__(self, config: Sparse, named_globals: Sequence[tuple[str, torch.Tensor]], world: int) -> None:
         self.config = config
         self.globals = [g for _, g in named_globals]
         self.numel = sum(g.numel() for g in self.globals)
-        self.chunk = min(self.numel, max(config.block, round(config.block / config.density)))
-        self.k = max(1, min(self.chunk, round(config.density * self.chunk)))
+        self.world = world
+        self.energy = config.index == "energy"
+        if self.energy:
+            self.chunk = min(self.numel, config.block)
+            self.k = self.chunk  # a chosen block goes whole
+        else:
+            self.chunk = min(self.numel, max(config.block, round(config.block / config.density)))
+            self.k = max(1, min(self.chunk, round(config.density * self.chunk)))
         self.chunks = -(-self.numel // self.chunk)
+        self.picked = max(1, min(self.chunks, round(config.density * self.chunks))) if self.energy else self.chunks
         self.padded = self.chunks * self.chunk
         self.width = field_bits(config.levels, world)
         if self.width > EXACT_BITS:
             raise ConfigError(f"Sparse: {world} workers need {self.width}-bit fields, more than a float64 holds")
         self.per_word = EXACT_BITS // self.width
-        self.values = self.chunks * self.k
+        self.values = self.picked * self.k
         self.words = -(-self.values // self.per_word)
-        self.stats_at = self.words
-        self.count_at = self.words + self.chunks
+        self.level_width = (LEVEL_MAX * world).bit_length()
+        self.levels_per_word = EXACT_BITS // self.level_width
+        self.level_words = -(-self.chunks // self.levels_per_word) if self.energy else 0
+        self.stats_at = self.words + self.level_words
+        self.count_at = self.stats_at + (1 if self.energy else self.chunks)
         self.digest_at = self.count_at + 1
         self.wire = torch.nn.Parameter(torch.zeros(self.digest_at + 1, dtype=torch.float64))
         self.acc = torch.zeros(self.chunks, self.chunk)  # float32, padding always 0
-        self.rms = torch.zeros(self.chunks)  # shared: the mean RMS the workers reported last round
+        self.rms = torch.zeros(self.chunks)  # shared: what the workers reported last round (see above)
         self._plan_key: tuple[int, bytes] | None = None
         self._plan: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # this round's (indices, values sent)
@@ -135,12 +168,25 @@ class SparseCodec:
     # ---- the shared plan ----------------------------------------------------------------
 
     def plan(self, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The round's indices ([chunks, k] into a chunk, sorted), per-chunk scales and digest:
-        a function of shared state only (the step count, the RMS, the outer momentum)."""
+        """The round's indices (sorted, into the flat accumulator), the scale of each, and their
+        digest: a function of shared state only (the step count, the reported RMS or levels, the
+        outer momentum)."""
         key = (step, self.rms.numpy().tobytes())
         if self._plan_key == key and self._plan is not None:
             return self._plan
         gen = torch.Generator().manual_seed(hash_seed(self.config.seed, step))
+        if self.energy:
+            idx, scale = self._plan_energy(gen)
+        else:
+            idx, scale = self._plan_chunks(gen)
+        h = hashlib.blake2b(idx.numpy().tobytes(), digest_size=8)
+        h.update(scale.numpy().tobytes())
+        digest = int.from_bytes(h.digest(), "little") % (1 << 20)
+        self._plan_key, self._plan = key, (idx, scale, digest)
+        return self._plan
+
+    def _plan_chunks(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """"random" and "momentum": k coordinates of every chunk, at the chunk's scale."""
         scores = torch.rand(self.chunks, self.chunk, generator=gen)
         pad = self.padded - self.numel
         if pad:
@@ -156,14 +202,22 @@ class SparseCodec:
             idx = torch.cat([first, rest], dim=1)
         else:
             idx = scores.topk(self.k, dim=1).indices
-        idx = idx.sort(dim=1).values
+        idx = idx.sort(dim=1).values + (torch.arange(self.chunks) * self.chunk)[:, None]
         scale = torch.where(torch.isfinite(self.rms), self.rms * STEP_PER_RMS[self.config.bits],
                             torch.zeros_like(self.rms))
-        h = hashlib.blake2b(idx.numpy().tobytes(), digest_size=8)
-        h.update(scale.numpy().tobytes())
-        digest = int.from_bytes(h.digest(), "little") % (1 << 20)
-        self._plan_key, self._plan = key, (idx, scale, digest)
-        return self._plan
+        return idx.reshape(-1), scale.repeat_interleave(self.k)
+
+    def _plan_energy(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """"energy": the `picked` blocks of the largest mean level (ties drawn alike everywhere),
+        each at a scale from its level."""
+        draw = torch.rand(self.chunks, generator=gen)
+        # mean levels differ by at least 1/world, and the draw stays below half of that
+        score = self.rms.double() + draw.double() / (2 * self.world)
+        blocks = score.topk(self.picked).indices.sort().values
+        level = self.rms[blocks]
+        rms = torch.where(level > 0, torch.exp2((level - LEVEL_ZERO) / 2), torch.zeros_like(level))
+        idx = (blocks * self.chunk)[:, None] + torch.arange(self.chunk)[None, :]
+        return idx.reshape(-1), (rms * STEP_PER_RMS[self.config.bits]).repeat_interleave(self.chunk)
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -189,22 +243,27 @@ class SparseCodec:
                     offset += n
                 idx, scale, digest = self.plan(step)
                 levels = self.config.levels
-                vals = self.acc.gather(1, idx)
-                safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-                q = torch.where(scale[:, None] > 0, (vals / safe).round().clamp(-levels, levels),
-                                torch.zeros_like(vals))
+                vals = flat[idx]
+                safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+                q = torch.where(scale > 0, (vals / safe).round().clamp(-levels, levels), torch.zeros_like(vals))
                 q = torch.nan_to_num(q, nan=0.0)
-                sent = q * scale[:, None]
-                # NaN or Inf anywhere in a chunk makes its RMS so: the allreduce's nonfinite policy then
+                sent = q * scale
+                # NaN or Inf anywhere makes the reported RMS so: the allreduce's nonfinite policy then
                 # meets this contribution as it meets a dense one (see forget_nonfinite)
-                wire[self.stats_at:self.count_at] = self.acc.square().mean(dim=1).sqrt().double()
-                if bool(torch.isfinite(wire[self.stats_at:self.count_at]).all()):
-                    self.acc.scatter_add_(1, idx, -sent)
+                stats = wire[self.stats_at:self.count_at]
+                if self.energy:
+                    stats[0] = float(self.acc.double().square().mean().sqrt())
+                else:
+                    stats.copy_(self.acc.square().mean(dim=1).sqrt().double())
+                if bool(torch.isfinite(stats).all()):
+                    flat[idx] -= sent
                     self._sent = (idx, sent)
+                    if self.energy:  # what this worker keeps, block by block: the next round's choice
+                        wire[self.words:self.stats_at] = pack(block_levels(self.acc), self.level_width,
+                                                              self.levels_per_word, self.level_words)
                 else:
                     self.forget_nonfinite()
-                wire[:self.words] = pack(q.to(torch.int64).reshape(-1) + levels, self.width, self.per_word,
-                                         self.words)
+                wire[:self.words] = pack(q.to(torch.int64) + levels, self.width, self.per_word, self.words)
                 wire[self.count_at] = 1.0
                 wire[self.digest_at] = float(digest)
                 self.rounds_sent += 1
@@ -227,7 +286,7 @@ class SparseCodec:
         """This worker's values were not in the round's sum (it was late, say): keep them."""
         if self._sent is not None:
             idx, sent = self._sent
-            self.acc.scatter_add_(1, idx, sent)
+            self.acc.view(-1)[idx] += sent
             self._sent = None
 
     def sent(self) -> list[torch.Tensor] | None:
@@ -238,7 +297,8 @@ class SparseCodec:
         if self._sent is None:
             return None
         idx, values = self._sent
-        flat = torch.zeros(self.chunks, self.chunk).scatter_(1, idx, values).view(-1)
+        flat = torch.zeros(self.padded)
+        flat[idx] = values
         out, offset = [], 0
         for g in self.globals:
             out.append(flat[offset:offset + g.numel()].view(g.shape))
@@ -263,7 +323,7 @@ class SparseCodec:
 
     def decode(self, total: torch.Tensor, step: int) -> list[torch.Tensor]:
         """The averaged sparse pseudo-gradient (dense tensors shaped as the global parameters)
-        from the round's summed wire vector, and the new shared RMS. Alike on every worker:
+        from the round's summed wire vector, and the new shared RMS or levels. Alike on every worker:
         they all hold the same sum and the same plan."""
         count = round(float(total[self.count_at]))
         out = torch.zeros(self.padded)
@@ -276,15 +336,20 @@ class SparseCodec:
             stats = total[self.stats_at:self.count_at]
             if not bool(torch.isfinite(stats).all()):
                 bad = torch.nonzero(~torch.isfinite(stats)).view(-1)
-                raise FTTreeError(f"sparse outer step {step}: a worker's error-feedback accumulator held NaN or Inf "
-                                  f"(chunks {bad[:8].tolist()}{' ...' if len(bad) > 8 else ''} of {self.chunks}), "
-                                  f"and the sum took it in (nonfinite='allow'); the shared scales of those chunks "
+                where = "" if self.energy else \
+                    f" (chunks {bad[:8].tolist()}{' ...' if len(bad) > 8 else ''} of {self.chunks})"
+                raise FTTreeError(f"sparse outer step {step}: a worker's error-feedback accumulator held NaN or Inf"
+                                  f"{where}, and the sum took it in (nonfinite='allow'); the shared scales "
                                   f"would be lost on every worker. Use nonfinite='skip' (leave that worker out of "
                                   f"the round) or 'abort'")
             fields = unpack(total[:self.words], self.width, self.per_word, self.values)
-            q = (fields - count * self.config.levels).to(torch.float32).view(self.chunks, self.k)
-            out.view(self.chunks, self.chunk).scatter_(1, idx, q * scale[:, None] / count)
-            self.rms = (total[self.stats_at:self.count_at] / count).float()
+            q = (fields - count * self.config.levels).to(torch.float32)
+            out[idx] = q * scale / count
+            if self.energy:
+                levels = unpack(total[self.words:self.stats_at], self.level_width, self.levels_per_word, self.chunks)
+                self.rms = (levels.double() / count).float()
+            else:
+                self.rms = (stats / count).float()
         grads, offset = [], 0
         for g in self.globals:
             grads.append(out[offset:offset + g.numel()].view(g.shape).clone())
@@ -308,6 +373,14 @@ def hash_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed for round `step` (not Python's hash(): it is salted per process)."""
     h = hashlib.blake2b(f"fttree sparse {seed} {step}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def block_levels(acc: torch.Tensor) -> torch.Tensor:
+    """index="energy": each block's (row's) RMS as a level, 2 log2(RMS) + LEVEL_ZERO rounded and
+    held in 1..LEVEL_MAX, 0 for a block that keeps nothing."""
+    rms = acc.double().square().mean(dim=1).sqrt()
+    level = (2 * torch.log2(rms.clamp_min(1e-300))).round() + LEVEL_ZERO
+    return torch.where(rms > 0, level.clamp(1, LEVEL_MAX), torch.zeros_like(level)).to(torch.int64)
 
 
 def pack(fields: torch.Tensor, width: int, per_word: int, words: int) -> torch.Tensor:
