@@ -27,9 +27,11 @@ def test_time_and_bytes_until_the_first_evaluation_at_the_target() -> None:
     assert gloo.bytes_until(1040) == 10**7  # none after: the last one
     table = render("10mbit", 7, [gloo, diloco, never])
     assert "target 0.9000" in table
-    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 10.0 MB | 1.0000 | 0.9000 |  |  |  |" in table
-    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 1.0 MB | 0.1000 | 0.9500 |  |  |  |" in table
-    assert "| never | not reached in 30 local steps |" in table
+    # per step: gloo 1 MB over the 20 steps between its first and last report; DiLoCo (no H given: a
+    # local step) 0.9 MB over 16
+    assert "| gloo DDP | 30.0 s (30 local steps) | 1.000 | 10.0 MB | 1.0000 | 0.05 MB | 0.9000 |  |  |  |" in table
+    assert "| DiLoCo | 2.0 s (16 local steps) | 0.067 | 1.0 MB | 0.1000 | 0.06 MB | 0.9500 |  |  |  |" in table
+    assert "| never | not reached in 30 local steps | | | |  | 0.2000 |" in table
     assert "restart" not in table
     assert "derived" not in table
 
@@ -43,13 +45,17 @@ def test_a_derived_ddp_row_multiplies_its_steps_to_the_target_by_its_step_behind
     diloco = _run("DiLoCo", [(50, 32, 0.8), (100, 64, 0.93)], [(99, 10**6), (101, 2 * 10**6)])
     diloco.summary = {"compute_s": 90.0, "wall_s": 100.0, "outer_waited_s": 4.0}
     table = render("10mbit", 7, [gloo, diloco])
-    assert "| gloo DDP | 360.0 s (9 steps x 40.00 s, derived) | 1.000 | 450.0 MB | 1.0000 | 0.9000 |  |  |  |" in table
-    assert "| DiLoCo | 100.0 s (64 local steps) | 0.278 | 2.0 MB | 0.0044 | 0.9300 | 0.90 |  | 0.04 |" in table
+    assert ("| gloo DDP | 360.0 s (9 steps x 40.00 s, derived) | 1.000 | 450.0 MB | 1.0000 | 50.00 MB | 0.9000 "
+            "|  |  |  |") in table
+    assert ("| DiLoCo | 100.0 s (64 local steps) | 0.278 | 2.0 MB | 0.0044 | 0.03 MB | 0.9300 | 0.90 |  | 0.04 "
+            "|") in table
     assert "Derived rows:" in table
     rounds = Run(Config("DiLoCo H=32", ("--diloco", "32"), 128))  # rounds of 10 s, 32 local steps of 0.3 s each
     rounds.evals = [{"t": t, "at": 1000 + t, "step": i + 1, "local_steps": 32 * (i + 1), "accuracy": 0.9}
                     for i, t in enumerate((14.0, 24.0, 36.0, 36.5))]
     rounds.summary = {"compute_s": 38.4, "wall_s": 40.0, "outer_waited_s": 2.0}
+    rounds.bytes_at = [(1013.0, 10**6), (1014.5, 2 * 10**6), (1036.6, 5 * 10**6)]
+    assert rounds.step_bytes_text == "1.00 MB"  # 3 MB over the 3 rounds between the first and last report
     assert rounds.steady_share == "0.87"  # 9.6 s of compute a round over the gaps 10 and 12 (the flush's left out)
     timed = _run("gloo DDP", [(60, 1, 0.1), (120, 2, 0.2), (180, 3, 0.3)],
                  [(1, 4 * 10**7), (61, 10**8), (121, 1.6 * 10**8), (181, 2.2 * 10**8)])

@@ -104,6 +104,17 @@ class Run:
         return self.bytes_at[-1][1] / steps if self.bytes_at else 0.0
 
     @property
+    def step_bytes_text(self) -> str:
+        """The busiest rank's bytes per step as the table shows them: a DDP step (derived: from
+        its shaped run), or a DiLoCo outer step (its local steps' share times H), first one
+        left out ('' without the readings)."""
+        h = self.config.value("--diloco")
+        per = self.step_bytes if self.derived else self.bytes_per_step() * (h or 1)
+        if not per or (len(self.evals) < 2 and not self.derived):
+            return ""
+        return f"{per / 1e6:.2f} MB"
+
+    @property
     def derived(self) -> bool:
         return self.step_s > 0
 
@@ -274,23 +285,26 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
     base_t, base_b = (reached[0], reached[1]) if reached else (float("nan"), 0)
     lines = [f"### {rate} uplinks, {world} workers, target {target:.4f} (gloo DDP's accuracy after "
              f"{base.config.local_steps} steps)", "",
-             "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | final accuracy "
-             "| compute share | steady | outer-step wait |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | time to target | vs gloo | busiest rank's bytes to target | vs gloo | per step "
+             "| final accuracy | compute share | steady | outer-step wait |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         hit = run.to_target(target)
+        shares = f"{run.compute_share} | {run.steady_share} | {run.waiting_share}"
         if hit is None:
             lines.append(f"| {run.config.label} | not reached in {run.config.local_steps} local steps | | | | "
-                         f"{run.final:.4f} | {run.compute_share} | {run.steady_share} | {run.waiting_share} |")
+                         f"{run.step_bytes_text} | {run.final:.4f} | {shares} |")
             continue
         t, b, how = hit
         lines.append(f"| {run.config.label} | {t:.1f} s ({how}) | "
                      f"{t / base_t:.3f} | {b / 1e6:.1f} MB | {b / base_b if base_b else float('nan'):.4f} | "
-                     f"{run.final:.4f} | {run.compute_share} | {run.steady_share} | {run.waiting_share} |")
+                     f"{run.step_bytes_text} | {run.final:.4f} | {shares} |")
     notes = [line for run in runs for line in (run.restart_line(), run.straggler_line()) if line]
     if any(run.derived for run in runs):
         notes.append("Derived rows: the steps to the target come from a run with the uplink limits lifted, the "
                      "step time (median, the first step left out) and bytes per step from a short run behind them.")
+    notes.append("Per step: the busiest rank's bytes per DDP step, or per DiLoCo outer step, between the first "
+                 "and the last report (the start's traffic left out).")
     if any(run.compute_share for run in runs):
         notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) "
                      "over its training's wall time; steady: its compute per round over the median time between "
