@@ -174,3 +174,20 @@ def test_train_mlp_passes_sparse_options_and_names_bad_ones(capsys: pytest.Captu
                         (["--compression", "int8", "--sparse", "bits=3"], "it needs --compression sparse")):
         err = refused(capsys, "-n", "2", "--diloco", "4", *extra)
         assert says in err, err
+
+
+def test_train_mlp_times_training_up_to_its_last_step_not_the_epoch_audit_after_it() -> None:
+    """The compute share's wall time (`wall_s`) ends where rank 0 reported its last step: the
+    audit of the epoch the run stops in (one allreduce of a count per sample: 4 MB for the
+    bench's million samples, 6.5 s behind 10 Mbit/s) comes after and is not training. The last
+    evaluation starts after that report, so its time `t` (evaluations left out alike) is at
+    least `wall_s`; timed to the process's end, `wall_s` also held the audit and exceeded it."""
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "8", "--diloco", "4",
+                       "--compression", "sparse", "--eager", "--synthetic", "400000", "--eval-every", "1",
+                       "--json", "--warmup", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    docs = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    evals = [d["eval"] for d in docs if "eval" in d]
+    summary = docs[-1]
+    assert [e["step"] for e in evals] == [1, 2]
+    assert 0 < summary["compute_s"] <= summary["wall_s"] <= evals[-1]["t"] + 0.001, (summary, evals)

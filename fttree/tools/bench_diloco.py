@@ -307,7 +307,8 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
                  "and the last report (the start's traffic left out).")
     if any(run.compute_share for run in runs):
         notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) "
-                     "over its training's wall time; steady: its compute per round over the median time between "
+                     "over its training's wall time (to its last step's report: the audit of the epoch the run stops in, "
+                     "one allreduce of a count per sample, left out); steady: its compute per round over the median time between "
                      "outer steps' reports (the last gap, the end's flush, left out); outer-step wait: the share of "
                      "the wall time its training loop waited for outer steps (building its messages included). "
                      "Times leave out rank 0's evaluations.")

@@ -252,14 +252,17 @@ class SparseCodec:
                 # meets this contribution as it meets a dense one (see forget_nonfinite)
                 stats = wire[self.stats_at:self.count_at]
                 if self.energy:
-                    stats[0] = float(self.acc.double().square().mean().sqrt())
+                    sumsq = block_sumsq(self.acc)
+                    stats[0] = float((sumsq.sum() / self.padded).sqrt())
                 else:
                     stats.copy_(self.acc.square().mean(dim=1).sqrt().double())
                 if bool(torch.isfinite(stats).all()):
                     flat[idx] -= sent
                     self._sent = (idx, sent)
                     if self.energy:  # what this worker keeps, block by block: the next round's choice
-                        wire[self.words:self.stats_at] = pack(block_levels(self.acc), self.level_width,
+                        blocks = idx.view(-1, self.chunk)[:, 0] // self.chunk  # only the sent ones changed
+                        sumsq[blocks] = block_sumsq(self.acc[blocks])
+                        wire[self.words:self.stats_at] = pack(levels_of(sumsq, self.chunk), self.level_width,
                                                               self.levels_per_word, self.level_words)
                 else:
                     self.forget_nonfinite()
@@ -378,7 +381,24 @@ def hash_seed(seed: int, step: int) -> int:
 def block_levels(acc: torch.Tensor) -> torch.Tensor:
     """index="energy": each block's (row's) RMS as a level, 2 log2(RMS) + LEVEL_ZERO rounded and
     held in 1..LEVEL_MAX, 0 for a block that keeps nothing."""
-    rms = acc.double().square().mean(dim=1).sqrt()
+    return levels_of(block_sumsq(acc), acc.shape[1])
+
+
+def block_sumsq(acc: torch.Tensor) -> torch.Tensor:
+    """Each block's (row's) sum of squares, as float64. Summed in float32, which reads the
+    accumulator once (a float64 copy first took 4x as long: 43 ms of a 10M model's 100 ms
+    encode, twice a round); rows whose float32 sum overflowed are summed again in float64."""
+    sums = (acc * acc).sum(dim=1)
+    bad = ~torch.isfinite(sums)
+    out = sums.double()
+    if bool(bad.any()):
+        out[bad] = acc[bad].double().square().sum(dim=1)
+    return out
+
+
+def levels_of(sumsq: torch.Tensor, block: int) -> torch.Tensor:
+    """block_levels from each block's sum of squares over `block` coordinates."""
+    rms = (sumsq / block).sqrt()
     level = (2 * torch.log2(rms.clamp_min(1e-300))).round() + LEVEL_ZERO
     return torch.where(rms > 0, level.clamp(1, LEVEL_MAX), torch.zeros_like(level)).to(torch.int64)
 
