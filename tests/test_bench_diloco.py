@@ -102,6 +102,9 @@ def test_a_large_model_s_runs_one_h_and_derived_ddp() -> None:
     assert {c.args[1] for c in made if "--diloco" in c.args} == {"16"}
     assert [c.label for c in made if "--eager" in c.args] == ["fttree DiLoCo H=16 int8, eager outer steps",
                                                              "fttree DiLoCo H=16 sparse, eager outer steps"]
+    longer = configs(30, sync_every=(32,), rounds=8)  # --rounds: the DiLoCo runs train 8 rounds, DDP its budget
+    assert [c.local_steps for c in longer if "--diloco" in c.args] == [256] * (len(longer) - 2)
+    assert [c.local_steps for c in longer[:2]] == [30, 30]
     assert configs(30, ddp_steps=30)[0].shaped_steps == 0  # not fewer than the budget: measured whole
     out = CliRunner().invoke(bench, ["--diloco", "7", "--uplink", "10mbit", "--sync-every", "32", "--ddp-steps", "3",
                                      "--hidden", "12800", "--dry-run"])

@@ -184,6 +184,9 @@ def _long_run(steps: int, step_timeout: float, out_dir: Path, dry_run: bool) -> 
               help="--diloco: run DDP behind the uplinks for K steps only (its step time and bytes) and for "
                    "--budget with the limits lifted (its steps to the target); the time to the target is the "
                    "product, labelled derived. For models whose DDP step takes minutes.")
+@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True, metavar="R",
+              help="--diloco: DiLoCo runs train max(4 x --budget, R x H) local steps: more rounds for "
+                   "the steady figures (compute share, bytes per outer step) of a long run.")
 @click.option("--dry-run", is_flag=True, help="Print the runs and exit.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any step failed or gave an inexact sum (default: report only).")
 @_out_option
@@ -194,7 +197,7 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
           elastic: int | None, uplink: str, tuned: bool, measured: bool, loss: float, compression_text: str,
           trees_text: str,
           diloco: int | None, straggler: int | None, budget: int, hidden: int | None, sync_every_text: str,
-          compute_s: float, ddp_steps: int | None, dry_run: bool, strict: bool,
+          compute_s: float, ddp_steps: int | None, rounds: int, dry_run: bool, strict: bool,
           out_dir: Path) -> None:
     """Reproduce the thesis's evaluation (Tables 1-2, Figures 11 and 14-17) against gloo and a plain tree,
     and measure node failures (a worker killed or stopped) beside the link patterns.
@@ -220,7 +223,8 @@ def bench(workers: str, timeouts: str, patterns: str, policies: str, size_text: 
         from .bench_diloco import run as run_diloco
 
         rates = [_checked_uplinks(spec) for spec in split_uplink_list(uplink or "10mbit,100mbit")]
-        make = partial(configs, sync_every=_positive_list("--sync-every", sync_every_text), ddp_steps=ddp_steps or 0)
+        make = partial(configs, sync_every=_positive_list("--sync-every", sync_every_text), ddp_steps=ddp_steps or 0,
+                       rounds=rounds)
         if dry_run:
             for rate in rates:
                 for c in make(budget):

@@ -56,9 +56,9 @@ class Config:
         return int(self.args[self.args.index(flag) + 1]) if flag in self.args else None
 
 
-def configs(budget: int, sync_every: Sequence[int] = SYNC_EVERY, ddp_steps: int = 0) -> list[Config]:
+def configs(budget: int, sync_every: Sequence[int] = SYNC_EVERY, ddp_steps: int = 0, rounds: int = 4) -> list[Config]:
     """gloo DDP and fttree DDP for `budget` steps (behind the uplinks, or `ddp_steps` of them
-    there and the budget unshaped); DiLoCo for 4x that in local steps (at least 4 rounds), each H
+    there and the budget unshaped); DiLoCo for 4x that in local steps (at least `rounds`), each H
     of `sync_every`, float32, int8 and sparse (fttree.Sparse's defaults: 1/16 of the coordinates
     at 2 bits); int8 and sparse with the eager outer step (overlap="eager", the outer step behind
     the next round); and DiLoCo runs with a worker killed and started again, on a data set small
@@ -70,15 +70,15 @@ def configs(budget: int, sync_every: Sequence[int] = SYNC_EVERY, ddp_steps: int 
     for h in sync_every:
         for wire in ("float32", "int8", "sparse"):
             extra = ("--compression", wire) if wire != "float32" else ()
-            out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, 4 * h)))
+            out.append(Config(f"fttree DiLoCo H={h} {wire}", ("--diloco", str(h), *extra), max(4 * budget, rounds * h)))
     h = 32 if 32 in sync_every else sync_every[0]
     for wire in ("int8", "sparse"):
         out.append(Config(f"fttree DiLoCo H={h} {wire}, eager outer steps",
-                          ("--diloco", str(h), "--compression", wire, "--eager"), max(4 * budget, 4 * h)))
+                          ("--diloco", str(h), "--compression", wire, "--eager"), max(4 * budget, rounds * h)))
     for wire in ("int8", "sparse"):
         out.append(Config(f"fttree DiLoCo H={h} {wire}, rank 3 killed in round 2 and restarted",
                           ("--diloco", str(h), "--compression", wire, "--faults", "crash 3 @2", "--restart", "3",
-                           "--synthetic", str(FAULT_SAMPLES)), max(4 * budget, 4 * h)))
+                           "--synthetic", str(FAULT_SAMPLES)), max(4 * budget, rounds * h)))
     return out
 
 
@@ -307,11 +307,11 @@ def render(rate: str, world: int, runs: Sequence[Run]) -> str:
                  "and the last report (the start's traffic left out).")
     if any(run.compute_share for run in runs):
         notes.append("Compute share: rank 0's forward and backward time (with --compute-s, its device time) "
-                     "over its training's wall time (to its last step's report: the audit of the epoch the run stops in, "
-                     "one allreduce of a count per sample, left out); steady: its compute per round over the median time between "
-                     "outer steps' reports (the last gap, the end's flush, left out); outer-step wait: the share of "
-                     "the wall time its training loop waited for outer steps (building its messages included). "
-                     "Times leave out rank 0's evaluations.")
+                     "over its training's wall time (to its last step's report: the audit of the epoch the run "
+                     "stops in, one allreduce of a count per sample, left out); steady: its compute per round over "
+                     "the median time between outer steps' reports (the last gap, the end's flush, left out); "
+                     "outer-step wait: the share of the wall time its training loop waited for outer steps "
+                     "(building its messages included). Times leave out rank 0's evaluations.")
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
