@@ -97,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="rank 0 prints the held-out accuracy every K training steps (with --json: a JSON line "
                         "{\"eval\": ...} with the seconds since training began)")
+    p.add_argument("--eval-global", action="store_true",
+                   help="with --diloco: evaluate DiLoCo's global parameters as of the outer step reported (the "
+                        "group's model, alike on every worker) instead of rank 0's model, which also holds its "
+                        "eager correction and, with --compression sparse, its progress not yet sent")
     p.add_argument("--gloo-bind", action="store_true",
                    help="with --comm gloo: rank r's connections leave from 127.0.0.(r+1), as fttree's do, so that "
                         "uplinks shaped by source address (fttree bench) limit gloo alike")
@@ -165,12 +169,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.restart is not None and args.epochs:
         p.error("--restart with --epochs: --restart runs past --steps until the restarted rank is back, but a job of "
                 "whole epochs may end before it is; use --steps")
+    if args.eval_global and not (args.diloco and args.comm == "fttree"):
+        p.error("--eval-global evaluates DiLoCo's global parameters: it needs --diloco H")
     if (args.overlap or args.eager) and not args.diloco:
         p.error("--overlap and --eager overlap DiLoCo's outer steps: they need --diloco H")
     if args.restart is not None and (args.overlap or args.eager):
         p.error("--restart with --overlap or --eager: this example commits an overlapped round a round late and "
                 "cannot tell a restarted process when an epoch ends; use one or the other")
     return args
+
+
+class GlobalModel:
+    """--eval-global: a copy of the model holding DiLoCo's global parameters as of the outer step
+    the job reports. Each outer step's are copied on the thread that took it (with overlap a
+    background one, before the next outer step writes them); the job reports a step on the
+    training thread after that, with overlap a round later, while the next step is in flight."""
+
+    KEEP = 4  # outer steps whose copies are kept: the one reported, and those finished since
+
+    def __init__(self, model: nn.Module, opt: Any) -> None:
+        import copy
+        import threading
+
+        self.model, self.opt = copy.deepcopy(model), opt
+        self._lock = threading.Lock()
+        self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        opt.outer_listeners.append(self._copy)
+
+    def _copy(self, opt: Any) -> None:
+        step = opt.last_step
+        if step is None:
+            return
+        copies = {name: g.clone() for name, g in opt.global_parameters}
+        with self._lock:
+            self._copies[step.step] = copies
+            while len(self._copies) > self.KEEP:
+                del self._copies[min(self._copies)]
+
+    def settled(self) -> nn.Module:
+        step = self.opt.settled_step
+        with self._lock:
+            copies = None if step is None else self._copies.get(step.step)
+        if copies is None:
+            raise RuntimeError(f"--eval-global: no copy of the global parameters of outer step "
+                               f"{None if step is None else step.step} (kept: {sorted(self._copies)})")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(copies[name])
+        return self.model
 
 
 def device_time(args: argparse.Namespace, rank: int, computed_s: float) -> None:
@@ -234,6 +280,7 @@ def train(args: argparse.Namespace) -> int:
         # the job wraps the optimizer and runs its setup collectives here, before the clock starts
         job = make_job(args, ar, model, torch.optim.SGD(model.parameters(), lr=args.lr), data)
         net: nn.Module = model
+        global_model = GlobalModel(model, job.opt) if args.eval_global else None
 
         def close() -> None:
             fttree.training.optim.close_gracefully(ar)  # let the last results reach the other ranks first
@@ -256,6 +303,8 @@ def train(args: argparse.Namespace) -> int:
         net = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr)
         close = dist.destroy_process_group
+        global_model = None
+    evaluated_model: Callable[[], nn.Module] = global_model.settled if global_model is not None else lambda: model
     if rank == 0 and not args.json:
         print(f"{world} workers ({args.comm}), {data.name}: {len(data.x_train)} train / {len(data.x_test)} test, "
               f"batch {BATCH} per worker, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
@@ -278,7 +327,7 @@ def train(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         info = {"t": round(t0 - began - evaluated[0], 3), "at": round(time.time(), 3), "step": step + 1,
                 "local_steps": (step + 1) * (args.diloco or 1) if args.comm == "fttree" else step + 1,
-                "accuracy": round(accuracy(model, data.x_test, data.y_test), 4)}
+                "accuracy": round(accuracy(evaluated_model(), data.x_test, data.y_test), 4)}
         evaluated[0] += time.perf_counter() - t0
         print(json.dumps({"eval": info}) if args.json else f"eval after step {step}: {info}", flush=True)
 

@@ -174,6 +174,7 @@ def test_train_mlp_passes_sparse_options_and_names_bad_ones(capsys: pytest.Captu
                         (["--compression", "int8", "--sparse", "bits=3"], "it needs --compression sparse")):
         err = refused(capsys, "-n", "2", "--diloco", "4", *extra)
         assert says in err, err
+    assert "--eval-global evaluates DiLoCo's global parameters" in refused(capsys, "-n", "2", "--eval-global")
 
 
 def test_train_mlp_times_training_up_to_its_last_step_not_the_epoch_audit_after_it() -> None:
@@ -191,3 +192,29 @@ def test_train_mlp_times_training_up_to_its_last_step_not_the_epoch_audit_after_
     summary = docs[-1]
     assert [e["step"] for e in evals] == [1, 2]
     assert 0 < summary["compute_s"] <= summary["wall_s"] <= evals[-1]["t"] + 0.001, (summary, evals)
+
+
+def _evals(*args: str) -> list[float]:
+    proc = run_example(str(EXAMPLES / "train_mlp.py"), "-n", "3", "--steps", "8", "--diloco", "4", "--compression",
+                       "sparse", "--eval-every", "1", "--json", "--warmup", "0", *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads(line)["eval"]["accuracy"] for line in proc.stdout.splitlines() if line.startswith('{"eval"')]
+
+
+@pytest.mark.parametrize("mode", [(), ("--eager",)])
+def test_train_mlp_eval_global_evaluates_the_group_s_model_not_rank_0_s(mode: tuple[str, ...]) -> None:
+    """Sparse sends nothing in its first round (no scale is known yet), so the global parameters
+    after it are the start's: --eval-global reports the untrained model's accuracy there, where
+    rank 0's own model already holds its round of training. With --eager the step is reported a
+    round later, while the next one is in flight: the copy taken when it landed is evaluated."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from mlp_common import accuracy, load_data, thesis_mlp
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    data = load_data(None, None, 0)
+    start = round(accuracy(thesis_mlp(seed=0, hidden=512), data.x_test, data.y_test), 4)
+    own, group = _evals(*mode), _evals(*mode, "--eval-global")
+    assert len(own) == len(group) == 2
+    assert group[0] == start < own[0], (start, own, group)
+    assert group[1] != start  # the second round sent the blocks the first one's levels chose
