@@ -35,9 +35,11 @@ On several machines run one worker per machine yourself:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -188,9 +190,6 @@ class GlobalModel:
     KEEP = 4  # outer steps whose copies are kept: the one reported, and those finished since
 
     def __init__(self, model: nn.Module, opt: Any) -> None:
-        import copy
-        import threading
-
         self.model, self.opt = copy.deepcopy(model), opt
         self._lock = threading.Lock()
         self._copies: dict[int, dict[str, torch.Tensor]] = {}

@@ -69,13 +69,13 @@ class Sparse:
     (levels -Q..Q, Q = 1, 3, 7; the wire field is wider by log2 of the world size, so that the
     tree's sum fits). `index`: how the round's coordinates are chosen, alike on every worker
     (the default "energy" reached gloo's accuracy in half the rounds "random" took, on the 10M
-    model of docs/diloco.md): "random" (k per chunk drawn from `seed` and the outer step count), "momentum" (half the
-    k with the largest outer momentum, the other half drawn as "random", so that no coordinate
-    is starved) or "energy" (whole blocks, those whose unsent progress, as every worker reported
-    it one round earlier, is largest). `block`: "random" and "momentum": coordinates sent per
-    chunk (a chunk spans block / density coordinates and has one scale); "energy": the
-    coordinates of one block, which is sent whole or not at all and has one scale and one
-    reported level."""
+    model of docs/diloco.md): "random" (k per chunk drawn from `seed` and the outer step
+    count), "momentum" (half the k with the largest outer momentum, the other half drawn as
+    "random", so that no coordinate is starved) or "energy" (whole blocks, those whose unsent
+    progress, as every worker reported it one round earlier, is largest). `block`: "random"
+    and "momentum": coordinates sent per chunk (a chunk spans block / density coordinates and
+    has one scale); "energy": the coordinates of one block, which is sent whole or not at all
+    and has one scale and one reported level."""
 
     density: float = 1 / 16
     bits: int = 2
