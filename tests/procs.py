@@ -50,7 +50,8 @@ class Output:
                 seen = len(self.lines)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"no {needle!r} from the worker within {limit_s} s")
+                    raise AssertionError(f"no {needle!r} from the worker within {limit_s} s ({found} of {count}); "
+                                         f"its last lines: {''.join(self.lines[-10:])}")
                 self.changed.wait(left)
 
     def text_now(self) -> str:
